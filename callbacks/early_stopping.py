@@ -1,0 +1,11 @@
+"""EarlyStopping (placeholder until the full implementation lands)."""
+
+from __future__ import annotations
+
+from callbacks.callback import Callback
+
+__all__ = ["EarlyStopping"]
+
+
+class EarlyStopping(Callback):
+    """Placeholder."""

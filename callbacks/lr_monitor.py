@@ -1,0 +1,11 @@
+"""LearningRateMonitor (placeholder until the full implementation lands)."""
+
+from __future__ import annotations
+
+from callbacks.callback import Callback
+
+__all__ = ["LearningRateMonitor"]
+
+
+class LearningRateMonitor(Callback):
+    """Placeholder."""
