@@ -1,0 +1,129 @@
+"""Run a test function in N real processes joined by gloo on 127.0.0.1, with a hard timeout.
+
+    results = run_distributed(check_something, world_size=2, args=(cap,))   # one value per rank
+
+`fn(rank, world_size, *args)` runs in every process with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT set (the strategy under test joins the group itself) and one intra-op thread. Processes
+come from a forkserver that has imported torch once, so a run costs a fraction of a second rather than
+a fresh interpreter's torch import. A rank that raises, dies or outlives the timeout fails the test
+with every rank's traceback; `run_ranks` returns the outcomes instead, for tests that expect errors.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["RankOutcome", "find_free_port", "run_distributed", "run_ranks"]
+
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel"]
+_GRACE_S = 10.0
+
+
+@dataclass
+class RankOutcome:
+    """What one rank returned, or the traceback of what it raised."""
+
+    rank: int
+    value: Any = None
+    error: str | None = None
+
+
+def find_free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), timeout: float = 60.0
+) -> list[RankOutcome]:
+    """Run `fn(rank, world_size, *args)` in `world_size` processes and return each rank's outcome.
+
+    A rank still running after `timeout` seconds is killed and reported as timed out.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    results = context.Queue()
+    port = find_free_port()
+    processes = [
+        context.Process(target=_child, args=(fn, rank, world_size, port, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    outcomes: dict[int, RankOutcome] = {}
+    deadline = time.monotonic() + timeout
+    while len(outcomes) < world_size and time.monotonic() < deadline:
+        try:
+            outcome = pickle.loads(results.get(timeout=0.1))
+            outcomes[outcome.rank] = outcome
+        except queue.Empty:
+            if all(not p.is_alive() for p in processes) and results.empty():
+                break
+    for rank, process in enumerate(processes):
+        # A rank that reported gets a short grace to leave the group; one that did not is killed.
+        process.join(timeout=min(_GRACE_S, max(0.0, deadline - time.monotonic())) if rank in outcomes else 0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        if rank not in outcomes:
+            timed_out = time.monotonic() >= deadline
+            reason = f"timed out after {timeout:g} s" if timed_out else f"died with exit code {process.exitcode}"
+            outcomes[rank] = RankOutcome(rank, error=f"rank {rank} {reason} without reporting")
+    results.close()
+    return [outcomes[rank] for rank in range(world_size)]
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), timeout: float = 60.0
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` in `world_size` processes and return each rank's value.
+
+    Raises:
+        AssertionError: some rank raised, died or timed out; the message holds every rank's error.
+    """
+    outcomes = run_ranks(fn, world_size, args, timeout)
+    errors = [f"--- rank {o.rank} ---\n{o.error}" for o in outcomes if o.error is not None]
+    if errors:
+        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+    return [o.value for o in outcomes]
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    results: multiprocessing.Queue,
+) -> None:
+    """Set up one rank's environment, run `fn`, report its outcome, leave the process group."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    try:
+        outcome = RankOutcome(rank, value=fn(rank, world_size, *args))
+    except BaseException:
+        outcome = RankOutcome(rank, error=traceback.format_exc())
+    # Plain pickle: torch's shared-memory reductions would need this process alive until read.
+    results.put(pickle.dumps(outcome))
+    if dist.is_initialized():
+        dist.destroy_process_group()
