@@ -1,0 +1,147 @@
+"""Framework overhead: `Trainer.fit` against the same hand-written loop on a tiny MLP.
+
+Both run in this process, interleaved (raw, trainer, raw, trainer, ...) so machine drift cancels, on
+one thread. The workload is the core issue's: batch 32, 32 features, 3000 steps, `self.log` every step,
+a progress bar on. Steady-state time per step is taken after a warm-up of 200 steps.
+
+    python benchmarks/bench_trainer.py            # 5 repeats
+    python benchmarks/bench_trainer.py --repeats 9 --steps 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from tqdm import tqdm
+
+from callbacks import Callback
+from trainer import Task, Trainer
+
+WARMUP = 200
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
+def make_loader(steps: int) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * 32, 32, generator=generator)
+    y = torch.randn(steps * 32, 1, generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+
+
+class MLPTask(Task):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = make_model()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.model(x), y)
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class SteadyStateTimer(Callback):
+    """Record the time at the end of the warm-up and at the end of training."""
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):
+        if batch_idx == WARMUP - 1:
+            self.start = time.perf_counter()
+
+    def on_train_end(self, trainer, task):
+        self.end = time.perf_counter()
+
+
+def run_raw(steps: int) -> float:
+    """Return steady-state seconds per step of the hand-written loop."""
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = make_loader(steps)
+    start = 0.0
+    for batch_idx, (x, y) in enumerate(tqdm(loader, file=sys.stderr)):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if batch_idx == WARMUP - 1:
+            start = time.perf_counter()
+    return (time.perf_counter() - start) / (steps - WARMUP)
+
+
+def run_trainer(steps: int, root: Path) -> float:
+    """Return steady-state seconds per step of `Trainer.fit`."""
+    torch.manual_seed(0)
+    timer = SteadyStateTimer()
+    trainer = Trainer(
+        max_epochs=1,
+        callbacks=[timer],
+        default_root_dir=root,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=50,
+    )
+    trainer.fit(MLPTask(), make_loader(steps))
+    return (timer.end - timer.start) / (steps - WARMUP)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "trainer_overhead.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    root = Path(os.environ.get("TMPDIR", "/tmp")) / "syncline-bench-trainer"
+    times: dict[str, list[float]] = {"raw": [], "trainer": []}
+    for repeat in range(args.repeats + 1):  # the first round warms up caches and imports, and is dropped
+        # Progress output goes to a buffer: both loops draw a bar, neither pays for a terminal.
+        with contextlib.redirect_stderr(io.StringIO()):
+            raw = run_raw(args.steps)
+            ours = run_trainer(args.steps, root)
+        if repeat:
+            times["raw"].append(raw)
+            times["trainer"].append(ours)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    ratio = medians["trainer"] / medians["raw"]
+    ratios = [t / r for t, r in zip(times["trainer"], times["raw"])]
+    print(f"{'loop':<10}{'median us/step':>16}{'min':>10}{'max':>10}")
+    for name, values in times.items():
+        print(f"{name:<10}{medians[name] * 1e6:>16.1f}{min(values) * 1e6:>10.1f}{max(values) * 1e6:>10.1f}")
+    print(f"Trainer / raw loop: {ratio:.3f} (per-repeat ratios {min(ratios):.3f} .. {max(ratios):.3f})")
+    result = {
+        "benchmark": "trainer_overhead",
+        "workload": {"batch": 32, "features": 32, "steps": args.steps, "warmup": WARMUP, "threads": 1},
+        "machine": {
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "processor": platform.processor() or platform.machine(),
+        },
+        "seconds_per_step": times,
+        "median_seconds_per_step": medians,
+        "ratio_trainer_over_raw": ratio,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
