@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from strategies.single_device import SingleDevice
@@ -38,6 +39,8 @@ def resolve_strategy(strategy: str | Strategy, devices: int = 1, **kwargs: Any) 
     if not isinstance(strategy, str):
         raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__}")
     name = strategy
+    # Under torchrun the environment says how many processes there are, whatever `devices` says.
+    devices = max(devices, int(os.environ.get("WORLD_SIZE", "1")))
     if name == "auto":
         name = "single" if devices == 1 else "bucketed_ddp"
     if name not in STRATEGIES:

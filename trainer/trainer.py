@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from callbacks.callback import Callback, CallbackDispatcher
 from callbacks.logger import Logger
+from strategies.launcher import launch, launched_by_torchrun
 from strategies.registry import resolve_strategy
 from strategies.strategy import Strategy
 from trainer.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
@@ -265,25 +266,66 @@ class Trainer:
         ckpt_path: str | os.PathLike[str] | None = None,
     ) -> None:
         """Train `task`; resume from `ckpt_path` ("last" finds the newest last checkpoint) if given."""
+        if self._must_launch():
+            return launch(
+                self,
+                "fit",
+                task,
+                {"train_dataloaders": train_dataloaders, "val_dataloaders": val_dataloaders, "ckpt_path": ckpt_path},
+            )
         self._run("fit", task, lambda: self._fit(train_dataloaders, val_dataloaders, ckpt_path))
 
     def validate(
         self, task: Task, dataloaders: Any = None, ckpt_path: str | os.PathLike[str] | None = None
     ) -> list[dict[str, float]]:
         """Run the validation loop once and return its epoch metrics."""
+        if self._must_launch():
+            return launch(self, "validate", task, {"dataloaders": dataloaders, "ckpt_path": ckpt_path})
         return self._run("validate", task, lambda: self._evaluate("validate", dataloaders, ckpt_path))
 
     def test(
         self, task: Task, dataloaders: Any = None, ckpt_path: str | os.PathLike[str] | None = None
     ) -> list[dict[str, float]]:
         """Run the test loop once and return its epoch metrics."""
+        if self._must_launch():
+            return launch(self, "test", task, {"dataloaders": dataloaders, "ckpt_path": ckpt_path})
         return self._run("test", task, lambda: self._evaluate("test", dataloaders, ckpt_path))
 
     def predict(
         self, task: Task, dataloaders: Any = None, ckpt_path: str | os.PathLike[str] | None = None
     ) -> list[Any]:
         """Run `predict_step` over the data and return its outputs, batch by batch."""
+        if self._must_launch():
+            return launch(self, "predict", task, {"dataloaders": dataloaders, "ckpt_path": ckpt_path})
         return self._run("predict", task, lambda: self._evaluate("predict", dataloaders, ckpt_path))
+
+    def _must_launch(self) -> bool:
+        """Whether this call must start `devices` worker processes (not when torchrun started us)."""
+        return self.devices > 1 and not launched_by_torchrun()
+
+    def worker_result(self, task: Task, returned: Any) -> dict[str, Any]:
+        """Return what a launched rank 0 sends back to the process that launched it."""
+        return {
+            "return": returned,
+            "state_dict": {name: value.cpu() for name, value in task.state_dict().items()},
+            "progress": self.state.state_dict(),
+            "callback_metrics": {name: value.cpu() for name, value in self.callback_metrics.items()},
+            "logged_metrics": dict(self.logged_metrics),
+            "callbacks": {c.state_key: c.state_dict() for c in self.callbacks},
+            "loggers": [logger.state_dict() for logger in self.loggers],
+        }
+
+    def apply_worker_result(self, task: Task, result: dict[str, Any]) -> None:
+        """Load what a launched rank 0 sent back, so this process holds the trained task and metrics."""
+        task.load_state_dict(result["state_dict"])
+        self.state.load_state_dict(result["progress"])
+        self.callback_metrics.update(result["callback_metrics"])
+        self.logged_metrics.update(result["logged_metrics"])
+        for callback in self.callbacks:
+            if callback.state_key in result["callbacks"]:
+                callback.load_state_dict(result["callbacks"][callback.state_key])
+        for logger, state in zip(self.loggers, result["loggers"]):
+            logger.load_state_dict(state)
 
     def _run(self, stage: str, task: Task, body: Callable[[], R]) -> R:
         if not isinstance(task, Task):
