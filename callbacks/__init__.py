@@ -8,6 +8,7 @@ from callbacks.logger import Logger
 from callbacks.lr_monitor import LearningRateMonitor
 from callbacks.progress import ProgressBar
 from callbacks.tensorboard import TensorBoardLogger
+from callbacks.versioned_logger import VersionedLogger
 
 __all__ = [
     "CSVLogger",
@@ -19,4 +20,5 @@ __all__ = [
     "ModelCheckpoint",
     "ProgressBar",
     "TensorBoardLogger",
+    "VersionedLogger",
 ]
