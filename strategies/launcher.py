@@ -12,6 +12,7 @@ Under `torchrun` nothing is launched: the environment already describes the proc
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -64,7 +65,10 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
         start_method="spawn",
     )
     try:
-        results = elastic_launch(config, _worker)(trainer, stage, task, kwargs, capture_rng())
+        # Plain pickle bytes: multiprocessing's own pickler would put the parameters in shared memory, and
+        # every rank's optimizer would then step the same tensors.
+        payload = pickle.dumps((trainer, task, kwargs, capture_rng()))
+        results = elastic_launch(config, _worker)(stage, payload)
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
         message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
@@ -77,10 +81,11 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
 
 
 @record
-def _worker(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any], rng: dict[str, Any]) -> dict | None:
+def _worker(stage: str, payload: bytes) -> dict | None:
     """Entry point of one launched process."""
     from trainer.state import restore_rng
 
+    trainer, task, kwargs, rng = pickle.loads(payload)
     if "OMP_NUM_THREADS" not in os.environ:
         # Share the cores instead of every rank starting one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
