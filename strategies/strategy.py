@@ -129,7 +129,11 @@ class Strategy(ABC):
 
     def batch_to_device(self, batch: Any) -> Any:
         """Move every tensor in `batch` to the root device."""
-        return move_to_device(batch, self.root_device)
+        device = self.root_device
+        if device.type == "cpu":
+            # DataLoaders produce CPU tensors: skip walking the batch on the hot path.
+            return batch
+        return move_to_device(batch, device)
 
     # -------------------------------------------------------------- reporting
     def communication_stats(self) -> dict[str, float]:
