@@ -1,0 +1,84 @@
+"""LearningRateMonitor: logged values equal the scheduler's learning rates, at the right steps and names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from callbacks import LearningRateMonitor
+from tests.callbacks._tasks import RecordingLogger, Scripted, make_loader, make_trainer
+
+
+class Scheduled(Scripted):
+    """Scripted task with a scheduler; records the scheduler's LR at every batch start."""
+
+    def __init__(self, interval="step", groups=1):
+        super().__init__(lr=0.1)
+        self.interval = interval
+        self.groups = groups
+        self.scheduler_lrs: list[tuple[int, list[float]]] = []
+
+    def configure_optimizers(self):
+        if self.groups == 1:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        else:
+            optimizer = torch.optim.Adam(
+                [{"params": [self.layer.weight], "lr": 0.1}, {"params": [self.layer.bias], "lr": 0.01}]
+            )
+        self.scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler, "interval": self.interval}}
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.scheduler_lrs.append((self.trainer.global_step, list(self.scheduler.get_last_lr())))
+
+
+def _fit(tmp_path, monitor, task, epochs=2, batches=4, **kwargs):
+    logger = RecordingLogger(str(tmp_path))
+    trainer = make_trainer(tmp_path, max_epochs=epochs, callbacks=[monitor], logger=logger, **kwargs)
+    trainer.fit(task, make_loader(batches))
+    return logger
+
+
+def test_step_values_equal_the_schedulers_lrs(tmp_path):
+    task = Scheduled("step")
+    logger = _fit(tmp_path, LearningRateMonitor(), task, log_every_n_steps=1)
+    logged = logger.values("lr-SGD")
+    assert logged == [(step, lrs[0]) for step, lrs in task.scheduler_lrs]
+    assert [value for _, value in logged] == pytest.approx([0.1 * 0.5 ** (step // 2) for step in range(8)])
+
+
+def test_step_logging_follows_log_every_n_steps_and_accumulation(tmp_path):
+    """Accumulation 2 over 8 micro-batches is 4 steps per epoch: one value per logging step, not per micro-batch."""
+    logger = _fit(
+        tmp_path, LearningRateMonitor(), Scheduled("step"), batches=8, accumulate_grad_batches=2, log_every_n_steps=2
+    )
+    assert [step for step, _ in logger.values("lr-SGD")] == [0, 2, 4, 6]
+
+
+def test_epoch_interval_logs_every_param_group_once_per_epoch(tmp_path):
+    task = Scheduled("epoch", groups=2)
+    logger = _fit(tmp_path, LearningRateMonitor(), task, epochs=3)
+    assert logger.values("lr-Adam-pg0") == [(0, 0.1), (4, 0.1), (8, 0.05)]
+    assert logger.values("lr-Adam-pg1") == [(0, 0.01), (4, 0.01), (8, 0.005)]
+    assert "lr-Adam" not in {key for _, metrics in logger.calls for key in metrics}
+
+
+def test_explicit_interval_overrides_the_schedulers(tmp_path):
+    logger = _fit(tmp_path, LearningRateMonitor(logging_interval="epoch"), Scheduled("step"), log_every_n_steps=1)
+    assert logger.values("lr-SGD") == [(0, 0.1), (4, 0.025)]
+
+
+def test_without_scheduler_logs_the_constant_lr_per_step(tmp_path):
+    logger = _fit(tmp_path, LearningRateMonitor(), Scripted(lr=0.3), epochs=1, log_every_n_steps=2)
+    assert logger.values("lr-SGD") == [(0, 0.3), (2, 0.3)]
+
+
+def test_needs_a_logger(tmp_path):
+    trainer = make_trainer(tmp_path, callbacks=[LearningRateMonitor()])
+    with pytest.raises(ValueError, match="needs a logger"):
+        trainer.fit(Scripted(), make_loader())
+
+
+def test_rejects_unknown_interval():
+    with pytest.raises(ValueError, match="logging_interval"):
+        LearningRateMonitor(logging_interval="batch")

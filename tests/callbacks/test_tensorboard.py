@@ -1,0 +1,123 @@
+"""TensorBoardLogger: events read back with TensorBoard's own reader, hparams, versions, resume, ranks."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+from callbacks import ModelCheckpoint, TensorBoardLogger
+from tests.callbacks._tasks import Scripted, make_loader, make_trainer
+
+
+def _events(log_dir) -> EventAccumulator:
+    accumulator = EventAccumulator(str(log_dir))
+    accumulator.Reload()
+    return accumulator
+
+
+def _scalars(accumulator, tag) -> list[tuple[int, float]]:
+    return [(event.step, event.value) for event in accumulator.Scalars(tag)]
+
+
+def _session_hparams(accumulator) -> dict:
+    content = accumulator.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = HParamsPluginData.FromString(content).session_start_info.hparams
+    return {name: getattr(value, value.WhichOneof("kind")) for name, value in hparams.items()}
+
+
+class WithHparams(Scripted):
+    def __init__(self, lr=0.05, optimizer=None):
+        super().__init__(lr=lr)
+        self.save_hyperparameters()
+
+
+def test_fit_writes_scalars_at_their_steps_and_hparams(tmp_path):
+    logger = TensorBoardLogger(tmp_path)
+    trainer = make_trainer(tmp_path, max_epochs=2, logger=logger, log_every_n_steps=1)
+    task = WithHparams(lr=0.05, optimizer={"name": "sgd", "momentum": 0.9})
+    trainer.fit(task, make_loader(3), make_loader(1))
+
+    assert logger.log_dir == str(tmp_path / "logs" / "version_0")
+    events = _events(logger.log_dir)
+    train = _scalars(events, "train_loss")
+    assert [step for step, _ in train] == list(range(1, 7))
+    assert [value for _, value in train] == pytest.approx(task.losses, rel=1e-6)
+    assert [step for step, _ in _scalars(events, "val_loss")] == [3, 6]
+    assert _session_hparams(events) == {"lr": 0.05, "optimizer/name": "sgd", "optimizer/momentum": 0.9}
+    saved = yaml.safe_load((tmp_path / "logs" / "version_0" / "hparams.yaml").read_text())
+    assert saved == {"lr": 0.05, "optimizer": {"name": "sgd", "momentum": 0.9}}
+
+
+def test_default_hp_metric_adds_a_placeholder(tmp_path):
+    logger = TensorBoardLogger(tmp_path, default_hp_metric=True)
+    logger.log_hyperparams({"lr": 0.1})
+    logger.finalize("success")
+    assert _scalars(_events(logger.log_dir), "hp_metric") == [(0, -1.0)]
+
+
+def test_versions_increment_and_an_explicit_one_is_kept(tmp_path):
+    first = TensorBoardLogger(tmp_path, name="exp")
+    first.log_metrics({"a": 1.0}, 0)
+    first.finalize("success")
+    second = TensorBoardLogger(tmp_path, name="exp")
+    assert second.version == 1
+    assert TensorBoardLogger(tmp_path, name="exp", version=7).log_dir == str(tmp_path / "exp" / "version_7")
+    assert second.state_dict() == {"version": 1}
+
+
+def test_resumed_logger_continues_its_version_and_purges_what_followed_the_checkpoint(tmp_path):
+    crashed = TensorBoardLogger(tmp_path)
+    for step in range(1, 11):
+        crashed.log_metrics({"loss": float(step)}, step)
+    crashed.finalize("failed")
+
+    resumed = TensorBoardLogger(tmp_path)
+    resumed.load_state_dict({"version": 0})  # as the Trainer does with the checkpoint's logger state
+    assert resumed.log_dir == crashed.log_dir
+    for step in (6, 7, 8):
+        resumed.log_metrics({"loss": -float(step)}, step)
+    resumed.finalize("success")
+
+    expected = [(s, float(s)) for s in range(1, 6)] + [(s, -float(s)) for s in (6, 7, 8)]
+    assert _scalars(_events(crashed.log_dir), "loss") == expected
+
+
+def test_state_is_ignored_once_writing_began(tmp_path):
+    logger = TensorBoardLogger(tmp_path)
+    (tmp_path / "logs" / "version_0").mkdir(parents=True)
+    logger.log_metrics({"a": 1.0}, 0)
+    logger.load_state_dict({"version": 0})
+    assert logger.version == 1 and not logger.resuming
+
+
+def test_trainer_resume_keeps_one_version_directory(tmp_path):
+    """Resuming with ckpt_path="last" continues logs/version_0 and its checkpoints."""
+
+    def fit(epochs, ckpt_path=None):
+        trainer = make_trainer(
+            tmp_path,
+            max_epochs=epochs,
+            logger=True,
+            log_every_n_steps=1,
+            callbacks=[ModelCheckpoint(save_last=True)],
+        )
+        trainer.fit(Scripted(), make_loader(2), ckpt_path=ckpt_path)
+        return trainer
+
+    fit(2)
+    trainer = fit(3, ckpt_path="last")
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["version_0"]
+    assert trainer.checkpoint_callback.dirpath == str(tmp_path / "logs" / "version_0" / "checkpoints")
+    steps = [step for step, _ in _scalars(_events(tmp_path / "logs" / "version_0"), "train_loss")]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_nothing_is_written_on_a_non_zero_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    logger = TensorBoardLogger(tmp_path)
+    logger.log_hyperparams({"lr": 0.1})
+    logger.log_metrics({"a": 1.0}, 0)
+    logger.finalize("success")
+    assert not any(tmp_path.iterdir())
