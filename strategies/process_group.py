@@ -3,7 +3,8 @@
 A launcher starts one process per device and sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT in each. `init_process_group_from_env` reads them, picks the backend (gloo on CPU, NCCL on
 CUDA) and joins the group with a timeout, so that a rank that never arrives fails the job instead of
-hanging it.
+hanging it. `ProcessGroupStrategy` is the part every data-parallel strategy shares: identity from the
+group, joining and leaving it, the metric collectives, and the start-of-training checks.
 """
 
 from __future__ import annotations
@@ -11,12 +12,21 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
+
+from strategies.strategy import ReduceOp, Strategy
+
+if TYPE_CHECKING:
+    from trainer.task import Task
 
 __all__ = [
     "DistributedEnv",
+    "ProcessGroupStrategy",
+    "broadcast_coalesced",
     "default_backend",
     "destroy_process_group",
     "device_for_local_rank",
@@ -101,3 +111,132 @@ def destroy_process_group() -> None:
     """Leave the default process group, if this process is in one."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+class ProcessGroupStrategy(Strategy):
+    """Base of the strategies whose processes form one `torch.distributed` process group.
+
+    Args:
+        backend: "gloo", "nccl", ...; None picks NCCL with CUDA, else gloo.
+        timeout: seconds a collective may take before it fails with an error.
+    """
+
+    def __init__(self, backend: str | None = None, timeout: float = 1800.0) -> None:
+        self.backend = backend
+        self.timeout = timeout
+        self._created_group = False
+
+    # ---------------------------------------------------------------- identity
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", self.global_rank))
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+    @property
+    def root_device(self) -> torch.device:
+        backend = dist.get_backend() if dist.is_initialized() else (self.backend or default_backend())
+        return device_for_local_rank(self.local_rank, backend)
+
+    # --------------------------------------------------------------- lifecycle
+    def setup_environment(self) -> None:
+        """Join the default process group from RANK, WORLD_SIZE, ... unless already in one."""
+        self._created_group = init_process_group_from_env(self.backend, self.timeout)
+
+    def teardown(self) -> None:
+        """Leave the process group if `setup_environment` joined it."""
+        if self._created_group:
+            destroy_process_group()
+            self._created_group = False
+
+    # ------------------------------------------------------------- collectives
+    def reduce(self, tensor: Tensor, op: ReduceOp = "mean") -> Tensor:
+        """Return `tensor` reduced across ranks with `op`; the input is not modified."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"Unknown reduce op {op!r}. Valid: {', '.join(_REDUCE_OPS)}.")
+        result = tensor.detach().clone()
+        # Collective: all-reduce of a metric.
+        dist.all_reduce(result, op=_REDUCE_OPS[op])
+        return result / self.world_size if op == "mean" else result
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        # Collective: every rank's object, pickled.
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        # Collective: rank `src`'s object, pickled.
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        # Collective: wait for every rank.
+        dist.barrier()
+
+    # ----------------------------------------------------------------- helpers
+    def check_same_parameters(self, task: Task) -> None:
+        """Raise on every rank if two ranks' parameters differ in name, shape, dtype or requires_grad.
+
+        Raises:
+            ValueError: naming the first differing parameter and the two ranks.
+        """
+        mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in task.named_parameters()]
+        # Collective: every rank sees every rank's list, so every rank raises the same error.
+        everyone = self.all_gather_object(mine)
+        for rank, theirs in enumerate(everyone[1:], start=1):
+            if theirs != everyone[0]:
+                raise ValueError(
+                    "The model differs across ranks, so their gradients cannot be averaged: "
+                    f"{_first_difference(everyone[0], theirs, rank)}. Build the same model on every rank."
+                )
+
+
+def broadcast_coalesced(tensors: list[Tensor], src: int = 0) -> None:
+    """Overwrite `tensors` with rank `src`'s values, one broadcast per dtype and device."""
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    with torch.no_grad():
+        for group in groups.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            # Collective: one broadcast for all tensors of this dtype and device.
+            dist.broadcast(flat, src=src)
+            for tensor, value in zip(group, flat.split([t.numel() for t in group])):
+                tensor.copy_(value.view_as(tensor))
+
+
+_Signature = tuple[str, tuple[int, ...], str, bool]
+
+
+def _first_difference(reference: list[_Signature], other: list[_Signature], rank: int) -> str:
+    """Describe the first parameter in which rank `rank`'s model differs from rank 0's."""
+    for mine, theirs in zip(reference, other):
+        if mine != theirs:
+            name, shape, dtype, grad = mine
+            other_name, other_shape, other_dtype, other_grad = theirs
+            if name != other_name:
+                return f"parameter {name!r} on rank 0 is {other_name!r} on rank {rank}"
+            return (
+                f"parameter {name!r} is (shape={shape}, dtype={dtype}, requires_grad={grad}) on rank 0 "
+                f"but (shape={other_shape}, dtype={other_dtype}, requires_grad={other_grad}) on rank {rank}"
+            )
+    common = min(len(reference), len(other))
+    if len(reference) > common:
+        return f"parameter {reference[common][0]!r} exists on rank 0 but not on rank {rank}"
+    return f"parameter {other[common][0]!r} exists on rank {rank} but not on rank 0"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from strategies.bucketed_ddp import BucketedDDP
+from strategies.native_ddp import NativeDDP
 from strategies.single_device import SingleDevice
 from strategies.strategy import Strategy
 
@@ -23,6 +25,8 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
 
 
 register_strategy(SingleDevice)
+register_strategy(BucketedDDP)
+register_strategy(NativeDDP)
 
 
 def resolve_strategy(strategy: str | Strategy, devices: int = 1, **kwargs: Any) -> Strategy:

@@ -6,20 +6,24 @@
 MASTER_PORT set (the strategy under test joins the group itself) and one intra-op thread. Processes
 come from a forkserver that has imported torch once, so a run costs a fraction of a second rather than
 a fresh interpreter's torch import. A rank that raises, dies or outlives the timeout fails the test
-with every rank's traceback; `run_ranks` returns the outcomes instead, for tests that expect errors.
+with every rank's traceback (for a hung rank, the stack it hung in); `run_ranks` returns the outcomes
+instead, for tests that expect errors.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
 import queue
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 __all__ = ["RankOutcome", "find_free_port", "run_distributed", "run_ranks"]
@@ -55,8 +59,11 @@ def run_ranks(
     context.set_forkserver_preload(_PRELOAD)
     results = context.Queue()
     port = find_free_port()
+    stacks = tempfile.TemporaryDirectory(prefix="syncline-dist-")
     processes = [
-        context.Process(target=_child, args=(fn, rank, world_size, port, args, results), daemon=True)
+        context.Process(
+            target=_child, args=(fn, rank, world_size, port, args, results, stacks.name, timeout), daemon=True
+        )
         for rank in range(world_size)
     ]
     for process in processes:
@@ -79,8 +86,10 @@ def run_ranks(
         if rank not in outcomes:
             timed_out = time.monotonic() >= deadline
             reason = f"timed out after {timeout:g} s" if timed_out else f"died with exit code {process.exitcode}"
-            outcomes[rank] = RankOutcome(rank, error=f"rank {rank} {reason} without reporting")
+            stack = Path(stacks.name, f"rank{rank}.txt").read_text()
+            outcomes[rank] = RankOutcome(rank, error=f"rank {rank} {reason} without reporting\n{stack}")
     results.close()
+    stacks.cleanup()
     return [outcomes[rank] for rank in range(world_size)]
 
 
@@ -106,10 +115,16 @@ def _child(
     port: int,
     args: tuple[Any, ...],
     results: multiprocessing.Queue,
+    stacks_dir: str,
+    timeout: float,
 ) -> None:
     """Set up one rank's environment, run `fn`, report its outcome, leave the process group."""
     import torch
     import torch.distributed as dist
+
+    # Just before the parent gives up on this rank, write down where it is stuck.
+    stack_file = open(Path(stacks_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115 - open until exit
+    faulthandler.dump_traceback_later(max(timeout - 1.0, 0.5), file=stack_file)
 
     os.environ.update(
         RANK=str(rank),
@@ -123,6 +138,7 @@ def _child(
         outcome = RankOutcome(rank, value=fn(rank, world_size, *args))
     except BaseException:
         outcome = RankOutcome(rank, error=traceback.format_exc())
+    faulthandler.cancel_dump_traceback_later()
     # Plain pickle: torch's shared-memory reductions would need this process alive until read.
     results.put(pickle.dumps(outcome))
     if dist.is_initialized():
