@@ -28,7 +28,8 @@ from typing import Any
 
 __all__ = ["RankOutcome", "find_free_port", "run_distributed", "run_ranks"]
 
-_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel"]
+# Imported once by the forkserver; torch._dynamo alone (pulled in by the first optimizer) takes seconds.
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.optim", "torch.profiler"]
 _GRACE_S = 10.0
 
 
