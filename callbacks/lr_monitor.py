@@ -59,6 +59,7 @@ class LearningRateMonitor(Callback):
         for optimizer in trainer.optimizers:
             name = f"lr-{type(optimizer).__name__}"
             groups = optimizer.param_groups
+            # float() of a tensor lr (capturable optimizers) is a host sync: logging steps only.
             if len(groups) == 1:
                 rates[name] = float(groups[0]["lr"])
             else:
