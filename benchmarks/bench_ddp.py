@@ -1,0 +1,298 @@
+"""Benchmark BucketedDDP against torch's DDP (NativeDDP) and two naive all-reduce baselines.
+
+    python benchmarks/bench_ddp.py                  # world size 2, gloo, one thread per rank
+
+Every variant trains its own copy of the same model (12 x (Linear(512, 512) + LayerNorm), batch 64
+per rank, SGD) in the same two processes. Variants are interleaved: each repeat runs a block of
+steps of every variant, in a rotated order, so drift of the machine (thermal, other load) hits all
+variants alike. A step is forward + backward + optimizer step + zero_grad; its time is the slower
+rank's. We report the median over all timed steps, with the 25th-75th percentiles and the spread of
+the per-repeat medians.
+
+Exposed communication (the part of the step spent waiting for gradients after the backward's
+compute) is measured as the median backward time with synchronization minus the median backward
+time of the same strategy with synchronization skipped (`sync=False`, no collective at all), both
+interleaved. This works for torch's DDP, whose reducer hides its timers, and for ours; for
+BucketedDDP the reducer's own measure (`comm/exposed_ms`: time `finalize_backward` waits) is
+reported too. For the naive baselines, which communicate only after the backward, all of their
+communication is exposed and is timed directly.
+
+Results go to a table on stdout and to `benchmarks/results/ddp.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from strategies.bucketed_ddp import BucketedDDP
+from strategies.native_ddp import NativeDDP
+from strategies.process_group import init_process_group_from_env
+
+WIDTH, DEPTH, BATCH = 512, 12, 64
+
+
+class Net(nn.Module):
+    """12 x (Linear(512, 512) + LayerNorm(512)), as the benchmark's task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            *(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(DEPTH))
+        )
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.layers(batch).square().mean()
+
+
+# ---------------------------------------------------------------- variants
+class Variant:
+    """One way of training the model; `step` returns (backward seconds, exposed seconds or None)."""
+
+    def __init__(self, name: str, sync: bool = True) -> None:
+        self.name = name
+        self.sync = sync
+        torch.manual_seed(0)
+        self.model = Net()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+
+    def step(self, batch: torch.Tensor, batch_idx: int) -> tuple[float, float | None]:
+        raise NotImplementedError
+
+
+class StrategyVariant(Variant):
+    def __init__(self, name: str, strategy, sync: bool = True) -> None:
+        super().__init__(name, sync)
+        self.strategy = strategy
+        strategy.setup(self.model)
+
+    def step(self, batch: torch.Tensor, batch_idx: int) -> tuple[float, float | None]:
+        strategy = self.strategy
+        strategy.sync_next_backward = self.sync
+        loss = strategy.training_step(self.model, batch, batch_idx)
+        start = time.perf_counter()
+        strategy.backward(loss, sync=self.sync)
+        backward = time.perf_counter() - start
+        self.optimizer.step()
+        strategy.zero_grad(self.optimizer)
+        exposed = strategy.communication_stats().get("comm/exposed_ms")
+        return backward, None if exposed is None or not self.sync else exposed / 1e3
+
+
+class NaiveVariant(Variant):
+    """Plain backward, then all-reduce every gradient (per parameter, or as one flat tensor)."""
+
+    def __init__(self, name: str, flat: bool) -> None:
+        super().__init__(name)
+        self.flat = flat
+        with torch.no_grad():
+            for p in self.model.parameters():
+                dist.broadcast(p, src=0)
+
+    def step(self, batch: torch.Tensor, batch_idx: int) -> tuple[float, float | None]:
+        loss = self.model.training_step(batch, batch_idx)
+        start = time.perf_counter()
+        loss.backward()
+        comm_start = time.perf_counter()
+        grads = [p.grad for p in self.model.parameters()]
+        world_size = dist.get_world_size()
+        if self.flat:
+            flat = torch.cat([g.reshape(-1) for g in grads]).div_(world_size)
+            dist.all_reduce(flat)
+            for grad, value in zip(grads, flat.split([g.numel() for g in grads])):
+                grad.copy_(value.view_as(grad))
+        else:
+            for grad in grads:
+                grad.div_(world_size)
+                dist.all_reduce(grad)
+        end = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return end - start, end - comm_start
+
+
+def build_variants() -> list[Variant]:
+    return [
+        StrategyVariant("native_ddp", NativeDDP()),
+        StrategyVariant("bucketed_ddp", BucketedDDP()),
+        StrategyVariant("bucketed_ddp_no_overlap", BucketedDDP(overlap=False)),
+        StrategyVariant("native_ddp_local", NativeDDP(), sync=False),
+        StrategyVariant("bucketed_ddp_local", BucketedDDP(), sync=False),
+        NaiveVariant("naive_per_param_allreduce", flat=False),
+        NaiveVariant("naive_flat_allreduce", flat=True),
+    ]
+
+
+# ------------------------------------------------------------------ timing
+def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    init_process_group_from_env(backend="gloo")
+    variants = build_variants()
+    generator = torch.Generator().manual_seed(rank)
+    batch = torch.randn(BATCH, WIDTH, generator=generator)
+    timings: dict[str, dict[str, list]] = {
+        v.name: {"step": [], "backward": [], "exposed": [], "block": []} for v in variants
+    }
+    for repeat in range(args.repeats):
+        shift = repeat % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            for i in range(args.warmup):
+                variant.step(batch, i)
+            dist.barrier()
+            block = []
+            for i in range(args.steps):
+                start = time.perf_counter()
+                backward, exposed = variant.step(batch, i)
+                block.append(time.perf_counter() - start)
+                timings[variant.name]["backward"].append(backward)
+                if exposed is not None:
+                    timings[variant.name]["exposed"].append(exposed)
+            timings[variant.name]["step"].extend(block)
+            timings[variant.name]["block"].append(statistics.median(block))
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, timings)
+    if rank == 0:
+        results.put(gathered)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
+    def ms(seconds: float) -> float:
+        return round(1e3 * seconds, 3)
+
+    def quantiles(values: list[float]) -> dict[str, float]:
+        q = statistics.quantiles(values, n=4)
+        return {"median_ms": ms(statistics.median(values)), "p25_ms": ms(q[0]), "p75_ms": ms(q[2])}
+
+    variants = {}
+    for name in per_rank[0]:
+        # A synchronized step is as slow as its slowest rank.
+        step = [max(values) for values in zip(*(r[name]["step"] for r in per_rank))]
+        backward = [max(values) for values in zip(*(r[name]["backward"] for r in per_rank))]
+        blocks = [max(values) for values in zip(*(r[name]["block"] for r in per_rank))]
+        entry = {
+            "step": quantiles(step),
+            "backward": quantiles(backward),
+            "block_medians_ms": {"min": ms(min(blocks)), "max": ms(max(blocks))},
+            "timed_steps": len(step),
+        }
+        exposed = [v for r in per_rank for v in r[name]["exposed"]]
+        if exposed:
+            entry["measured_exposed_comm_ms"] = ms(statistics.median(exposed))
+        variants[name] = entry
+    for ours, local in [("native_ddp", "native_ddp_local"), ("bucketed_ddp", "bucketed_ddp_local")]:
+        variants[ours]["exposed_comm_ms"] = round(
+            variants[ours]["backward"]["median_ms"] - variants[local]["backward"]["median_ms"], 3
+        )
+    variants["bucketed_ddp_no_overlap"]["exposed_comm_ms"] = variants["bucketed_ddp_no_overlap"].get(
+        "measured_exposed_comm_ms"
+    )
+    for name in ("naive_per_param_allreduce", "naive_flat_allreduce"):
+        variants[name]["exposed_comm_ms"] = variants[name]["measured_exposed_comm_ms"]
+    ratio = variants["bucketed_ddp"]["step"]["median_ms"] / variants["native_ddp"]["step"]["median_ms"]
+    return {
+        "machine": {
+            "cpu": _cpu_model(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "backend": "gloo",
+            "threads_per_rank": 1,
+        },
+        "setup": {
+            "world_size": args.world_size,
+            "model": f"{DEPTH} x (Linear({WIDTH}, {WIDTH}) + LayerNorm({WIDTH}))",
+            "parameters": sum(p.numel() for p in Net().parameters()),
+            "batch_per_rank": BATCH,
+            "optimizer": "SGD(lr=1e-3)",
+            "repeats": args.repeats,
+            "steps_per_block": args.steps,
+            "warmup_per_block": args.warmup,
+            "exposed_comm_method": "median backward(sync=True) - median backward(sync=False) of the same strategy; "
+            "naive baselines and no-overlap: time from end of loss.backward() to end of communication",
+        },
+        "variants": variants,
+        "ratio_bucketed_over_native": round(ratio, 4),
+    }
+
+
+def print_table(summary: dict) -> None:
+    header = (
+        f"{'variant':28} {'step ms (p25-p75)':>24} {'block medians':>16} {'backward ms':>12} {'exposed comm ms':>16}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, v in summary["variants"].items():
+        step = v["step"]
+        exposed = v.get("exposed_comm_ms")
+        print(
+            f"{name:28} {step['median_ms']:8.2f} ({step['p25_ms']:6.2f}-{step['p75_ms']:6.2f}) "
+            f"{v['block_medians_ms']['min']:7.2f}-{v['block_medians_ms']['max']:<7.2f} "
+            f"{v['backward']['median_ms']:12.2f} {'' if exposed is None else f'{exposed:16.2f}'}"
+        )
+    print(f"\nBucketedDDP / NativeDDP median step time: {summary['ratio_bucketed_over_native']:.3f}")
+    own = summary["variants"]["bucketed_ddp"].get("measured_exposed_comm_ms")
+    if own is not None:
+        print(f"BucketedDDP reducer's own measure of its exposed wait: {own} ms")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant per repeat")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each block")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ddp.json")
+    args = parser.parse_args()
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=run_rank, args=(rank, args.world_size, port, args, results))
+        for rank in range(args.world_size)
+    ]
+    for process in processes:
+        process.start()
+    per_rank = results.get(timeout=3600)
+    for process in processes:
+        process.join()
+    summary = summarize(per_rank, args)
+    print_table(summary)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
