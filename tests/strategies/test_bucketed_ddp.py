@@ -242,6 +242,13 @@ def _compare_with_native(rank: int, world_size: int) -> dict:
                 _fit_branch_net(native, rank, accumulate, zero_grads_first=as_view),
                 _fit_branch_net(ours, rank, accumulate, zero_grads_first=as_view),
             )
+    # torch's DDP fixes synchronization in the forward: a backward that disagrees must raise.
+    native, model = NativeDDP(), Net()
+    native.setup(model)
+    native.sync_next_backward = False
+    loss = native.training_step(model, shard(global_batch(0), rank, world_size), 0)
+    with pytest.raises(RuntimeError, match="sync_next_backward"):
+        native.backward(loss, sync=True)
     return results
 
 
@@ -376,6 +383,13 @@ def test_collectives_no_sync_and_teardown() -> None:
         torch.testing.assert_close(result["grad_after_teardown"], result["local_grad"])
         assert result["hooks_left"] == 0
     assert not torch.equal(per_rank[0]["local_grad"], per_rank[1]["local_grad"])
+
+
+def test_joining_without_a_launcher_names_the_missing_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.*torchrun"):
+        BucketedDDP().setup_environment()
 
 
 def test_registered_under_config_names() -> None:
