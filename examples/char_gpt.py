@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from trainer.task import Task
 __all__ = ["CharGPT", "CharWindows", "load_stdlib_text"]
 
 #: Parts of the standard library that are not representative Python (test data, vendored packages).
-_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"})
+_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
 
 
 def load_stdlib_text(max_chars: int) -> str:
@@ -40,9 +41,7 @@ def load_stdlib_text(max_chars: int) -> str:
     root = Path(sysconfig.get_paths()["stdlib"])
     parts: list[str] = []
     total = 0
-    for path in sorted(root.rglob("*.py")):
-        if _SKIPPED_DIRS.intersection(path.relative_to(root).parts):
-            continue
+    for path in _source_files(root):
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
@@ -57,6 +56,16 @@ def load_stdlib_text(max_chars: int) -> str:
     if not parts:
         raise RuntimeError(f"No readable Python source under {root}; CharGPT needs the standard library's files.")
     return "".join(parts)[:max_chars]
+
+
+def _source_files(directory: Path) -> Iterator[Path]:
+    """Yield the ``*.py`` files under `directory` in sorted path order, lazily, so reading can stop early."""
+    for entry in sorted(directory.iterdir()):
+        if entry.is_dir():
+            if entry.name not in _SKIPPED_DIRS:
+                yield from _source_files(entry)
+        elif entry.suffix == ".py":
+            yield entry
 
 
 class CharWindows(Dataset):

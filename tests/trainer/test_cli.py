@@ -1,0 +1,159 @@
+"""`python -m trainer`: a short run writes its outputs, resumes, and bad input fails in a few lines."""
+
+import dataclasses
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import get_object
+from omegaconf import OmegaConf
+
+from strategies import STRATEGIES
+from trainer import Trainer
+from trainer.cli import check_overrides
+from trainer.config import STRATEGY_CONFS, TrainerConf
+
+#: A run of a few seconds: a one-layer model on a little text, validated (and checkpointed) every 3 steps.
+SMALL = [
+    "task.n_layer=1",
+    "task.n_embd=32",
+    "task.n_head=2",
+    "task.max_chars=40000",
+    "task.sample_chars=20",
+    "trainer.limit_val_batches=2",
+    "trainer.val_check_interval=3",
+    "trainer.log_every_n_steps=1",
+]
+
+
+def _cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RANK", "WORLD_SIZE")}
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_short_run_writes_logs_checkpoints_and_resolved_config(tmp_path):
+    out = tmp_path / "run"
+    result = _cli(f"hydra.run.dir={out}", "trainer.max_steps=3", *SMALL, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sample after 3 steps" in result.stdout
+
+    config = OmegaConf.load(out / "config.yaml")
+    assert config.trainer.max_steps == 3
+    assert config.trainer.seed == config.seed == 1234  # resolved, not "${seed}"
+    assert config.task._target_ == "examples.char_gpt.CharGPT"
+    log_dir = out / "logs" / "version_0"
+    assert list(log_dir.glob("events.out.tfevents.*"))
+    assert (log_dir / "checkpoints" / "last.ckpt").is_file()
+
+    # Resume in the same directory; another seed would change everything if the checkpoint were not used.
+    resumed = _cli(f"hydra.run.dir={out}", "trainer.max_steps=6", "ckpt_path=last", "seed=999", *SMALL, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not (out / "logs" / "version_1").exists()
+    straight = _cli(f"hydra.run.dir={tmp_path / 'straight'}", "trainer.max_steps=6", *SMALL, cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    def final_state(run: Path) -> dict:
+        return torch.load(run / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+
+    resumed_ckpt, straight_ckpt = final_state(out), final_state(tmp_path / "straight")
+    assert resumed_ckpt["progress"]["global_step"] == straight_ckpt["progress"]["global_step"] == 6
+    for name, value in straight_ckpt["state_dict"].items():
+        assert torch.equal(resumed_ckpt["state_dict"][name], value), name
+
+
+def _assert_short_error(result: subprocess.CompletedProcess, code: int, *expected: str) -> None:
+    assert result.returncode == code, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 4, result.stderr
+    for text in expected:
+        assert text in result.stderr
+
+
+def test_misspelled_key_names_it_and_suggests_the_right_one(tmp_path):
+    result = _cli("trainer.max_epochz=1", cwd=tmp_path, timeout=60)
+    _assert_short_error(result, 2, "max_epochz", "Did you mean 'max_epochs'?")
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_unknown_strategy_lists_the_valid_ones(tmp_path):
+    result = _cli("strategy=does_not_exist", cwd=tmp_path, timeout=60)
+    _assert_short_error(result, 2, "does_not_exist", *sorted(STRATEGIES))
+
+
+def test_value_of_the_wrong_type_names_the_key(tmp_path):
+    result = _cli("trainer.max_epochs=abc", cwd=tmp_path, timeout=60)
+    _assert_short_error(result, 2, "trainer.max_epochs=abc", "Integer")
+
+
+def test_value_the_trainer_rejects_is_one_line(tmp_path):
+    result = _cli(f"hydra.run.dir={tmp_path / 'run'}", "trainer.precision=64", *SMALL, cwd=tmp_path, timeout=60)
+    _assert_short_error(result, 2, "precision", "bf16-mixed")
+
+
+def test_missing_checkpoint_names_the_path(tmp_path):
+    missing = tmp_path / "nowhere" / "model.ckpt"
+    result = _cli(f"hydra.run.dir={tmp_path / 'run'}", f"ckpt_path={missing}", *SMALL, cwd=tmp_path, timeout=60)
+    _assert_short_error(result, 1, str(missing), "CheckpointError")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["task.n_layr=2"], ["'task.n_layr'", "Did you mean 'n_layer'?"]),
+        (["sed=3"], ["Did you mean 'seed'?", "Config groups"]),
+        (["strategy=bucketed_ddp", "strategy.bucket_cap=5"], ["Did you mean 'bucket_cap_mb'?"]),
+        (["callbacks=[checkpoint,early_stoping]"], ["Did you mean 'early_stopping'?", "lr_monitor"]),
+        (["trainer.val_check_interval=often"], ["trainer.val_check_interval=often"]),
+        (["a=b=c"], ["cannot parse 'a=b=c'"]),
+    ],
+)
+def test_check_overrides_explains_what_is_wrong(overrides, expected):
+    message = check_overrides(overrides)
+    assert message is not None
+    for text in expected:
+        assert text in message
+
+
+def test_check_overrides_accepts_valid_overrides():
+    assert check_overrides([]) is None
+    assert check_overrides(["strategy=bucketed_ddp", "strategy.bucket_cap_mb=5", "trainer.max_epochs=3"]) is None
+    assert check_overrides(["callbacks=[checkpoint,early_stopping]", "callbacks.early_stopping.patience=5"]) is None
+    assert check_overrides(["hydra.run.dir=somewhere", "seed=null", "trainer.limit_val_batches=0.5"]) is None
+
+
+def test_trainer_conf_has_every_trainer_argument_with_its_default():
+    objects = {"self", "strategy", "callbacks"}
+    parameters = {
+        name: p.default for name, p in inspect.signature(Trainer.__init__).parameters.items() if name not in objects
+    }
+    fields = {f.name: f.default for f in dataclasses.fields(TrainerConf)}
+    assert fields.keys() == parameters.keys()
+    for name, default in parameters.items():
+        # The config spells precision as a string; the Trainer takes either.
+        assert fields[name] == default or str(fields[name]) == str(default), name
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_registered_strategy_has_a_config_matching_its_constructor(name):
+    conf = STRATEGY_CONFS[name]
+    options = {f.name: f.default for f in dataclasses.fields(conf) if f.name != "_target_"}
+    assert get_object(conf._target_) is STRATEGIES[name]
+    signature = inspect.signature(STRATEGIES[name].__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())
+    for option, default in options.items():
+        if option in signature:
+            assert signature[option].default == default, option
+        else:
+            assert takes_any, f"{name} has no argument {option!r}"
