@@ -287,8 +287,8 @@ def _cpu_model() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant per repeat")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant per repeat")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each block")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ddp.json")
     args = parser.parse_args()
@@ -302,12 +302,15 @@ def main() -> None:
         context.Process(target=run_rank, args=(rank, args.world_size, port, args, results))
         for rank in range(args.world_size)
     ]
+    load_before = os.getloadavg()[0]
     for process in processes:
         process.start()
     per_rank = results.get(timeout=3600)
     for process in processes:
         process.join()
     summary = summarize(per_rank, args)
+    # Other jobs on the machine widen the spread; record how busy it was.
+    summary["machine"]["load_average_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
     print_table(summary)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
