@@ -78,6 +78,7 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
         task.to(self.root_device)
         self.check_same_parameters(task)
         device_ids = [self.root_device] if self.root_device.type == "cuda" else None
+        # Collective: torch's DDP broadcasts rank 0's parameters and buffers as it is built.
         self._ddp = DistributedDataParallel(_TrainingStepModule(task), device_ids=device_ids, **self.ddp_kwargs)
 
     def teardown(self) -> None:
@@ -90,6 +91,7 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
         sync = self._backward_syncs(self.sync_next_backward)
         context = contextlib.nullcontext() if sync else self.ddp.no_sync()
         with context:
+            # Collective (inside torch's forward): rank 0's buffers, after a synchronized step.
             output = self.ddp(batch, batch_idx)
         self._forward_synced = sync
         return output
