@@ -56,8 +56,10 @@ class LearningRateMonitor(Callback):
     def learning_rates(self, trainer: Trainer) -> dict[str, float]:
         """Return the current learning rate of every parameter group, by logged name."""
         rates: dict[str, float] = {}
+        names = [config.name for config in trainer.lr_scheduler_configs if config.name]
         for optimizer in trainer.optimizers:
-            name = f"lr-{type(optimizer).__name__}"
+            # A scheduler configured with {"name": ...} names the curve, as in Lightning.
+            name = f"lr-{names[0] if names else type(optimizer).__name__}"
             groups = optimizer.param_groups
             # float() of a tensor lr (capturable optimizers) is a host sync: logging steps only.
             if len(groups) == 1:

@@ -161,12 +161,7 @@ class ProgressBar(Callback):
     # ------------------------------------------------------------- evaluation
     def on_validation_start(self, trainer: Trainer, task: Task) -> None:
         """Open a validation bar (the sanity check's too); lines are printed only at its end."""
-        if trainer.state.stage == "fit":
-            limit = trainer.num_sanity_val_steps if trainer.sanity_checking else -1
-            counts = [n if limit == -1 else min(n, limit) for n in trainer.num_val_batches]
-            total = sum(counts)
-        else:
-            total = None  # the Trainer does not publish the batch counts of a standalone run
+        total = sum(trainer.num_eval_batches)
         self._eval_start(trainer, "Sanity Checking" if trainer.sanity_checking else "Validation", total)
 
     def on_validation_batch_end(
@@ -183,7 +178,7 @@ class ProgressBar(Callback):
 
     def on_test_start(self, trainer: Trainer, task: Task) -> None:
         """Open the test bar."""
-        self._eval_start(trainer, "Testing", None)
+        self._eval_start(trainer, "Testing", sum(trainer.num_eval_batches))
 
     def on_test_batch_end(
         self, trainer: Trainer, task: Task, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -199,7 +194,7 @@ class ProgressBar(Callback):
 
     def on_predict_start(self, trainer: Trainer, task: Task) -> None:
         """Open the predict bar."""
-        self._eval_start(trainer, "Predicting", None)
+        self._eval_start(trainer, "Predicting", sum(trainer.num_eval_batches))
 
     def on_predict_batch_end(
         self, trainer: Trainer, task: Task, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0

@@ -73,6 +73,7 @@ def run_evaluation(
     task, strategy, dispatcher = trainer.task, trainer.strategy, trainer.dispatcher
     step_fn = getattr(task, hooks.step)
     predictions: list[Any] = []
+    trainer.num_eval_batches = list(num_batches)
     was_training = task.training
     task.eval()
     dispatcher.fire(hooks.start)

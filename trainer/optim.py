@@ -19,6 +19,7 @@ class SchedulerConfig:
     interval: Literal["epoch", "step"] = "epoch"
     frequency: int = 1
     monitor: str | None = None
+    name: str | None = None
 
     @property
     def needs_metric(self) -> bool:
@@ -82,6 +83,7 @@ def _parse_scheduler(value: Any) -> SchedulerConfig:
             value.get("interval", "epoch"),
             int(value.get("frequency", 1)),
             value.get("monitor"),
+            value.get("name"),
         )
     else:
         config = SchedulerConfig(value)

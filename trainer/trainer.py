@@ -130,6 +130,8 @@ class Trainer:
         self.logged_metrics: dict[str, float] = {}
         self.num_training_batches: int | float = 0
         self.num_val_batches: list[int | float] = []
+        #: Batches per loader of the evaluation run in progress (validation, sanity check, test, predict).
+        self.num_eval_batches: list[int | float] = []
         self.train_dataloader: Any = None
         self.val_dataloaders: list[Any] = []
         self._task: Task | None = None
@@ -173,6 +175,8 @@ class Trainer:
             result = [c for c in result if not isinstance(c, ProgressBar)]
         if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in result):
             result.append(ModelCheckpoint())
+        # Checkpoints go last, so the state they save includes what other callbacks did at the same event.
+        result.sort(key=lambda c: isinstance(c, ModelCheckpoint))
         if not checkpointing and any(isinstance(c, ModelCheckpoint) for c in result):
             raise ValueError("enable_checkpointing=False but a ModelCheckpoint was passed in callbacks; drop one.")
         return result

@@ -82,3 +82,15 @@ def test_needs_a_logger(tmp_path):
 def test_rejects_unknown_interval():
     with pytest.raises(ValueError, match="logging_interval"):
         LearningRateMonitor(logging_interval="batch")
+
+
+def test_scheduler_name_names_the_curve(tmp_path):
+    class Named(Scheduled):
+        def configure_optimizers(self):
+            config = super().configure_optimizers()
+            config["lr_scheduler"]["name"] = "warmup"
+            return config
+
+    logger = _fit(tmp_path, LearningRateMonitor(), Named("step"), log_every_n_steps=1)
+    assert [value for _, value in logger.values("lr-warmup")][:3] == pytest.approx([0.1, 0.1, 0.05])
+    assert logger.values("lr-SGD") == []
