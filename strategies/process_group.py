@@ -168,28 +168,41 @@ class ProcessGroupStrategy(Strategy):
         """Return `tensor` reduced across ranks with `op`; the input is not modified."""
         if op not in _REDUCE_OPS:
             raise ValueError(f"Unknown reduce op {op!r}. Valid: {', '.join(_REDUCE_OPS)}.")
+        self._require_group()
         result = tensor.detach().clone()
         # Collective: all-reduce of a metric.
         dist.all_reduce(result, op=_REDUCE_OPS[op])
         return result / self.world_size if op == "mean" else result
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        self._require_group()
         gathered: list[Any] = [None] * self.world_size
         # Collective: every rank's object, pickled.
         dist.all_gather_object(gathered, obj)
         return gathered
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        self._require_group()
         box = [obj]
         # Collective: rank `src`'s object, pickled.
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def barrier(self) -> None:
+        self._require_group()
         # Collective: wait for every rank.
         dist.barrier()
 
     # ----------------------------------------------------------------- helpers
+    def _require_group(self) -> None:
+        """Raise a clear error instead of torch's when there is no process group to talk to."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{type(self).__name__} has no process group: call setup_environment() first. Note that "
+                "teardown() leaves the group that setup_environment() joined, so collectives after "
+                "teardown() fail."
+            )
+
     def check_same_parameters(self, task: Task) -> None:
         """Raise on every rank if two ranks' parameters differ in name, shape, dtype or requires_grad.
 
