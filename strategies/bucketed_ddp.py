@@ -120,7 +120,7 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         )
 
     def teardown(self) -> None:
-        """Remove the reducer's hooks; leave the process group if `setup_environment` joined it."""
+        """Remove the reducer's hooks; the process group stays for later stages."""
         if self._reducer is not None:
             self._reducer.remove_hooks()
             self._reducer = None

@@ -82,7 +82,7 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
         self._ddp = DistributedDataParallel(_TrainingStepModule(task), device_ids=device_ids, **self.ddp_kwargs)
 
     def teardown(self) -> None:
-        """Drop the DDP wrapper; leave the process group if `setup_environment` joined it."""
+        """Drop the DDP wrapper; the process group stays for later stages."""
         self._ddp = None
         super().teardown()
 

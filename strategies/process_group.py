@@ -132,7 +132,6 @@ class ProcessGroupStrategy(Strategy):
     def __init__(self, backend: str | None = None, timeout: float = 1800.0) -> None:
         self.backend = backend
         self.timeout = timeout
-        self._created_group = False
 
     # ---------------------------------------------------------------- identity
     @property
@@ -155,13 +154,14 @@ class ProcessGroupStrategy(Strategy):
     # --------------------------------------------------------------- lifecycle
     def setup_environment(self) -> None:
         """Join the default process group from RANK, WORLD_SIZE, ... unless already in one."""
-        self._created_group = init_process_group_from_env(self.backend, self.timeout)
+        init_process_group_from_env(self.backend, self.timeout)
 
     def teardown(self) -> None:
-        """Leave the process group if `setup_environment` joined it."""
-        if self._created_group:
-            destroy_process_group()
-            self._created_group = False
+        """Stay in the process group: it outlives a stage, as in Lightning.
+
+        `trainer.save_checkpoint` after `fit`, or `trainer.test` after it, still need the group; the
+        process leaves it when it exits (or on an explicit `destroy_process_group()`).
+        """
 
     # ------------------------------------------------------------- collectives
     def reduce(self, tensor: Tensor, op: ReduceOp = "mean") -> Tensor:

@@ -34,6 +34,10 @@ class Strategy(ABC):
     #: Name under which the strategy is registered for Hydra (`strategy=<name>`).
     name: str = ""
 
+    #: Whether the backward after the next `training_step` synchronizes gradients. The loop sets it
+    #: before each forward, because some strategies (torch's DDP) decide in the forward.
+    sync_next_backward: bool = True
+
     # ---------------------------------------------------------------- identity
     @property
     def global_rank(self) -> int:

@@ -127,6 +127,7 @@ class FitLoop:
         trainer.results.new_batch(batch)
         self.fire(Callback.on_train_batch_start, batch, batch_idx)
         window_end = is_last or (batch_idx + 1) % self.accumulate == 0
+        strategy.sync_next_backward = window_end
         with self.precision.autocast():
             outputs = strategy.training_step(task, batch, batch_idx)
         loss = self._loss_of(outputs)

@@ -1,0 +1,146 @@
+"""The Trainer across real processes (gloo, 127.0.0.1): data sharding, metric reduction, checkpoints, launch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from tests.strategies._dist import run_distributed
+from tests.trainer._tasks import Regressor, loader, quiet, regression_data
+from trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class RankLogging(Regressor):
+    """Logs values that differ per rank, with and without sync_dist."""
+
+    def training_step(self, batch, batch_idx):
+        rank = float(self.global_rank)
+        self.log("rank_synced", torch.tensor(rank), sync_dist=True)
+        self.log("rank_local", torch.tensor(rank))
+        # Batch sizes differ per rank below (4 vs 2), so the synced epoch mean is sample-weighted.
+        self.log(
+            "weighted", torch.tensor(rank), on_step=False, on_epoch=True, sync_dist=True, batch_size=4 - 2 * int(rank)
+        )
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_ddp(rank, world_size, strategy, tmp, ckpt_in, ckpt_out):
+    torch.manual_seed(0)
+    task = RankLogging()
+    trainer = Trainer(max_epochs=2, strategy=strategy, **quiet(default_root_dir=tmp))
+    trainer.fit(task, loader(regression_data(32), 4), ckpt_path=ckpt_in)
+    if ckpt_out is not None:
+        trainer.save_checkpoint(ckpt_out)
+    metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
+    return {k: v.clone() for k, v in task.state_dict().items()}, metrics, trainer.global_step
+
+
+def _single(batch_size: int, epochs: int = 2) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    task = Regressor()
+    Trainer(max_epochs=epochs, **quiet()).fit(task, loader(regression_data(32), batch_size))
+    return task.state_dict()
+
+
+def test_ddp_trainer_equals_single_process_on_the_global_batch_and_reduces_metrics(tmp_path):
+    """Two ranks with batch 4 on DistributedSampler shards equal one process with batch 8 (1e-5)."""
+    results = run_distributed(_fit_ddp, world_size=2, args=("bucketed_ddp", str(tmp_path), None, None), timeout=120)
+    reference = _single(8)
+    for state, _, steps in results:
+        assert steps == 2 * 32 // 8
+        for name, value in reference.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-5)
+    (_, metrics0, _), (_, metrics1, _) = results
+    assert metrics0["rank_synced"] == metrics1["rank_synced"] == 0.5
+    assert (metrics0["rank_local"], metrics1["rank_local"]) == (0.0, 1.0)
+    # rank 0 weighs 4 per step with value 0, rank 1 weighs 2 with value 1: (0*4 + 1*2) / 6
+    assert abs(metrics0["weighted"] - 1 / 3) < 1e-6 and metrics0["weighted"] == metrics1["weighted"]
+
+
+def _shards(rank, world_size):
+    trainer = Trainer(max_epochs=2, strategy="bucketed_ddp", **quiet())
+    seen: dict[int, list[int]] = {0: [], 1: []}
+
+    class Recording(Regressor):
+        def training_step(self, batch, batch_idx):
+            seen[self.trainer.current_epoch].extend(batch[0][:, 0].tolist())
+            return super().training_step(batch, batch_idx)
+
+    data = regression_data(24)
+    trainer.fit(Recording(), DataLoader(data, batch_size=4, shuffle=True, drop_last=False))
+    return seen
+
+
+def test_distributed_sampler_shards_shuffles_and_reshuffles_each_epoch():
+    (rank0, rank1) = run_distributed(_shards, world_size=2, timeout=120)
+    everything = sorted(regression_data(24).tensors[0][:, 0].tolist())
+    for epoch in (0, 1):
+        assert sorted(rank0[epoch] + rank1[epoch]) == everything  # disjoint shards covering the data
+    assert rank0[0] != rank0[1]  # set_epoch reshuffled
+    assert rank0[0] != sorted(rank0[0])  # the loader's shuffle=True was kept
+
+
+def test_checkpoint_moves_between_world_sizes(tmp_path):
+    """A world-2 checkpoint resumes in one process and a one-process checkpoint resumes on two ranks."""
+    two = tmp_path / "two.ckpt"
+    run_distributed(_fit_ddp, world_size=2, args=("bucketed_ddp", str(tmp_path), None, str(two)), timeout=120)
+    assert two.is_file()
+    torch.manual_seed(5)
+    task = Regressor()
+    trainer = Trainer(max_epochs=3, **quiet())
+    trainer.fit(task, loader(regression_data(32), 8), ckpt_path=two)
+    assert trainer.global_step == 2 * 4 + 4  # two epochs on world 2 (4 steps each), then one here
+    reference = _single(8, epochs=3)
+    for name, value in reference.items():
+        torch.testing.assert_close(task.state_dict()[name], value, rtol=1e-5, atol=1e-5)
+
+    one = tmp_path / "one.ckpt"
+    trainer.save_checkpoint(one)
+    results = run_distributed(_fit_ddp, world_size=2, args=("bucketed_ddp", str(tmp_path), str(one), None), timeout=120)
+    # max_epochs=2 < the checkpoint's 3 epochs: nothing more to train, the weights are the checkpoint's.
+    for state, _, steps in results:
+        assert steps == 12
+        for name, value in task.state_dict().items():
+            assert torch.equal(state[name], value)
+
+
+def test_devices_2_launches_workers_and_returns_rank_zero_weights(tmp_path):
+    """`Trainer(devices=2)` outside torchrun starts two processes via torch's elastic launch API."""
+    script = textwrap.dedent(
+        f"""
+        import json, torch
+        from tests.trainer._tasks import Regressor, loader, quiet, regression_data
+        from trainer import Trainer
+        if __name__ == "__main__":
+            torch.manual_seed(0)
+            task = Regressor()
+            trainer = Trainer(max_epochs=2, devices=2, **quiet(default_root_dir={str(tmp_path)!r}))
+            trainer.fit(task, loader(regression_data(32), 4))
+            torch.save(task.state_dict(), {str(tmp_path / "weights.pt")!r})
+            print(json.dumps({{"steps": trainer.global_step, "strategy": type(trainer.strategy).__name__}}))
+        """
+    )
+    path = tmp_path / "launch.py"
+    path.write_text(script)
+    done = subprocess.run(
+        [sys.executable, str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary == {"steps": 8, "strategy": "BucketedDDP"}
+    weights = torch.load(tmp_path / "weights.pt")
+    for name, value in _single(8).items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-5)
