@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -32,11 +33,13 @@ class RankLogging(Regressor):
         return super().training_step(batch, batch_idx)
 
 
-def _fit_ddp(rank, world_size, strategy, tmp, ckpt_in, ckpt_out):
+def _fit_ddp(rank, world_size, strategy, tmp, ckpt_in, ckpt_out, accumulate=1):
     torch.manual_seed(0)
     task = RankLogging()
-    trainer = Trainer(max_epochs=2, strategy=strategy, **quiet(default_root_dir=tmp))
-    trainer.fit(task, loader(regression_data(32), 4), ckpt_path=ckpt_in)
+    trainer = Trainer(
+        max_epochs=2, strategy=strategy, accumulate_grad_batches=accumulate, **quiet(default_root_dir=tmp)
+    )
+    trainer.fit(task, loader(regression_data(32), 4 // accumulate), ckpt_path=ckpt_in)
     if ckpt_out is not None:
         trainer.save_checkpoint(ckpt_out)
     metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
@@ -50,14 +53,19 @@ def _single(batch_size: int, epochs: int = 2) -> dict[str, torch.Tensor]:
     return task.state_dict()
 
 
-def test_ddp_trainer_equals_single_process_on_the_global_batch_and_reduces_metrics(tmp_path):
-    """Two ranks with batch 4 on DistributedSampler shards equal one process with batch 8 (1e-5)."""
-    results = run_distributed(_fit_ddp, world_size=2, args=("bucketed_ddp", str(tmp_path), None, None), timeout=120)
+@pytest.mark.parametrize(("strategy", "accumulate"), [("bucketed_ddp", 1), ("bucketed_ddp", 2), ("native_ddp", 2)])
+def test_ddp_trainer_equals_single_process_on_the_global_batch_and_reduces_metrics(tmp_path, strategy, accumulate):
+    """Two ranks with micro-batches of 4/k, k per step, on DistributedSampler shards equal one process
+    with batch 8 (1e-5); with k=2 the first micro-batch of each window does not synchronize."""
+    args = (strategy, str(tmp_path), None, None, accumulate)
+    results = run_distributed(_fit_ddp, world_size=2, args=args, timeout=120)
     reference = _single(8)
     for state, _, steps in results:
         assert steps == 2 * 32 // 8
         for name, value in reference.items():
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-5)
+    if accumulate > 1:
+        return
     (_, metrics0, _), (_, metrics1, _) = results
     assert metrics0["rank_synced"] == metrics1["rank_synced"] == 0.5
     assert (metrics0["rank_local"], metrics1["rank_local"]) == (0.0, 1.0)
