@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
+import re
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
@@ -35,7 +36,7 @@ from trainer.rank_zero import rank_zero_only
 from trainer.seed import seed_everything
 from trainer.trainer import Trainer
 
-__all__ = ["USAGE_ERROR", "RUNTIME_ERROR", "check_overrides", "main"]
+__all__ = ["RUNTIME_ERROR", "USAGE_ERROR", "check_overrides", "main", "run"]
 
 #: Exit code of a bad command line or bad argument values.
 USAGE_ERROR = 2
@@ -217,13 +218,16 @@ def _fail(error: BaseException, code: int, where: bool = True) -> NoReturn:
     """Exit with one line about `error` (its innermost source line too), or re-raise for HYDRA_FULL_ERROR."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise error
+    prefix = ""
     if isinstance(error, InstantiationException) and error.__cause__ is not None:
-        target = str(error).split("'")[1] if "'" in str(error) else "a config"
-        error, prefix = error.__cause__, f"cannot build {target}: "
-    else:
-        prefix = ""
-    lines = str(error).strip().splitlines() or [""]
-    message = f"error: {prefix}{type(error).__name__}: {lines[0]}"
+        # Hydra's message is "Error in call to target '<path>': ..."; report the constructor's own error.
+        target = re.search(r"target '([^']+)'", str(error))
+        prefix = f"cannot build {target.group(1) if target else 'an object of the config'}: "
+        error = error.__cause__
+    lines = [line.strip() for line in str(error).strip().splitlines()] or [""]
+    # Some messages introduce their substance on the next line ("Error loading 'x':\nAttributeError(...)").
+    summary = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    message = f"error: {prefix}{type(error).__name__}: {summary}"
     frames = traceback.extract_tb(error.__traceback__)
     if where and frames and code == RUNTIME_ERROR:
         frame = frames[-1]
