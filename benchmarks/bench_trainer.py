@@ -23,24 +23,16 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workloads import make_mlp as make_model
+from benchmarks.workloads import mlp_loader as make_loader
 from callbacks import Callback
 from trainer import Task, Trainer
 
 WARMUP = 200
-
-
-def make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-
-
-def make_loader(steps: int) -> DataLoader:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(steps * 32, 32, generator=generator)
-    y = torch.randn(steps * 32, 1, generator=generator)
-    return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
 
 
 class MLPTask(Task):

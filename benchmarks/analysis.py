@@ -1,0 +1,121 @@
+"""The headline ratios of a suite run, computed from its JSON (so the report and the run agree).
+
+- BucketedDDP / NativeDDP median step time at the default bucket size, per workload, with the paired
+  per-repeat ratio (the two blocks of one repeat ran seconds apart, so a slow spell cancels out);
+- best / worst bucket size per reducer and workload: slowest median step over the sweep / fastest;
+- overlap speedup of BucketedDDP: median step without overlap / with overlap, at the default and at
+  every swept size;
+- skip-sync: time per sample relative to synchronizing every micro-batch, and the final validation loss;
+- Trainer / raw loop and Lightning / raw loop, per step and to the first step;
+- strategies: epoch time and validation loss of CharGPT per strategy.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+__all__ = ["headlines", "paired_ratio", "sweep"]
+
+
+def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    """Per-repeat ratio of two variants' block medians (a / b): median, min and max."""
+    ratios = [x / y for x, y in zip(a["block_medians_ms"], b["block_medians_ms"])]
+    return {
+        "median": round(statistics.median(ratios), 3),
+        "min": round(min(ratios), 3),
+        "max": round(max(ratios), 3),
+    }
+
+
+def sweep(variants: dict[str, Any], reducer: str, overlap: bool = True) -> list[tuple[float, dict[str, Any]]]:
+    """Return (cap, variant) of one reducer's bucket-size sweep, by cap."""
+    found = [
+        (v["cap_mb"], v)
+        for v in variants.values()
+        if v["reducer"] == reducer and v["cap_mb"] is not None and v["overlap"] == overlap and v["sync_every"] == 1
+    ]
+    return sorted(found, key=lambda item: item[0])
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3)
+
+
+def _ddp(workload: dict[str, Any]) -> dict[str, Any]:
+    variants = workload["variants"]
+    native, bucketed = variants["native default"], variants["bucketed default"]
+    no_overlap = variants["bucketed default no-overlap"]
+    local = variants["local"]
+    out: dict[str, Any] = {
+        "bucketed_over_native_default": _ratio(bucketed["step"]["median_ms"], native["step"]["median_ms"]),
+        "bucketed_over_native_default_paired": paired_ratio(bucketed, native),
+        "native_over_local_default": _ratio(native["step"]["median_ms"], local["step"]["median_ms"]),
+        "bucketed_over_local_default": _ratio(bucketed["step"]["median_ms"], local["step"]["median_ms"]),
+        "overlap_speedup_default": _ratio(no_overlap["step"]["median_ms"], bucketed["step"]["median_ms"]),
+        "overlap_speedup_default_paired": paired_ratio(no_overlap, bucketed),
+    }
+    for reducer in ("native", "bucketed"):
+        points = sweep(variants, reducer)
+        if len(points) < 2:
+            continue
+        medians = [(cap, v["step"]["median_ms"]) for cap, v in points]
+        best = min(medians, key=lambda item: item[1])
+        worst = max(medians, key=lambda item: item[1])
+        out[f"{reducer}_sweep"] = {
+            "best_cap_mb": best[0],
+            "best_ms": best[1],
+            "worst_cap_mb": worst[0],
+            "worst_ms": worst[1],
+            "worst_over_best": _ratio(worst[1], best[1]),
+        }
+    overlap_by_cap = {}
+    for (cap, on), (_, off) in zip(sweep(variants, "bucketed"), sweep(variants, "bucketed", overlap=False)):
+        overlap_by_cap[f"{cap:g}"] = _ratio(off["step"]["median_ms"], on["step"]["median_ms"])
+    if overlap_by_cap:
+        out["overlap_speedup_by_cap"] = overlap_by_cap
+    skip = {}
+    for reducer, base in (("native", native), ("bucketed", bucketed)):
+        per_k = {"1": 1.0}
+        for v in variants.values():
+            if v["reducer"] == reducer and v["sync_every"] > 1:
+                per_k[str(v["sync_every"])] = _ratio(v["per_sample"]["median_ms"], base["per_sample"]["median_ms"])
+        if len(per_k) > 1:
+            skip[reducer] = per_k
+    if skip:
+        out["skip_sync_time_per_sample_vs_every_step"] = skip
+    return out
+
+
+def headlines(results: dict[str, Any]) -> dict[str, Any]:
+    """Return the headline ratios of every section present in `results`."""
+    sections = results["sections"]
+    out: dict[str, Any] = {}
+    if "ddp" in sections:
+        out["ddp"] = {name: _ddp(w) for name, w in sections["ddp"].items() if not name.startswith("_")}
+    if "overhead" in sections:
+        loops = sections["overhead"]["loops"]
+        out["overhead"] = {
+            f"{loop}_over_raw_step": loops[loop]["step_ratio_over_raw"] for loop in loops if loop != "raw"
+        } | {f"{loop}_first_step_s": loops[loop]["first_step_s"]["median"] for loop in loops}
+    if "curves" in sections:
+        runs = sections["curves"]["runs"]
+        out["curves_val_loss_by_sync_every"] = {k: r["val_loss"]["median"] for k, r in runs.items()}
+        base = runs.get("1")
+        if base is not None:
+            out["curves_epoch_time_vs_every_step"] = {
+                k: _ratio(r["steady_epoch_s"]["median"], base["steady_epoch_s"]["median"]) for k, r in runs.items()
+            }
+    if "strategies" in sections:
+        strategies = sections["strategies"]["strategies"]
+        single = strategies["single"]["steady_epoch_s"]["median"]
+        out["strategies"] = {
+            name: {
+                "steady_epoch_s": s["steady_epoch_s"]["median"],
+                "epoch_s": s["epoch_s"]["median"],
+                "steady_epoch_vs_single": _ratio(s["steady_epoch_s"]["median"], single),
+                "val_loss": s["val_loss"]["median"],
+            }
+            for name, s in strategies.items()
+        }
+    return out

@@ -1,0 +1,248 @@
+"""Run syncline's benchmark suite: the DDP paper's experiments on this machine, in one command.
+
+    python -m benchmarks              # the full suite, about 15 minutes on 2 cores -> results/suite.json
+    python -m benchmarks --quick      # the same experiments, fewer points and repeats, about 2 minutes
+    python -m benchmarks --sections ddp,overhead --out /tmp/x.json
+
+Sections (in the order they run):
+
+- `ddp`: per workload (ResNet-style CNN, BERT-style encoder, the tiny MLP), one two-rank gloo job in which
+  every variant is interleaved: latency breakdown (forward, backward, exposed communication, optimizer) of
+  local training, BucketedDDP and NativeDDP at their defaults; a bucket-size sweep for both reducers;
+  BucketedDDP with overlap off at every size; skipped synchronization every k micro-batches.
+- `curves`: CharGPT (the default example) trained through the Trainer on two ranks with BucketedDDP,
+  synchronizing every k micro-batches: loss curves and final validation loss.
+- `overhead`: Trainer vs hand-written loop vs pytorch-lightning on the tiny MLP, in fresh processes.
+- `strategies`: CharGPT for a fixed number of steps with every registered strategy.
+
+Every figure is a median over repeats with its spread; the JSON holds the machine's description and its
+load average at the start and end of every section. `python benchmarks/plot.py` draws the figures and
+`python benchmarks/report.py` prints the report's tables from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # `python benchmarks/run.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.analysis import headlines
+from benchmarks.common import ROOT, load_average, machine
+from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, run_ddp_workload
+from benchmarks.example_runs import run_example, summarize_runs
+from benchmarks.overhead import run_overhead
+
+__all__ = ["PLANS", "SECTIONS", "main"]
+
+SECTIONS = ("ddp", "curves", "overhead", "strategies")
+RESULTS = ROOT / "benchmarks" / "results"
+
+#: CharGPT for the loss curves: small and short, so four two-rank runs take about a minute and a half.
+SMALL_GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "max_chars": 300_000, "sample_chars": 0}
+#: CharGPT as `python -m trainer` trains it (4 layers, width 128, context 64), without the final sample.
+DEFAULT_GPT = {"max_chars": 1_000_000, "sample_chars": 0}
+TINY_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "max_chars": 20_000, "sample_chars": 0}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes, repeats and steps of every section for one mode of the suite."""
+
+    size: str
+    ddp: DDPPlan
+    mlp: DDPPlan
+    workloads: tuple[str, ...] = ("cnn", "bert")
+    curve_model: dict = field(default_factory=lambda: dict(SMALL_GPT))
+    curve_batch: int = 16
+    curve_microbatches: int = 384
+    curve_sync_every: tuple[int, ...] = (1, 2, 4, 8)
+    strategy_model: dict = field(default_factory=lambda: dict(DEFAULT_GPT))
+    strategy_global_batch: int = 32
+    strategy_steps: int = 80
+    strategy_repeats: int = 2
+    val_batches: int = 20
+    overhead_steps: int = 1200
+    overhead_warmup: int = 200
+    overhead_repeats: int = 5
+    timeout_s: float = 900.0
+
+
+PLANS = {
+    "full": Plan(
+        size="full",
+        ddp=DDPPlan(
+            caps_mb=(0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, ALL_IN_ONE_MB),
+            sync_every=(1, 2, 4, 8),
+            repeats=4,
+            steps=3,
+            skip_microbatches=8,
+        ),
+        mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=5, steps=40, warmup=5),
+    ),
+    "quick": Plan(
+        size="full",
+        ddp=DDPPlan(caps_mb=(0.0, 1.0, ALL_IN_ONE_MB), sync_every=(1, 4), repeats=2, steps=2, skip_microbatches=4),
+        mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=2, steps=20, warmup=5),
+        curve_microbatches=96,
+        curve_sync_every=(1, 4),
+        strategy_steps=20,
+        strategy_repeats=1,
+        val_batches=5,
+        overhead_steps=500,
+        overhead_warmup=100,
+        overhead_repeats=1,
+        timeout_s=300.0,
+    ),
+    "smoke": Plan(
+        size="tiny",
+        ddp=DDPPlan(caps_mb=(0.0, ALL_IN_ONE_MB), sync_every=(1, 2), repeats=1, steps=2, skip_microbatches=2),
+        mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=1, steps=2),
+        curve_model=dict(TINY_GPT),
+        curve_batch=4,
+        curve_microbatches=4,
+        curve_sync_every=(1, 2),
+        strategy_model=dict(TINY_GPT),
+        strategy_global_batch=8,
+        strategy_steps=2,
+        strategy_repeats=1,
+        val_batches=1,
+        overhead_steps=30,
+        overhead_warmup=10,
+        overhead_repeats=1,
+        timeout_s=120.0,
+    ),
+}
+
+
+# ---------------------------------------------------------------- sections
+def run_ddp(plan: Plan, log) -> dict[str, Any]:
+    """Experiments 1-3 and skip-sync timing: one two-rank job per workload."""
+    results = {}
+    for name in (*plan.workloads, "mlp"):
+        log(f"ddp: {name}")
+        sweep = name != "mlp"
+        results[name] = run_ddp_workload(name, plan.size, plan.ddp if sweep else plan.mlp, sweep, plan.timeout_s)
+    return results
+
+
+def run_curves(plan: Plan, log) -> dict[str, Any]:
+    """Experiment 4's convergence half: CharGPT with BucketedDDP, synchronizing every k micro-batches."""
+    runs = {}
+    model = {**plan.curve_model, "batch_size": plan.curve_batch, "warmup_steps": 32}
+    for k in plan.curve_sync_every:
+        log(f"curves: sync every {k}")
+        config = _example_config(plan, "bucketed_ddp", 2, model, plan.curve_microbatches, accumulate=k)
+        runs[str(k)] = summarize_runs([run_example(config, plan.timeout_s)])
+    return {"model": model, "microbatches": plan.curve_microbatches, "world_size": 2, "runs": runs}
+
+
+def run_strategies(plan: Plan, log) -> dict[str, Any]:
+    """Experiment 6: CharGPT for a fixed number of steps with every strategy, interleaved over repeats."""
+    strategies = [("single", 1), ("bucketed_ddp", 2), ("native_ddp", 2)]
+    runs: dict[str, list] = {name: [] for name, _ in strategies}
+    for repeat in range(plan.strategy_repeats):
+        shift = repeat % len(strategies)
+        for name, devices in strategies[shift:] + strategies[:shift]:
+            log(f"strategies: {name} (repeat {repeat + 1})")
+            # The same global batch for every strategy, so all take the same steps on the same samples.
+            model = {**plan.strategy_model, "batch_size": plan.strategy_global_batch // devices}
+            runs[name].append(
+                run_example(_example_config(plan, name, devices, model, plan.strategy_steps), plan.timeout_s)
+            )
+    return {
+        "steps": plan.strategy_steps,
+        "global_batch": plan.strategy_global_batch,
+        "model": plan.strategy_model,
+        "strategies": {
+            name: {"devices": dict(strategies)[name], **summarize_runs(items)} for name, items in runs.items()
+        },
+    }
+
+
+def _example_config(plan: Plan, strategy: str, devices: int, model: dict, microbatches: int, accumulate: int = 1):
+    return {
+        "strategy": strategy,
+        "devices": devices,
+        "accumulate": accumulate,
+        "microbatches": microbatches,
+        "val_batches": plan.val_batches,
+        "threads": machine()["cores"],
+        "timeout": plan.timeout_s,
+        "model": {"warmup_steps": 50, **model},
+    }
+
+
+def run_overhead_section(plan: Plan, log) -> dict[str, Any]:
+    """Experiment 5: framework overhead per step and to the first step."""
+    log("overhead: raw loop, Trainer, Lightning")
+    return run_overhead(plan.overhead_steps, plan.overhead_warmup, plan.overhead_repeats, plan.timeout_s)
+
+
+_RUNNERS = {"ddp": run_ddp, "curves": run_curves, "overhead": run_overhead_section, "strategies": run_strategies}
+
+
+# -------------------------------------------------------------------- main
+def run_suite(mode: str, sections: tuple[str, ...], out: Path, log=print) -> dict[str, Any]:
+    """Run `sections` of the suite in `mode` ("full", "quick", "smoke"); write and return the results."""
+    plan = PLANS[mode]
+    start = time.perf_counter()
+    results: dict[str, Any] = {
+        "suite": "syncline benchmarks (the DDP paper's experiments at CPU scale)",
+        "mode": mode,
+        "command": "python -m benchmarks" + {"full": "", "quick": " --quick", "smoke": " --smoke"}[mode],
+        "started_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": {**machine(), "load_average_start": load_average()},
+        "plan": asdict(plan),
+        "sections": {},
+    }
+    for section in sections:
+        section_start = time.perf_counter()
+        load_before = load_average()
+        results["sections"][section] = _RUNNERS[section](plan, log)
+        results["sections"][section]["_timing"] = {
+            "wall_s": round(time.perf_counter() - section_start, 1),
+            "load_average_start": load_before,
+            "load_average_end": load_average(),
+        }
+        log(f"{section}: {results['sections'][section]['_timing']['wall_s']} s")
+    results["machine"]["load_average_end"] = load_average()
+    results["wall_s"] = round(time.perf_counter() - start, 1)
+    results["headline"] = headlines(results)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="fewer points and repeats (about 2 minutes)")
+    mode.add_argument("--smoke", action="store_true", help="tiny models, a couple of steps (for the test suite)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--out", type=Path, help="JSON file (default: benchmarks/results/suite[_quick].json)")
+    args = parser.parse_args(argv)
+    name = "smoke" if args.smoke else "quick" if args.quick else "full"
+    sections = tuple(s for s in args.sections.split(",") if s)
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
+    out = args.out or RESULTS / {"full": "suite.json", "quick": "suite_quick.json", "smoke": "suite_smoke.json"}[name]
+
+    def log(message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    results = run_suite(name, sections, out, log)
+    log(f"done in {results['wall_s']} s; wrote {out}")
+    print(json.dumps(results["headline"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
