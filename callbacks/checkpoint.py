@@ -152,6 +152,15 @@ class ModelCheckpoint(Callback):
         if self._epoch_due(trainer) and not self._saves_on_train_epoch_end(trainer):
             self._save(trainer)
 
+    def on_train_end(self, trainer: Trainer, task: Task) -> None:
+        """Write ``last.ckpt`` for the final state when training stopped between saves (max_steps)."""
+        if not self.save_last or trainer.global_step == self._last_global_step_saved:
+            return
+        self._last_global_step_saved = trainer.global_step
+        path = os.path.join(self._dir(), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+        trainer.save_checkpoint(path)  # collective; replaces last.ckpt atomically
+        self.last_model_path = path
+
     def _epoch_due(self, trainer: Trainer) -> bool:
         return self.every_n_epochs > 0 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
 

@@ -129,6 +129,8 @@ class ProcessGroupStrategy(Strategy):
         timeout: seconds a collective may take before it fails with an error.
     """
 
+    multi_process = True
+
     def __init__(self, backend: str | None = None, timeout: float = 1800.0) -> None:
         self.backend = backend
         self.timeout = timeout

@@ -38,6 +38,9 @@ class Strategy(ABC):
     #: before each forward, because some strategies (torch's DDP) decide in the forward.
     sync_next_backward: bool = True
 
+    #: Whether the strategy runs as several processes (and so can take `devices > 1`).
+    multi_process: bool = False
+
     # ---------------------------------------------------------------- identity
     @property
     def global_rank(self) -> int:

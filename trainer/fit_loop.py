@@ -66,19 +66,25 @@ class FitLoop:
         self.fire(Callback.on_train_epoch_start)
         num_batches = trainer.num_training_batches
         validated_after = -1
+        exhausted = True
         for batch_idx, batch, is_last in self._batches(num_batches):
             self.run_batch(batch, batch_idx, is_last)
             if not is_last and trainer.validation_due(batch_idx, is_last=False):
                 trainer.run_validation()
                 validated_after = batch_idx
+            exhausted = is_last
             if state.should_stop or (trainer.max_steps != -1 and state.global_step >= trainer.max_steps):
                 break
-        state.epoch_finished = True
+        # An epoch cut short by max_steps is not finished: it gets its final validation but no epoch-end
+        # events, and a resume with a larger max_steps continues it with its remaining batches, as an
+        # uninterrupted run would. A stop request (early stopping) ends the epoch.
+        state.epoch_finished = exhausted or state.should_stop
         last = state.batch_idx - 1
         if last != validated_after and trainer.validation_due(last, is_last=True):
             trainer.run_validation()
-        self.fire_epoch_end()
-        self.optim_step_schedulers("epoch", state.current_epoch + 1)
+        if state.epoch_finished:
+            self.fire_epoch_end()
+            self.optim_step_schedulers("epoch", state.current_epoch + 1)
 
     def fire_epoch_end(self) -> None:
         """Let the task log, resolve the epoch's aggregates, then let the callbacks see them."""

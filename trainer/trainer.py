@@ -121,6 +121,11 @@ class Trainer:
         self.seed = seed
         self.deterministic = deterministic
         self.strategy = resolve_strategy(strategy, devices)
+        if devices > 1 and not self.strategy.multi_process:
+            raise ValueError(
+                f"devices={devices} needs a data-parallel strategy, but {self.strategy!r} trains in one "
+                "process. Use strategy='auto', 'bucketed_ddp' or 'native_ddp', or devices=1."
+            )
         self.loggers = self._build_loggers(logger)
         self.callbacks = self._build_callbacks(callbacks, enable_checkpointing, enable_progress_bar)
 
@@ -420,12 +425,14 @@ class Trainer:
             limit_batches(d, self.limit_val_batches, "limit_val_batches") for d in self.val_dataloaders
         ]
         interval = self.val_check_interval
-        self._val_every: int | None = None
+        #: Training batches between validations: a float for fractions of an epoch, so that e.g. 0.25
+        #: validates after batches 110, 220, 330 and 439 of 439 rather than 109, 218, 327, 436 and 439.
+        self._val_every: float | None = None
         if isinstance(interval, float):
             if interval < 1.0 and self.num_training_batches != math.inf:
-                self._val_every = max(1, int(self.num_training_batches * interval))
+                self._val_every = max(1.0, self.num_training_batches * interval)
         else:
-            self._val_every = int(interval)
+            self._val_every = float(interval)
 
     def validation_due(self, batch_idx: int, is_last: bool) -> bool:
         """Whether validation runs after training batch `batch_idx` of this epoch."""
@@ -433,7 +440,9 @@ class Trainer:
             return False
         if is_last and isinstance(self.val_check_interval, float):
             return True
-        return self._val_every is not None and (batch_idx + 1) % self._val_every == 0
+        every = self._val_every
+        # Due when this batch crosses a multiple of `every`.
+        return every is not None and int((batch_idx + 1) / every) > int(batch_idx / every)
 
     def run_validation(self) -> None:
         """Validate during fit, without moving the training RNG streams."""

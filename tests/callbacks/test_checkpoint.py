@@ -113,6 +113,15 @@ def test_mid_epoch_validation_saves_after_each_validation(tmp_path):
     assert {p.name for p in tmp_path.glob("*.ckpt")} == {f"step={s}.ckpt" for s in (2, 4, 6, 8)}
 
 
+def test_save_last_writes_the_final_state_when_max_steps_stops_between_saves(tmp_path):
+    """Validation every 3 of 4 batches and max_steps=5: the last save is at step 3, last.ckpt must be at 5."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_last=True, filename="{step}")
+    trainer, _ = _fit(tmp_path, checkpoint, epochs=3, val_check_interval=3, max_steps=5)
+    assert trainer.global_step == 5
+    assert load_checkpoint(tmp_path / "last.ckpt")["progress"]["global_step"] == 5
+    assert checkpoint.last_model_path == str(tmp_path / "last.ckpt")
+
+
 def test_monitor_never_logged_lists_the_logged_keys(tmp_path):
     with pytest.raises(KeyError, match="'val_los'.*Logged metrics: train_loss, val_loss, val_metric"):
         _fit(tmp_path, ModelCheckpoint(dirpath=tmp_path, monitor="val_los"), epochs=1, values=[1.0])

@@ -112,6 +112,7 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
         ({"gradient_clip_val": 0}, "gradient_clip_val must be positive"),
         ({"strategy": "warp_drive"}, "Unknown strategy 'warp_drive'. Valid strategies: .*single"),
         ({"limit_train_batches": 2.0}, "limit_train_batches=2.0 is a float above 1.0"),
+        ({"devices": 2, "strategy": "single"}, "devices=2 needs a data-parallel strategy"),
     ],
 )
 def test_bad_trainer_arguments(kwargs, message):

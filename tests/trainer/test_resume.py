@@ -122,3 +122,24 @@ def test_ckpt_path_last_without_checkpoint_warns_and_starts_fresh(tmp_path):
     with pytest.warns(UserWarning, match="found no checkpoint"):
         _, trainer = _run(tmp_path, 0, ckpt_path="last")
     assert trainer.global_step == 3 * 4  # 10 batches / 3 per window = 4 steps per epoch
+
+
+def test_resume_after_max_steps_continues_the_cut_epoch(tmp_path):
+    """A run stopped by max_steps mid-epoch and resumed with a larger max_steps equals one uninterrupted run."""
+    data = NoisyData()
+
+    def fit(max_steps: int, ckpt_path=None, init_seed: int = 0):
+        torch.manual_seed(init_seed)
+        task = Scheduled(dropout=0.3)
+        trainer = Trainer(max_steps=max_steps, seed=7, default_root_dir=tmp_path, **quiet())
+        trainer.fit(task, DataLoader(data, batch_size=6, shuffle=True), ckpt_path=ckpt_path)
+        return task, trainer
+
+    reference, _ = fit(16)  # 10 batches per epoch: ends mid-epoch 1
+    _, first = fit(13)
+    first.save_checkpoint(tmp_path / "at13.ckpt")
+    assert not first.state.epoch_finished
+    resumed, trainer = fit(16, ckpt_path=tmp_path / "at13.ckpt", init_seed=3)
+    assert trainer.global_step == 16
+    for name, value in reference.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name

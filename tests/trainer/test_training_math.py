@@ -105,7 +105,8 @@ def test_step_scheduler_and_val_check_interval():
     task = Scheduled()
     trainer.fit(task, loader(data, 8), loader(data, 40))
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.5**10)
-    assert validations == [2, 4, 6, 8, 10]
+    # Quarters of 10 batches: after batches 2.5, 5, 7.5 and 10, rounded up.
+    assert validations == [3, 5, 8, 10]
 
 
 def test_epoch_metrics_are_batch_size_weighted_means():
