@@ -73,6 +73,20 @@ def test_short_run_writes_logs_checkpoints_and_resolved_config(tmp_path):
         assert torch.equal(resumed_ckpt["state_dict"][name], value), name
 
 
+def test_two_devices_share_one_output_directory_and_config(tmp_path):
+    """`trainer.devices=2` launches two workers from the one Hydra job: one run dir, one config, one log dir."""
+    out = tmp_path / "run"
+    result = _cli(f"hydra.run.dir={out}", "trainer.devices=2", "trainer.max_steps=3", *SMALL, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("sample after 3 steps") == 1  # rank 0 alone prints
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert len(list(out.rglob("config.yaml"))) == 2  # ours, and Hydra's own under .hydra/
+    assert [p.name for p in (out / "logs").iterdir()] == ["version_0"]
+    checkpoint = torch.load(out / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["progress"]["global_step"] == 3
+    assert len(checkpoint["rng"]) == 2  # both ranks' random streams
+
+
 def _assert_short_error(result: subprocess.CompletedProcess, code: int, *expected: str) -> None:
     assert result.returncode == code, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
