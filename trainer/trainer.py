@@ -374,6 +374,7 @@ class Trainer:
         if checkpoint is not None:
             for logger, state in zip(self.loggers, checkpoint.get("loggers", [])):
                 logger.load_state_dict(state)
+        self._share_logger_state()
         self.dispatcher.fire(Callback.setup, "fit")
         loader = train_dataloaders if train_dataloaders is not None else task.train_dataloader()
         self.train_dataloader = self._prepare_loader(loader)
@@ -397,6 +398,7 @@ class Trainer:
     def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any) -> Any:
         task = self.task
         checkpoint = self._read_checkpoint(ckpt_path)
+        self._share_logger_state()
         self.dispatcher.fire(Callback.setup, stage)
         if dataloaders is None:
             dataloaders = getattr(task, _LOADER_METHODS[stage])()
@@ -417,6 +419,17 @@ class Trainer:
         if stage == "predict":
             return predictions
         return [{name: float(value) for name, value in metrics.items()}]
+
+    def _share_logger_state(self) -> None:
+        """Make every rank's loggers agree with rank 0's (its run directory), so `log_dir` is one path."""
+        if self.world_size == 1 or not self.loggers:
+            return
+        states = [logger.state_dict() for logger in self.loggers] if self.is_global_zero else None
+        # Collective: rank 0 picked the version directory; the others adopt it.
+        states = self.strategy.broadcast_object(states)
+        if not self.is_global_zero:
+            for logger, state in zip(self.loggers, states):
+                logger.load_state_dict(state)
 
     # -------------------------------------------------------------- validation
     def _set_val_loaders(self, loaders: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -144,11 +145,81 @@ def test_devices_2_launches_workers_and_returns_rank_zero_weights(tmp_path):
         capture_output=True,
         text=True,
         timeout=180,
-        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary == {"steps": 8, "strategy": "BucketedDDP"}
+    weights = torch.load(tmp_path / "weights.pt")
+    for name, value in _single(8).items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-5)
+
+
+def _fit_with_csv(rank, world_size, tmp):
+    from callbacks import CSVLogger
+
+    torch.manual_seed(0)
+    trainer = Trainer(
+        max_steps=4,
+        strategy="bucketed_ddp",
+        log_every_n_steps=2,
+        logger=CSVLogger(tmp),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(Regressor(), loader(regression_data(32), 4))
+    return trainer.log_dir
+
+
+def test_communication_statistics_reach_the_logger_from_rank_zero_only(tmp_path):
+    import csv
+
+    log_dirs = run_distributed(_fit_with_csv, world_size=2, args=(str(tmp_path),), timeout=120)
+    assert len(set(log_dirs)) == 1
+    assert [p.name for p in (tmp_path / "csv_logs").iterdir()] == ["version_0"]  # rank 1 wrote nothing
+    with open(Path(log_dirs[0]) / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    logged = [row for row in rows if row.get("comm/collectives")]
+    assert [int(row["step"]) for row in logged] == [2, 4]
+    # 161 float32 parameters in one bucket: one all-reduce of 644 bytes per synchronized step.
+    assert {float(row["comm/collectives"]) for row in logged} == {1.0}
+    assert {float(row["comm/bytes"]) for row in logged} == {644.0}
+
+
+def test_torchrun_starts_the_workers(tmp_path):
+    """Under torchrun the strategy takes rank and world size from the environment; nothing is relaunched."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, torch
+            from tests.trainer._tasks import Regressor, loader, quiet, regression_data
+            from trainer import Trainer
+            torch.manual_seed(0)
+            task = Regressor()
+            trainer = Trainer(max_epochs=2, **quiet())
+            trainer.fit(task, loader(regression_data(32), 4))
+            print(f"rank={trainer.global_rank} world={trainer.world_size} steps={trainer.global_step}", flush=True)
+            if trainer.global_rank == 0:
+                torch.save(task.state_dict(), os.environ["OUT"])
+            """
+        )
+    )
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path / "weights.pt"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node=2", str(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("rank=")) == [
+        "rank=0 world=2 steps=8",
+        "rank=1 world=2 steps=8",
+    ]
     weights = torch.load(tmp_path / "weights.pt")
     for name, value in _single(8).items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-5)
