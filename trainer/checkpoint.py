@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint", "to_primitive"]
 
 #: Format version written into every checkpoint, checked when one is read.
 FORMAT_VERSION = 1
@@ -77,3 +77,14 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
             f"{path} was written by a newer syncline (format {checkpoint['syncline_format']}); upgrade syncline."
         )
     return checkpoint
+
+
+def to_primitive(value: Any) -> Any:
+    """Return `value` as plain dicts, lists, strings and numbers (for checkpoints and loggers)."""
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {str(k): to_primitive(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_primitive(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -17,16 +16,16 @@ from callbacks.logger import Logger
 from strategies.launcher import launch, launched_by_torchrun
 from strategies.registry import resolve_strategy
 from strategies.strategy import Strategy
-from trainer.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
+from trainer import persistence
+from trainer.checkpoint import save_checkpoint, to_primitive
 from trainer.data import limit_batches, with_distributed_sampler
 from trainer.evaluation import run_evaluation
 from trainer.fit_loop import FitLoop
 from trainer.optim import OptimizerSetup, parse_optimizers
 from trainer.precision import PRECISIONS, Precision
-from trainer.rank_zero import rank_zero_warn
 from trainer.results import ResultCollection
 from trainer.seed import seed_everything, set_deterministic
-from trainer.state import TrainerState, capture_rng, isolated_rng
+from trainer.state import TrainerState, isolated_rng
 from trainer.task import Task
 
 __all__ = ["Trainer"]
@@ -308,33 +307,17 @@ class Trainer:
             return launch(self, "predict", task, {"dataloaders": dataloaders, "ckpt_path": ckpt_path})
         return self._run("predict", task, lambda: self._evaluate("predict", dataloaders, ckpt_path))
 
-    def _must_launch(self) -> bool:
-        """Whether this call must start `devices` worker processes (not when torchrun started us)."""
-        return self.devices > 1 and not launched_by_torchrun()
-
     def worker_result(self, task: Task, returned: Any) -> dict[str, Any]:
         """Return what a launched rank 0 sends back to the process that launched it."""
-        return {
-            "return": returned,
-            "state_dict": {name: value.cpu() for name, value in task.state_dict().items()},
-            "progress": self.state.state_dict(),
-            "callback_metrics": {name: value.cpu() for name, value in self.callback_metrics.items()},
-            "logged_metrics": dict(self.logged_metrics),
-            "callbacks": {c.state_key: c.state_dict() for c in self.callbacks},
-            "loggers": [logger.state_dict() for logger in self.loggers],
-        }
+        return persistence.worker_result(self, task, returned)
 
     def apply_worker_result(self, task: Task, result: dict[str, Any]) -> None:
         """Load what a launched rank 0 sent back, so this process holds the trained task and metrics."""
-        task.load_state_dict(result["state_dict"])
-        self.state.load_state_dict(result["progress"])
-        self.callback_metrics.update(result["callback_metrics"])
-        self.logged_metrics.update(result["logged_metrics"])
-        for callback in self.callbacks:
-            if callback.state_key in result["callbacks"]:
-                callback.load_state_dict(result["callbacks"][callback.state_key])
-        for logger, state in zip(self.loggers, result["loggers"]):
-            logger.load_state_dict(state)
+        persistence.apply_worker_result(self, task, result)
+
+    def _must_launch(self) -> bool:
+        """Whether this call must start `devices` worker processes (not when torchrun started us)."""
+        return self.devices > 1 and not launched_by_torchrun()
 
     def _run(self, stage: str, task: Task, body: Callable[[], R]) -> R:
         if not isinstance(task, Task):
@@ -370,7 +353,7 @@ class Trainer:
 
     def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: Any) -> None:
         task, strategy = self.task, self.strategy
-        checkpoint = self._read_checkpoint(ckpt_path)
+        checkpoint = persistence.read_checkpoint(self, ckpt_path)
         if checkpoint is not None:
             for logger, state in zip(self.loggers, checkpoint.get("loggers", [])):
                 logger.load_state_dict(state)
@@ -386,18 +369,18 @@ class Trainer:
         self.optim: OptimizerSetup = parse_optimizers(task.configure_optimizers(), type(task).__name__)
         self._fit_loop = FitLoop(self)
         if checkpoint is not None:
-            self._restore(checkpoint)
+            persistence.restore(self, checkpoint)
         self.dispatcher.fire(Callback.on_fit_start)
         if self.is_global_zero:
             for logger in self.loggers:
-                logger.log_hyperparams(_primitive(task.hparams))
+                logger.log_hyperparams(to_primitive(task.hparams))
         self._sanity_check()
         self._fit_loop.run()
         self.dispatcher.fire(Callback.on_fit_end)
 
     def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any) -> Any:
         task = self.task
-        checkpoint = self._read_checkpoint(ckpt_path)
+        checkpoint = persistence.read_checkpoint(self, ckpt_path)
         self._share_logger_state()
         self.dispatcher.fire(Callback.setup, stage)
         if dataloaders is None:
@@ -513,72 +496,11 @@ class Trainer:
     # ------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Write a checkpoint of everything a bit-exact resume needs. Call it on every process."""
-        checkpoint = self._checkpoint_dict()
+        checkpoint = persistence.checkpoint_state(self)
         if self.is_global_zero:
             save_checkpoint(checkpoint, path)
         # Collective: nobody reads the file before rank 0 has finished writing it.
         self.strategy.barrier()
-
-    def _checkpoint_dict(self) -> dict[str, Any]:
-        task, loop = self.task, self._fit_loop
-        checkpoint: dict[str, Any] = {
-            "syncline_format": FORMAT_VERSION,
-            "state_dict": task.state_dict(),
-            "hparams": _primitive(task.hparams),
-            "progress": self.state.state_dict(),
-            # Collective: every rank's RNG, so each process resumes its own random stream.
-            "rng": self.strategy.all_gather_object(capture_rng()),
-            "callbacks": {c.state_key: c.state_dict() for c in self.callbacks},
-            "loggers": [logger.state_dict() for logger in self.loggers],
-        }
-        if hasattr(self, "optim"):
-            checkpoint["optimizer"] = self.optim.state_dict()
-            checkpoint["precision"] = self.precision.state_dict()
-            checkpoint["results"] = self._train_results.state_dict(task)
-        if loop is not None:
-            checkpoint["accumulated_grads"] = loop.accumulated_grads()
-        self.dispatcher.fire(Callback.on_save_checkpoint, checkpoint)
-        return checkpoint
-
-    def _read_checkpoint(self, ckpt_path: Any) -> dict[str, Any] | None:
-        if ckpt_path is None:
-            return None
-        path = self._find_last_checkpoint() if ckpt_path == "last" else str(ckpt_path)
-        if path is None:
-            rank_zero_warn(
-                f'ckpt_path="last" found no checkpoint under {self.default_root_dir}; training from scratch.'
-            )
-            return None
-        return load_checkpoint(path)
-
-    def _find_last_checkpoint(self) -> str | None:
-        roots = {Path(self.default_root_dir)}
-        roots.update(Path(c.dirpath) for c in self.checkpoint_callbacks if getattr(c, "dirpath", None))
-        found = [p for root in roots if root.is_dir() for p in root.rglob("*.ckpt")]
-        last = [p for p in found if p.name.startswith("last")] or found
-        if not last:
-            return None
-        newest = max(last, key=lambda p: p.stat().st_mtime)
-        # Collective: every rank resumes from the file rank 0 chose.
-        return self.strategy.broadcast_object(str(newest))
-
-    def _restore(self, checkpoint: dict[str, Any]) -> None:
-        task, loop = self.task, self._fit_loop
-        assert loop is not None
-        self.dispatcher.fire(Callback.on_load_checkpoint, checkpoint)
-        task.load_state_dict(checkpoint["state_dict"])
-        self.optim.load_state_dict(checkpoint["optimizer"])
-        self.precision.load_state_dict(checkpoint.get("precision", {}))
-        self.state.load_state_dict(checkpoint["progress"])
-        self._train_results.load_state_dict(checkpoint.get("results", {}), task)
-        saved_callbacks = checkpoint.get("callbacks", {})
-        for callback in self.callbacks:
-            if callback.state_key in saved_callbacks:
-                callback.load_state_dict(saved_callbacks[callback.state_key])
-        loop.restore_accumulated_grads(checkpoint.get("accumulated_grads"))
-        rng_states = checkpoint["rng"]
-        # A run resumed on more processes than it was saved with gives the extra ranks rank 0's stream.
-        loop.resume_rng = rng_states[self.global_rank] if self.global_rank < len(rng_states) else rng_states[0]
 
     # -------------------------------------------------------------------- data
     def _prepare_loader(self, loader: Any) -> Any:
@@ -594,14 +516,3 @@ def _check_positive(name: str, value: Any) -> None:
 
 def _as_list(loaders: Any) -> list[Any]:
     return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
-
-
-def _primitive(value: Any) -> Any:
-    """Return `value` as plain dicts, lists, strings and numbers (for checkpoints and loggers)."""
-    if isinstance(value, dict) or hasattr(value, "items"):
-        return {str(k): _primitive(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_primitive(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
