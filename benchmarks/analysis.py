@@ -70,8 +70,9 @@ def _ddp(workload: dict[str, Any]) -> dict[str, Any]:
             "worst_over_best": _ratio(worst[1], best[1]),
         }
     overlap_by_cap = {}
-    for (cap, on), (_, off) in zip(sweep(variants, "bucketed"), sweep(variants, "bucketed", overlap=False)):
-        overlap_by_cap[f"{cap:g}"] = _ratio(off["step"]["median_ms"], on["step"]["median_ms"])
+    with_overlap = dict(sweep(variants, "bucketed"))
+    for cap, off in sweep(variants, "bucketed", overlap=False):
+        overlap_by_cap[f"{cap:g}"] = _ratio(off["step"]["median_ms"], with_overlap[cap]["step"]["median_ms"])
     if overlap_by_cap:
         out["overlap_speedup_by_cap"] = overlap_by_cap
     skip = {}

@@ -9,8 +9,8 @@ rank 0's callback state back to the launching process, as it does for every call
 - Skip-sync curves: BucketedDDP on two ranks, synchronizing every k micro-batches
   (`accumulate_grad_batches=k`), the same micro-batches for every k; warm-up covers the same number of
   samples (`warmup_steps // k` optimizer steps), so the runs differ only in how often they synchronize.
-- Strategy comparison: single (one process, all cores), bucketed_ddp and native_ddp (two processes, one
-  thread each), the same global batch and the same number of steps, so the losses are comparable.
+- Strategy comparison: single (one process), bucketed_ddp and native_ddp (two processes), one thread per
+  process, the same global batch and the same number of steps, so the losses are comparable.
 """
 
 from __future__ import annotations

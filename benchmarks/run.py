@@ -79,17 +79,25 @@ PLANS = {
     "full": Plan(
         size="full",
         ddp=DDPPlan(
-            caps_mb=(0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, ALL_IN_ONE_MB),
+            caps_mb=(0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, ALL_IN_ONE_MB),
+            no_overlap_caps_mb=(0.0, 1.0, 4.0, ALL_IN_ONE_MB),
             sync_every=(1, 2, 4, 8),
-            repeats=4,
-            steps=3,
+            repeats=6,
+            steps=2,
             skip_microbatches=8,
         ),
-        mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=5, steps=40, warmup=5),
+        mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=6, steps=40, warmup=5),
     ),
     "quick": Plan(
         size="full",
-        ddp=DDPPlan(caps_mb=(0.0, 1.0, ALL_IN_ONE_MB), sync_every=(1, 4), repeats=2, steps=2, skip_microbatches=4),
+        ddp=DDPPlan(
+            caps_mb=(0.0, ALL_IN_ONE_MB),
+            no_overlap_caps_mb=(0.0, ALL_IN_ONE_MB),
+            sync_every=(1, 4),
+            repeats=2,
+            steps=2,
+            skip_microbatches=4,
+        ),
         mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=2, steps=20, warmup=5),
         curve_microbatches=96,
         curve_sync_every=(1, 4),
@@ -103,7 +111,14 @@ PLANS = {
     ),
     "smoke": Plan(
         size="tiny",
-        ddp=DDPPlan(caps_mb=(0.0, ALL_IN_ONE_MB), sync_every=(1, 2), repeats=1, steps=2, skip_microbatches=2),
+        ddp=DDPPlan(
+            caps_mb=(0.0, ALL_IN_ONE_MB),
+            no_overlap_caps_mb=(0.0,),
+            sync_every=(1, 2),
+            repeats=1,
+            steps=2,
+            skip_microbatches=2,
+        ),
         mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=1, steps=2),
         curve_model=dict(TINY_GPT),
         curve_batch=4,
@@ -174,7 +189,9 @@ def _example_config(plan: Plan, strategy: str, devices: int, model: dict, microb
         "accumulate": accumulate,
         "microbatches": microbatches,
         "val_batches": plan.val_batches,
-        "threads": machine()["cores"],
+        # One thread, as every rank has: on a shared machine a second OpenMP thread per process can
+        # wait on a busy core and slow the process down many times over.
+        "threads": 1,
         "timeout": plan.timeout_s,
         "model": {"warmup_steps": 50, **model},
     }

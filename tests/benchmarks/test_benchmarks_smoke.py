@@ -1,0 +1,87 @@
+"""The benchmark suite's smallest configuration runs end to end, so that the suite cannot rot unnoticed.
+
+Timings are not checked (speed is never asserted by a test); what is checked is that every experiment of
+the DDP section ran on real processes and produced the numbers the report and the figures are made of.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks.report import tables
+from benchmarks.run import run_suite
+
+EXPECTED = {
+    "local",
+    "native default",
+    "bucketed default",
+    "bucketed default no-overlap",
+    "native cap=0",
+    "bucketed cap=0",
+    "bucketed cap=0 no-overlap",
+    "native cap=1024",
+    "bucketed cap=1024",
+    "native sync-every=2",
+    "bucketed sync-every=2",
+}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "smoke.json"
+    results = run_suite("smoke", ("ddp",), out, log=lambda message: None)
+    return results, out
+
+
+def _positive(value) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+def test_ddp_section_measures_every_variant_on_every_workload(smoke):
+    results, out = smoke
+    written = json.loads(out.read_text())
+    assert written["headline"] == results["headline"]
+    assert written["machine"]["cores"] >= 1
+    assert len(written["machine"]["load_average_start"]) == len(written["machine"]["load_average_end"]) == 3
+    ddp = written["sections"]["ddp"]
+    assert set(ddp) == {"cnn", "bert", "mlp", "_timing"}
+    for name in ("cnn", "bert"):
+        variants = ddp[name]["variants"]
+        assert set(variants) == EXPECTED
+        for variant in variants.values():
+            assert _positive(variant["step"]["median_ms"])
+            assert _positive(variant["per_sample"]["median_ms"])
+            # One block per repeat, of `steps` micro-batches (skip-sync: `skip_microbatches`).
+            assert len(variant["block_medians_ms"]) == 1 and variant["step"]["n"] == 2
+            phases = variant["phases_ms"]
+            assert phases["forward"] > 0 and phases["backward"] > 0
+        # BucketedDDP reports its own wait for every synchronized backward; torch's DDP does not.
+        assert all(("reducer_exposed_wait_ms" in v) == (v["reducer"] == "bucketed") for v in variants.values())
+        headline = written["headline"]["ddp"][name]
+        assert _positive(headline["bucketed_over_native_default"])
+        assert headline["native_sweep"]["worst_over_best"] >= 1.0
+        assert headline["bucketed_sweep"]["worst_over_best"] >= 1.0
+        assert set(headline["overlap_speedup_by_cap"]) == {"0"}
+        assert set(headline["skip_sync_time_per_sample_vs_every_step"]["bucketed"]) == {"1", "2"}
+    assert set(ddp["mlp"]["variants"]) == {"local", "native default", "bucketed default", "bucketed default no-overlap"}
+
+
+def test_report_tables_come_from_the_json(smoke):
+    results, _ = smoke
+    text = tables(results)
+    for row in ("| CNN | BucketedDDP |", "| BERT | NativeDDP |", "| MLP | local |", "| CNN | per parameter (0) |"):
+        assert row in text
+
+
+def test_figures_are_drawn_from_the_json(smoke, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is the optional bench extra")
+    from benchmarks.plot import plot_all
+
+    results, _ = smoke
+    written = plot_all(results, tmp_path)
+    assert {p.name for p in written} == {"bucket_sweep.png", "breakdown.png", "skip_sync.png"}
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
