@@ -33,7 +33,7 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         "hparams": to_primitive(task.hparams),
         "progress": trainer.state.state_dict(),
         # Collective: every rank's RNG, so each process resumes its own random stream.
-        "rng": trainer.strategy.all_gather_object(capture_rng()),
+        "rng": trainer.strategy.all_gather_object({"now": capture_rng(), "epoch_start": trainer.state.epoch_start_rng}),
         "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
         "loggers": [logger.state_dict() for logger in trainer.loggers],
     }
@@ -87,8 +87,10 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
             callback.load_state_dict(saved_callbacks[callback.state_key])
     loop.restore_accumulated_grads(checkpoint.get("accumulated_grads"))
     rng_states = checkpoint["rng"]
-    # A run resumed on more processes than it was saved with gives the extra ranks rank 0's stream.
-    loop.resume_rng = rng_states[trainer.global_rank] if trainer.global_rank < len(rng_states) else rng_states[0]
+    # A run resumed on more processes than it was saved with gives the extra ranks rank 0's streams.
+    mine = rng_states[trainer.global_rank] if trainer.global_rank < len(rng_states) else rng_states[0]
+    loop.resume_rng = mine["now"]
+    trainer.state.epoch_start_rng = mine["epoch_start"]
 
 
 def worker_result(trainer: Trainer, task: Task, returned: Any) -> dict[str, Any]:

@@ -45,7 +45,8 @@ class TrainerState:
     def state_dict(self) -> dict[str, Any]:
         """Return the progress fields that a resume needs."""
         state = dataclasses.asdict(self)
-        for transient in ("stage", "sanity_checking"):
+        # The epoch's RNG is per process: checkpoints gather it from every rank with the current RNG.
+        for transient in ("stage", "sanity_checking", "epoch_start_rng"):
             state.pop(transient)
         return state
 
