@@ -30,6 +30,9 @@ class FitLoop:
         self.precision = trainer.precision
         self.fire = trainer.dispatcher.fire
         self.accumulate = trainer.accumulate_grad_batches
+        if trainer.optim is None:
+            raise RuntimeError("FitLoop needs the task's optimizers: call configure_optimizers first.")
+        self.optim = trainer.optim
         self.parameters = [p for p in self.task.parameters() if p.requires_grad]
         #: RNG state of the checkpoint being resumed, applied at the point in the loop it was taken.
         self.resume_rng: dict[str, Any] | None = None
@@ -95,7 +98,7 @@ class FitLoop:
 
     def optim_step_schedulers(self, interval: str, count: int) -> None:
         """Step the schedulers due at this step or epoch."""
-        self.trainer.optim.step_schedulers(interval, count, self.trainer.callback_metrics)
+        self.optim.step_schedulers(interval, count, self.trainer.callback_metrics)
 
     def _batches(self, num_batches: int | float) -> Iterator[tuple[int, Any, bool]]:
         """Return (batch_idx, batch, is_last) for this epoch, replaying the data order on a resume."""
@@ -169,7 +172,7 @@ class FitLoop:
     def optimizer_step(self) -> None:
         """Clip, step, count, reset gradients and step per-step schedulers."""
         trainer, state, strategy = self.trainer, self.state, self.strategy
-        optimizer = trainer.optim.optimizer
+        optimizer = self.optim.optimizer
         self.precision.unscale(optimizer)
         self.fire(Callback.on_before_optimizer_step, optimizer)
         if trainer.gradient_clip_val is not None:
@@ -178,7 +181,7 @@ class FitLoop:
         state.global_step += 1
         self.fire(Callback.on_before_zero_grad, optimizer)
         strategy.zero_grad(optimizer)
-        if trainer.optim.schedulers:
+        if self.optim.schedulers:
             self.optim_step_schedulers("step", state.global_step)
 
     # -------------------------------------------------------------- checkpoints

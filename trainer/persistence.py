@@ -37,7 +37,7 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
         "loggers": [logger.state_dict() for logger in trainer.loggers],
     }
-    if hasattr(trainer, "optim"):
+    if trainer.optim is not None:
         checkpoint["optimizer"] = trainer.optim.state_dict()
         checkpoint["precision"] = trainer.precision.state_dict()
         checkpoint["results"] = trainer._train_results.state_dict(task)

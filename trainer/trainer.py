@@ -140,6 +140,8 @@ class Trainer:
         self.val_dataloaders: list[Any] = []
         self._task: Task | None = None
         self._fit_loop: FitLoop | None = None
+        #: The optimizer and schedulers of the task being fitted (None outside `fit`).
+        self.optim: OptimizerSetup | None = None
 
         set_deterministic(deterministic)
         if seed is not None:
@@ -258,12 +260,12 @@ class Trainer:
     @property
     def lr_scheduler_configs(self) -> list[Any]:
         """Schedulers of the task being fitted, with their interval and frequency."""
-        return self.optim.schedulers if hasattr(self, "optim") else []
+        return self.optim.schedulers if self.optim is not None else []
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizer of the task being fitted (a list, as in Lightning)."""
-        return [self.optim.optimizer] if hasattr(self, "optim") else []
+        return [self.optim.optimizer] if self.optim is not None else []
 
     # ------------------------------------------------------------------ stages
     def fit(
@@ -366,7 +368,7 @@ class Trainer:
         )
         self._set_val_loaders(val_dataloaders if val_dataloaders is not None else task.val_dataloader())
         strategy.setup(task)
-        self.optim: OptimizerSetup = parse_optimizers(task.configure_optimizers(), type(task).__name__)
+        self.optim = parse_optimizers(task.configure_optimizers(), type(task).__name__)
         self._fit_loop = FitLoop(self)
         if checkpoint is not None:
             persistence.restore(self, checkpoint)
