@@ -9,6 +9,7 @@ group, joining and leaving it, the metric collectives, and the start-of-training
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -156,7 +157,10 @@ class ProcessGroupStrategy(Strategy):
     # --------------------------------------------------------------- lifecycle
     def setup_environment(self) -> None:
         """Join the default process group from RANK, WORLD_SIZE, ... unless already in one."""
-        init_process_group_from_env(self.backend, self.timeout)
+        if init_process_group_from_env(self.backend, self.timeout):
+            # The group outlives stages (see teardown); leave it cleanly before the interpreter shuts down,
+            # since gloo's threads dying with the process can abort it ("terminate called ...").
+            atexit.register(destroy_process_group)
 
     def teardown(self) -> None:
         """Stay in the process group: it outlives a stage, as in Lightning.
