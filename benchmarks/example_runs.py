@@ -93,6 +93,11 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     trainer.fit(task)
     fit_s = time.perf_counter() - start
+    if len(recorder.losses) != config["microbatches"]:
+        raise RuntimeError(
+            f"The epoch had {len(recorder.losses)} micro-batches per rank, not {config['microbatches']}: "
+            "raise max_chars or lower microbatches."
+        )
     step_s = [b - a for a, b in zip([recorder.start, *recorder.ends[:-1]], recorder.ends)]
     return {
         "config": config,

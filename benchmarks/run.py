@@ -46,7 +46,7 @@ SECTIONS = ("ddp", "curves", "overhead", "strategies")
 RESULTS = ROOT / "benchmarks" / "results"
 
 #: CharGPT for the loss curves: small and short, so four two-rank runs take about a minute and a half.
-SMALL_GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "max_chars": 300_000, "sample_chars": 0}
+SMALL_GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "max_chars": 1_000_000, "sample_chars": 0}
 #: CharGPT as `python -m trainer` trains it (4 layers, width 128, context 64), without the final sample.
 DEFAULT_GPT = {"max_chars": 1_000_000, "sample_chars": 0}
 TINY_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "max_chars": 20_000, "sample_chars": 0}
