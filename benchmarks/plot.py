@@ -29,6 +29,7 @@ from benchmarks.common import ROOT
 
 __all__ = ["breakdown_parts", "cap_label", "main", "plot_all"]
 
+LABELS = {"native": "NativeDDP", "bucketed": "BucketedDDP"}
 COLORS = {"native": "#4C72B0", "bucketed": "#DD8452", "no-overlap": "#937860", "local": "#55A868"}
 PARTS = (("forward", "#8172B3"), ("backward compute", "#4C72B0"), ("exposed comm", "#C44E52"), ("optimizer", "#CCB974"))
 
@@ -122,7 +123,7 @@ def _breakdown_figure(plt, ddp: dict, out: Path) -> None:
                 capsize=4,
             )
         ax.set_title(name.upper())
-        ax.set_ylabel("ms per step (bars: phase medians; whisker: step p25-p75)")
+        ax.set_ylabel("ms per step")
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
@@ -136,31 +137,42 @@ def _skip_sync_figure(plt, sections: dict, out: Path) -> None:
     axes = list(axes[0])
     if "ddp" in sections:
         ax = axes.pop(0)
+        colors = {"cnn": "#4C72B0", "bert": "#C44E52"}
         for name in ("cnn", "bert"):
             if name not in sections["ddp"]:
                 continue
             variants = sections["ddp"][name]["variants"]
-            for reducer, style in (("native", "--o"), ("bucketed", "-o")):
-                base = variants[f"{reducer} default"]
-                points = [(1, base)] + sorted(
-                    (
-                        (v["sync_every"], v)
+            for reducer, style in (("native", "--o"), ("bucketed", "-s")):
+                base = variants[f"{reducer} default"]["per_sample"]["median_ms"]
+                points = sorted(
+                    [(1, base)]
+                    + [
+                        (v["sync_every"], v["per_sample"]["median_ms"])
                         for v in variants.values()
                         if v["reducer"] == reducer and v["sync_every"] > 1
-                    ),
-                    key=lambda item: item[0],
+                    ]
                 )
-                ks = [k for k, _ in points]
-                ax.plot(ks, [v["per_sample"]["median_ms"] for _, v in points], style, label=f"{name.upper()} {reducer}")
-            ax.axhline(variants["local"]["per_sample"]["median_ms"], lw=0.6, color="grey")
+                ax.plot(
+                    [k for k, _ in points],
+                    [value / base for _, value in points],
+                    style,
+                    color=colors[name],
+                    alpha=0.6 if reducer == "native" else 1.0,
+                    label=f"{name.upper()} {LABELS[reducer]} ({base:.1f} ms at k=1)",
+                )
+            local = (
+                variants["local"]["per_sample"]["median_ms"] / variants["bucketed default"]["per_sample"]["median_ms"]
+            )
+            ax.axhline(
+                local, lw=0.8, ls=":", color=colors[name], label=f"{name.upper()} local, no sync (vs BucketedDDP)"
+            )
         ax.set_xscale("log", base=2)
         ks = sorted(
             {v["sync_every"] for n in ("cnn", "bert") for v in sections["ddp"].get(n, {}).get("variants", {}).values()}
         )
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.set_xlabel("synchronize every k micro-batches")
-        ax.set_ylabel("ms per sample (global batch), grey: local")
-        ax.set_ylim(bottom=0)
+        ax.set_ylabel("time per sample / time per sample at k=1")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         ax.set_title("Skip-sync: amortized time per sample")
