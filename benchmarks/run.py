@@ -1,7 +1,7 @@
 """Run syncline's benchmark suite: the DDP paper's experiments on this machine, in one command.
 
-    python -m benchmarks              # the full suite, about 15 minutes on 2 cores -> results/suite.json
-    python -m benchmarks --quick      # the same experiments, fewer points and repeats, about 2 minutes
+    python -m benchmarks              # the full suite, 11-14 minutes on 2 cores -> results/suite.json
+    python -m benchmarks --quick      # the same experiments, fewer points and repeats, about 2.5 minutes
     python -m benchmarks --sections ddp,overhead --out /tmp/x.json
 
 Sections (in the order they run):
@@ -241,7 +241,7 @@ def run_suite(mode: str, sections: tuple[str, ...], out: Path, log=print) -> dic
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="fewer points and repeats (about 2 minutes)")
+    mode.add_argument("--quick", action="store_true", help="fewer points and repeats (about 2.5 minutes)")
     mode.add_argument("--smoke", action="store_true", help="tiny models, a couple of steps (for the test suite)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--out", type=Path, help="JSON file (default: benchmarks/results/suite[_quick].json)")
