@@ -51,6 +51,11 @@ def test_ddp_section_measures_every_variant_on_every_workload(smoke):
     for name in ("cnn", "bert"):
         variants = ddp[name]["variants"]
         assert set(variants) == EXPECTED
+        # Each variant ran with the configuration its name states.
+        for label, variant in variants.items():
+            assert variant["overlap"] == ("no-overlap" not in label)
+            assert variant["sync_every"] == (2 if "sync-every=2" in label else 1)
+            assert variant["cap_mb"] == (None if "cap=" not in label else float(label.split("cap=")[1].split()[0]))
         for variant in variants.values():
             assert _positive(variant["step"]["median_ms"])
             assert _positive(variant["per_sample"]["median_ms"])
