@@ -37,6 +37,11 @@ class TensorBoardLogger(VersionedLogger):
         version: int | None = None,
         default_hp_metric: bool = False,
     ) -> None:
+        # Import tensorboard now rather than at the first logged step: an import in the middle of
+        # training leaves tens of thousands of young objects whose promotion later sets off a full
+        # garbage collection (a pause of ~200 ms measured on the tiny-MLP benchmark).
+        import torch.utils.tensorboard  # noqa: F401
+
         super().__init__(save_dir, name, version)
         self.default_hp_metric = default_hp_metric
         self._writer: SummaryWriter | None = None
@@ -49,7 +54,7 @@ class TensorBoardLogger(VersionedLogger):
 
     def _open_writer(self, purge_step: int | None) -> SummaryWriter:
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only once writing starts
+            from torch.utils.tensorboard import SummaryWriter
 
             # A purge step applies only to the first writer of a resumed run; later ones append.
             purge = purge_step if self.resuming and not self._purged else None

@@ -10,6 +10,7 @@ group, joining and leaving it, the metric collectives, and the start-of-training
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -114,6 +115,25 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _leave_at_exit() -> None:
+    """Leave the group together with the other ranks when the interpreter exits normally.
+
+    A rank that tears gloo down while a peer is still working (rank 0 writing a file, say) can abort
+    with "terminate called without an active exception"; waiting for everyone first avoids that. The
+    wait is bounded, so a rank whose peer died still exits.
+    """
+    if not dist.is_initialized():
+        return
+    # A peer that is gone makes the barrier fail: leave anyway.
+    with contextlib.suppress(Exception):
+        # Collective: every rank reaches the end of its script before any leaves the group.
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=60))
+        else:
+            dist.barrier()
+    destroy_process_group()
+
+
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "mean": dist.ReduceOp.SUM,
@@ -160,7 +180,7 @@ class ProcessGroupStrategy(Strategy):
         if init_process_group_from_env(self.backend, self.timeout):
             # The group outlives stages (see teardown); leave it cleanly before the interpreter shuts down,
             # since gloo's threads dying with the process can abort it ("terminate called ...").
-            atexit.register(destroy_process_group)
+            atexit.register(_leave_at_exit)
 
     def teardown(self) -> None:
         """Stay in the process group: it outlives a stage, as in Lightning.

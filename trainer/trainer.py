@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -377,7 +378,15 @@ class Trainer:
             for logger in self.loggers:
                 logger.log_hyperparams(to_primitive(task.hparams))
         self._sanity_check()
-        self._fit_loop.run()
+        # What exists now (imports, the task, the data) lives through training: freeze it, so that the
+        # garbage collector's full passes during training walk only objects made since, rather than
+        # pausing the loop for the whole heap (100-200 ms each on a heap with torch imported).
+        gc.collect()
+        gc.freeze()
+        try:
+            self._fit_loop.run()
+        finally:
+            gc.unfreeze()
         self.dispatcher.fire(Callback.on_fit_end)
 
     def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any) -> Any:
