@@ -39,6 +39,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import cpu_model
 from strategies.bucketed_ddp import BucketedDDP
 from strategies.native_ddp import NativeDDP
 from strategies.process_group import init_process_group_from_env
@@ -220,7 +221,7 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
     ]
     return {
         "machine": {
-            "cpu": _cpu_model(),
+            "cpu": cpu_model(),
             "cores": os.cpu_count(),
             "torch": torch.__version__,
             "python": platform.python_version(),
@@ -272,16 +273,6 @@ def print_table(summary: dict) -> None:
     own = summary["variants"]["bucketed_ddp"].get("measured_exposed_comm_ms")
     if own is not None:
         print(f"BucketedDDP reducer's own measure of its exposed wait: {own} ms")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:

@@ -29,7 +29,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LAUNCHED_AT", "ROOT", "BenchmarkError", "free_port", "machine", "ms", "run_child", "run_ranks", "summary"]
+__all__ = [
+    "LAUNCHED_AT",
+    "ROOT",
+    "BenchmarkError",
+    "cpu_model",
+    "free_port",
+    "machine",
+    "ms",
+    "run_child",
+    "run_ranks",
+    "summary",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Environment variable in which `run_child` passes the wall-clock time it started the child.
@@ -69,7 +80,7 @@ def machine() -> dict[str, Any]:
     import torch
 
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -85,7 +96,8 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """Return the processor's model name."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
