@@ -27,7 +27,6 @@ import json
 import multiprocessing
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cpu_model
 from strategies.bucketed_ddp import BucketedDDP
+from strategies.launcher import free_port
 from strategies.native_ddp import NativeDDP
 from strategies.process_group import init_process_group_from_env
 
@@ -284,9 +284,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ddp.json")
     args = parser.parse_args()
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     processes = [

@@ -18,7 +18,6 @@ import pickle
 import platform
 import queue
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,12 +28,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from strategies.launcher import free_port
+
 __all__ = [
     "LAUNCHED_AT",
     "ROOT",
     "BenchmarkError",
     "cpu_model",
-    "free_port",
     "machine",
     "ms",
     "run_child",
@@ -108,13 +108,6 @@ def cpu_model() -> str:
 
 
 # ------------------------------------------------------ multi-process jobs
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 600.0) -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` fresh processes; return each rank's value.
 

@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import pickle
 import queue
-import socket
 import tempfile
 import time
 import traceback
@@ -26,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankOutcome", "find_free_port", "run_distributed", "run_ranks"]
+from strategies.launcher import free_port
+
+__all__ = ["RankOutcome", "run_distributed", "run_ranks"]
 
 # Imported once by the forkserver; torch._dynamo alone (pulled in by the first optimizer) takes seconds.
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.optim", "torch.profiler"]
@@ -42,13 +43,6 @@ class RankOutcome:
     error: str | None = None
 
 
-def find_free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(
     fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), timeout: float = 60.0
 ) -> list[RankOutcome]:
@@ -59,7 +53,7 @@ def run_ranks(
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
     results = context.Queue()
-    port = find_free_port()
+    port = free_port()
     stacks = tempfile.TemporaryDirectory(prefix="syncline-dist-")
     processes = [
         context.Process(
