@@ -96,12 +96,25 @@ def headlines(results: dict[str, Any]) -> dict[str, Any]:
         out["ddp"] = {name: _ddp(w) for name, w in sections["ddp"].items() if not name.startswith("_")}
     if "overhead" in sections:
         loops = sections["overhead"]["loops"]
-        out["overhead"] = {
-            f"{loop}_over_raw_step": loops[loop]["step_ratio_over_raw"] for loop in loops if loop != "raw"
-        } | {f"{loop}_first_step_s": loops[loop]["first_step_s"]["median"] for loop in loops}
+        others = [loop for loop in loops if loop != "raw"]
+        out["overhead"] = (
+            {f"{loop}_over_raw_step": loops[loop]["step_ratio_over_raw"] for loop in others}
+            | {f"{loop}_over_raw_step_paired_median": loops[loop]["paired_step_ratio"]["median"] for loop in others}
+            | {
+                f"{loop}_over_raw_step_fresh_processes": loops[loop]["fresh_process_step_ratio_over_raw"]
+                for loop in others
+            }
+            | {f"{loop}_first_step_s": loops[loop]["first_step_s"]["median"] for loop in loops}
+        )
     if "curves" in sections:
         runs = sections["curves"]["runs"]
         out["curves_val_loss_by_sync_every"] = {k: r["val_loss"]["median"] for k, r in runs.items()}
+        best = {}
+        for k, run in runs.items():
+            tried = {"base": run, **sections["curves"].get("lr_scaled", {}).get(k, {})}
+            scaling = min(tried, key=lambda name: tried[name]["val_loss"]["median"])
+            best[k] = {"lr_scaling": scaling, "val_loss": tried[scaling]["val_loss"]["median"]}
+        out["curves_best_val_loss_by_sync_every"] = best
         base = runs.get("1")
         if base is not None:
             out["curves_epoch_time_vs_every_step"] = {

@@ -1,11 +1,15 @@
 """Experiment 5: framework overhead. syncline's Trainer, the hand-written loop, and pytorch-lightning.
 
 The workload is `bench_trainer.py`'s: an MLP 32-64-64-1, batch 32, Adam, the loss logged every step with
-a progress bar (on both frameworks' default loggers), one thread. Each measurement is a fresh process
-(`python -m benchmarks.overhead --loop NAME --steps N --out FILE`), so that the time from process start
-to the end of the first optimizer step includes importing the framework, as a user sees it. Steady-state
-time per step is measured in the same process after `warmup` steps. The parent runs the three loops
-interleaved (raw, trainer, lightning, then rotated) so machine drift hits all alike.
+a progress bar (on both frameworks' default loggers), one thread. Two measurements:
+
+- Fresh processes (`python -m benchmarks.overhead --loop NAME ...`), the three loops interleaved (raw,
+  trainer, lightning, then rotated): the time from process start to the end of the first optimizer step,
+  which includes importing the framework, as a user sees it.
+- One process (`--interleave raw,trainer,lightning --repeats R`) that runs the three loops R times in a
+  rotated order: the steady time per step after `warmup` steps, and its ratio to the raw loop. Per-step
+  speed on this VM differs from one process to the next by up to 1.8x, so only loops timed in the same
+  process are compared.
 
 pytorch-lightning is the optional `bench` extra (`pip install -e ".[bench]"`); without it the Lightning
 loop is reported as skipped.
@@ -151,6 +155,7 @@ def _lightning(steps: int, clock: _Clock, root: Path) -> None:
 
 
 def _measure(loop: str, steps: int, warmup: int) -> dict[str, Any]:
+    """Run `loop` once in this process; return its steady time per step and its time from launch to step 1."""
     clock = _Clock(warmup)
     run = {"raw": _raw, "trainer": _trainer, "lightning": _lightning}[loop]
     # Every loop draws a progress bar; none pays for a terminal.
@@ -171,24 +176,65 @@ def _measure(loop: str, steps: int, warmup: int) -> dict[str, Any]:
     }
 
 
+def _interleave(loops: list[str], steps: int, warmup: int, repeats: int) -> dict[str, Any]:
+    """Run every loop `repeats` times in this process, in an order rotated each round; the first round is dropped.
+
+    One process for all loops: this VM puts each new process in a faster or a slower regime for its whole
+    life (the same raw loop had medians of 569-1015 us in six fresh processes), which would otherwise be
+    compared along with the loops. The dropped round pays for imports and first allocations.
+    """
+    step_s: dict[str, list[float]] = {loop: [] for loop in loops}
+    for repeat in range(repeats + 1):
+        shift = repeat % len(loops)
+        for loop in loops[shift:] + loops[:shift]:
+            measured = _measure(loop, steps, warmup)["step_s"]
+            if repeat:
+                step_s[loop].append(measured)
+    return {"steps": steps, "warmup": warmup, "repeats": repeats, "step_s": step_s}
+
+
 # ---------------------------------------------------------------- parent
-def run_overhead(steps: int, warmup: int, repeats: int, timeout: float) -> dict[str, Any]:
-    """Run every loop `repeats` times, interleaved, each in a fresh process; summarize."""
+def _spread(values: list[float], scale: float, digits: int) -> dict[str, Any]:
+    return {
+        "median": round(statistics.median(values) * scale, digits),
+        "min": round(min(values) * scale, digits),
+        "max": round(max(values) * scale, digits),
+        "all": [round(v * scale, digits) for v in values],
+    }
+
+
+def run_overhead(
+    steps: int, warmup: int, repeats: int, timeout: float, inprocess_steps: int, inprocess_repeats: int
+) -> dict[str, Any]:
+    """Measure every loop in fresh processes (`repeats` each, interleaved) and in one process; summarize.
+
+    The fresh processes give the time from process start to the first step, as a user meets it; the
+    steady time per step, and the ratios to the raw loop, come from the single process that runs the loops
+    `inprocess_repeats` times, interleaved. The fresh processes' steady times are kept beside them.
+    """
     loops = [loop for loop in LOOPS if loop != "lightning" or lightning_available()]
-    runs: dict[str, list[dict]] = {loop: [] for loop in loops}
+    fresh: dict[str, list[dict]] = {loop: [] for loop in loops}
     for repeat in range(repeats):
         shift = repeat % len(loops)
         for loop in loops[shift:] + loops[:shift]:
-            runs[loop].append(
+            fresh[loop].append(
                 run_child(
                     "benchmarks.overhead", ["--loop", loop, "--steps", str(steps), "--warmup", str(warmup)], timeout
                 )
             )
+    inprocess = run_child(
+        "benchmarks.overhead",
+        ["--interleave", ",".join(loops), "--steps", str(inprocess_steps), "--warmup", str(warmup)]
+        + ["--repeats", str(inprocess_repeats)],
+        timeout,
+    )["step_s"]
     result: dict[str, Any] = {
         "workload": "bench_trainer.py MLP 32-64-64-1, batch 32, Adam, loss logged every step, progress bar, 1 thread",
         "steps": steps,
         "warmup": warmup,
         "repeats": repeats,
+        "inprocess_steps": inprocess_steps,
+        "inprocess_repeats": inprocess_repeats,
         "loops": {},
     }
     if "lightning" not in loops:
@@ -197,42 +243,45 @@ def run_overhead(steps: int, warmup: int, repeats: int, timeout: float) -> dict[
         import pytorch_lightning
 
         result["lightning_version"] = pytorch_lightning.__version__
-    for loop, items in runs.items():
-        step = [r["step_s"] for r in items]
-        first = [r["first_step_s"] for r in items]
+    for loop in loops:
         result["loops"][loop] = {
-            "step_us": {
-                "median": round(statistics.median(step) * 1e6, 2),
-                "min": round(min(step) * 1e6, 2),
-                "max": round(max(step) * 1e6, 2),
-                "all": [round(s * 1e6, 2) for s in step],
-            },
-            "first_step_s": {
-                "median": round(statistics.median(first), 3),
-                "min": round(min(first), 3),
-                "max": round(max(first), 3),
-                "all": [round(s, 3) for s in first],
-            },
+            "step_us": _spread(inprocess[loop], 1e6, 2),
+            "fresh_process_step_us": _spread([r["step_s"] for r in fresh[loop]], 1e6, 2),
+            "first_step_s": _spread([r["first_step_s"] for r in fresh[loop]], 1.0, 3),
         }
     raw = result["loops"]["raw"]
     for loop in loops[1:]:
         entry = result["loops"][loop]
         entry["step_ratio_over_raw"] = round(entry["step_us"]["median"] / raw["step_us"]["median"], 3)
-        # Paired: the runs of one repeat ran back to back.
-        paired = [a["step_s"] / b["step_s"] for a, b in zip(runs[loop], runs["raw"])]
-        entry["paired_step_ratio"] = {"min": round(min(paired), 3), "max": round(max(paired), 3)}
+        # Paired: the runs of one round ran back to back in the same process.
+        paired = [a / b for a, b in zip(inprocess[loop], inprocess["raw"])]
+        entry["paired_step_ratio"] = {
+            "median": round(statistics.median(paired), 3),
+            "min": round(min(paired), 3),
+            "max": round(max(paired), 3),
+        }
+        entry["fresh_process_step_ratio_over_raw"] = round(
+            entry["fresh_process_step_us"]["median"] / raw["fresh_process_step_us"]["median"], 3
+        )
         entry["first_step_extra_s"] = round(entry["first_step_s"]["median"] - raw["first_step_s"]["median"], 3)
     return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Time one training loop in this process; write JSON.")
-    parser.add_argument("--loop", choices=LOOPS, required=True)
+    parser = argparse.ArgumentParser(description="Time training loops in this process; write JSON.")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--loop", choices=LOOPS, help="run this loop once")
+    what.add_argument("--interleave", help="comma-separated loops to run --repeats times each, interleaved")
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    args.out.write_text(json.dumps(_measure(args.loop, args.steps, args.warmup)))
+    if args.loop:
+        result = _measure(args.loop, args.steps, args.warmup)
+    else:
+        result = _interleave(args.interleave.split(","), args.steps, args.warmup, args.repeats)
+    args.out.write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -132,8 +132,8 @@ def _breakdown_figure(plt, ddp: dict, out: Path) -> None:
 
 
 def _skip_sync_figure(plt, sections: dict, out: Path) -> None:
-    panels = ("ddp" in sections) + ("curves" in sections)
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.2), squeeze=False)
+    panels = ("ddp" in sections) + 2 * ("curves" in sections)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2), squeeze=False)
     axes = list(axes[0])
     if "ddp" in sections:
         ax = axes.pop(0)
@@ -193,6 +193,34 @@ def _skip_sync_figure(plt, sections: dict, out: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         ax.set_title("CharGPT, BucketedDDP x2: loss vs samples")
+        ax = axes.pop(0)
+        ks = [int(k) for k in curves["runs"]]
+        for scaling, style, label in (
+            ("base", "-o", f"lr {curves['model']['lr']:g} (tuned for k=1)"),
+            ("sqrt", "--s", "lr x sqrt(k)"),
+            ("linear", ":^", "lr x k"),
+        ):
+            points = [
+                (k, run["val_loss"]["median"])
+                for k in ks
+                for run in [
+                    curves["runs"][str(k)]
+                    if scaling == "base"
+                    else curves.get("lr_scaled", {}).get(str(k), {}).get(scaling)
+                ]
+                if run is not None
+            ]
+            if scaling != "base" and points:
+                points.insert(0, (1, curves["runs"]["1"]["val_loss"]["median"]))
+            if points:
+                ax.plot([k for k, _ in points], [v for _, v in points], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.set_xlabel("synchronize every k micro-batches (same samples)")
+        ax.set_ylabel("final validation loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title("CharGPT: validation loss vs k and learning rate")
     fig.tight_layout()
     fig.savefig(out / "skip_sync.png", dpi=110)
     plt.close(fig)
@@ -212,7 +240,7 @@ def _overhead_figure(plt, overhead: dict, out: Path) -> None:
         ax.bar(names, medians, yerr=[low, high], capsize=4, color=["#55A868", "#DD8452", "#4C72B0"][: len(names)])
         ax.set_ylabel(f"{unit} (whisker: min-max)")
         ax.grid(axis="y", alpha=0.3)
-    left.set_title("Steady state (tiny MLP)")
+    left.set_title("Steady state, tiny MLP (one process, interleaved)")
     right.set_title("Process start to first step")
     fig.tight_layout()
     fig.savefig(out / "overhead.png", dpi=110)

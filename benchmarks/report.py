@@ -157,7 +157,12 @@ def skip_table(ddp: dict) -> str:
     return _table(["workload", "reducer", "every 1", "every 2", "every 4", "every 8", "local (no sync)"], rows)
 
 
+SCALING_LABELS = {"sqrt": "val loss, lr x sqrt(k)", "linear": "val loss, lr x k"}
+
+
 def curves_table(curves: dict) -> str:
+    scaled = curves.get("lr_scaled", {})
+    scalings = sorted({name for by_k in scaled.values() for name in by_k}, key=("sqrt", "linear").index)
     rows = []
     for k, run in curves["runs"].items():
         losses = run["losses"]
@@ -170,6 +175,10 @@ def curves_table(curves: dict) -> str:
                 f"{run['microbatch_median_ms']:.1f}",
                 f"{tail:.3f}",
                 f"{run['val_loss']['median']:.3f}",
+                *(
+                    f"{scaled[k][name]['val_loss']['median']:.3f}" if name in scaled.get(k, {}) else ""
+                    for name in scalings
+                ),
             ]
         )
     header = [
@@ -178,7 +187,8 @@ def curves_table(curves: dict) -> str:
         "epoch s (steady)",
         "micro-batch ms",
         "train loss, last 20 (rank 0)",
-        "val loss",
+        f"val loss, lr {curves['model']['lr']:g}",
+        *(SCALING_LABELS[name] for name in scalings),
     ]
     return _table(header, rows)
 
@@ -186,16 +196,26 @@ def curves_table(curves: dict) -> str:
 def overhead_table(overhead: dict) -> str:
     rows = []
     for loop, v in overhead["loops"].items():
-        s, f = v["step_us"], v["first_step_s"]
+        s, fresh, f = v["step_us"], v["fresh_process_step_us"], v["first_step_s"]
+        paired = v.get("paired_step_ratio")
         rows.append(
             [
                 loop,
                 f"{s['median']:.0f} ({s['min']:.0f}-{s['max']:.0f})",
                 f"{v.get('step_ratio_over_raw', 1.0):.2f}",
+                f"{paired['median']:.2f} ({paired['min']:.2f}-{paired['max']:.2f})" if paired else "",
+                f"{fresh['median']:.0f} ({fresh['min']:.0f}-{fresh['max']:.0f})",
                 f"{f['median']:.2f} ({f['min']:.2f}-{f['max']:.2f})",
             ]
         )
-    header = ["loop", "us per step, median (min-max)", "/ raw", "s from process start to first step (min-max)"]
+    header = [
+        "loop",
+        "us per step, one process (min-max)",
+        "/ raw",
+        "/ raw, paired per round (min-max)",
+        "us per step, fresh processes (min-max)",
+        "s from process start to first step (min-max)",
+    ]
     return _table(header, rows)
 
 

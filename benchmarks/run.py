@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,6 +50,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 SMALL_GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "max_chars": 1_000_000, "sample_chars": 0}
 #: CharGPT as `python -m trainer` trains it (4 layers, width 128, context 64), without the final sample.
 DEFAULT_GPT = {"max_chars": 1_000_000, "sample_chars": 0}
+#: The curves' base learning rate (CharGPT's default) and the rules that scale it for an effective batch k times larger.
+CURVE_LR = 3e-3
+LR_SCALINGS = {"base": lambda k: 1.0, "sqrt": math.sqrt, "linear": float}
 TINY_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "max_chars": 20_000, "sample_chars": 0}
 
 
@@ -64,14 +68,18 @@ class Plan:
     curve_batch: int = 16
     curve_microbatches: int = 384
     curve_sync_every: tuple[int, ...] = (1, 2, 4, 8)
+    #: Learning rates tried for k > 1 besides the base rate: `lr * sqrt(k)` and `lr * k`.
+    curve_lr_scalings: tuple[str, ...] = ("sqrt", "linear")
     strategy_model: dict = field(default_factory=lambda: dict(DEFAULT_GPT))
     strategy_global_batch: int = 32
     strategy_steps: int = 80
     strategy_repeats: int = 2
     val_batches: int = 20
-    overhead_steps: int = 1200
+    overhead_steps: int = 600
     overhead_warmup: int = 200
     overhead_repeats: int = 5
+    overhead_inprocess_steps: int = 1200
+    overhead_inprocess_repeats: int = 7
     timeout_s: float = 900.0
 
 
@@ -101,12 +109,15 @@ PLANS = {
         mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=2, steps=20, warmup=5),
         curve_microbatches=96,
         curve_sync_every=(1, 4),
+        curve_lr_scalings=("sqrt",),
         strategy_steps=20,
         strategy_repeats=1,
         val_batches=5,
-        overhead_steps=500,
+        overhead_steps=300,
         overhead_warmup=100,
         overhead_repeats=1,
+        overhead_inprocess_steps=500,
+        overhead_inprocess_repeats=2,
         timeout_s=300.0,
     ),
     "smoke": Plan(
@@ -124,6 +135,7 @@ PLANS = {
         curve_batch=4,
         curve_microbatches=4,
         curve_sync_every=(1, 2),
+        curve_lr_scalings=("sqrt",),
         strategy_model=dict(TINY_GPT),
         strategy_global_batch=8,
         strategy_steps=2,
@@ -132,6 +144,8 @@ PLANS = {
         overhead_steps=30,
         overhead_warmup=10,
         overhead_repeats=1,
+        overhead_inprocess_steps=30,
+        overhead_inprocess_repeats=1,
         timeout_s=120.0,
     ),
 }
@@ -149,14 +163,32 @@ def run_ddp(plan: Plan, log) -> dict[str, Any]:
 
 
 def run_curves(plan: Plan, log) -> dict[str, Any]:
-    """Experiment 4's convergence half: CharGPT with BucketedDDP, synchronizing every k micro-batches."""
-    runs = {}
-    model = {**plan.curve_model, "batch_size": plan.curve_batch, "warmup_steps": 32}
+    """Experiment 4's convergence half: CharGPT with BucketedDDP, synchronizing every k micro-batches.
+
+    Every k trains on the same micro-batches with the base learning rate (`runs`); each k > 1 is also
+    trained with the rate scaled for its k times larger effective batch (`lr_scaled`: sqrt, linear), so
+    that the convergence cost is not only that of a learning rate tuned for k = 1.
+    """
+    runs: dict[str, Any] = {}
+    scaled: dict[str, dict[str, Any]] = {}
+    model = {**plan.curve_model, "batch_size": plan.curve_batch, "warmup_steps": 32, "lr": CURVE_LR}
     for k in plan.curve_sync_every:
-        log(f"curves: sync every {k}")
-        config = _example_config(plan, "bucketed_ddp", 2, model, plan.curve_microbatches, accumulate=k)
-        runs[str(k)] = summarize_runs([run_example(config, plan.timeout_s)])
-    return {"model": model, "microbatches": plan.curve_microbatches, "world_size": 2, "runs": runs}
+        for scaling in ("base", *plan.curve_lr_scalings) if k > 1 else ("base",):
+            lr = CURVE_LR * LR_SCALINGS[scaling](k)
+            log(f"curves: sync every {k}, lr {lr:.2e} ({scaling})")
+            config = _example_config(plan, "bucketed_ddp", 2, {**model, "lr": lr}, plan.curve_microbatches, k)
+            result = {"lr": lr, **summarize_runs([run_example(config, plan.timeout_s)])}
+            if scaling == "base":
+                runs[str(k)] = result
+            else:
+                scaled.setdefault(str(k), {})[scaling] = result
+    return {
+        "model": model,
+        "microbatches": plan.curve_microbatches,
+        "world_size": 2,
+        "runs": runs,
+        "lr_scaled": scaled,
+    }
 
 
 def run_strategies(plan: Plan, log) -> dict[str, Any]:
@@ -199,8 +231,15 @@ def _example_config(plan: Plan, strategy: str, devices: int, model: dict, microb
 
 def run_overhead_section(plan: Plan, log) -> dict[str, Any]:
     """Experiment 5: framework overhead per step and to the first step."""
-    log("overhead: raw loop, Trainer, Lightning")
-    return run_overhead(plan.overhead_steps, plan.overhead_warmup, plan.overhead_repeats, plan.timeout_s)
+    log("overhead: raw loop, Trainer, Lightning (fresh processes, then one process)")
+    return run_overhead(
+        plan.overhead_steps,
+        plan.overhead_warmup,
+        plan.overhead_repeats,
+        plan.timeout_s,
+        plan.overhead_inprocess_steps,
+        plan.overhead_inprocess_repeats,
+    )
 
 
 _RUNNERS = {"ddp": run_ddp, "curves": run_curves, "overhead": run_overhead_section, "strategies": run_strategies}
