@@ -75,9 +75,9 @@ class Plan:
     strategy_steps: int = 80
     strategy_repeats: int = 2
     val_batches: int = 20
-    overhead_steps: int = 600
+    overhead_steps: int = 400
     overhead_warmup: int = 200
-    overhead_repeats: int = 5
+    overhead_repeats: int = 3
     overhead_inprocess_steps: int = 1200
     overhead_inprocess_repeats: int = 7
     timeout_s: float = 900.0
@@ -90,11 +90,11 @@ PLANS = {
             caps_mb=(0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, ALL_IN_ONE_MB),
             no_overlap_caps_mb=(0.0, 1.0, 4.0, ALL_IN_ONE_MB),
             sync_every=(1, 2, 4, 8),
-            repeats=6,
+            repeats=5,
             steps=2,
             skip_microbatches=8,
         ),
-        mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=6, steps=40, warmup=5),
+        mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=5, steps=40, warmup=5),
     ),
     "quick": Plan(
         size="full",
