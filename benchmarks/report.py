@@ -1,25 +1,32 @@
-"""Print the report's tables (Markdown) from a suite run's JSON, so the report quotes the run's own numbers.
+"""The report's tables (Markdown) from a suite run's JSON, so the report quotes the run's own numbers.
 
-python benchmarks/report.py                          # benchmarks/results/suite.json
-python benchmarks/report.py benchmarks/results/suite_quick.json
+    python benchmarks/report.py                          # print them, from benchmarks/results/suite.json
+    python benchmarks/report.py benchmarks/results/suite_quick.json
+    python benchmarks/report.py --write docs/performance.md   # fill the page's marked blocks
+    python benchmarks/report.py --check docs/performance.md   # exit 1 if the page differs from the JSON
+
+In the page a table lives between `<!-- report:NAME -->` and `<!-- /report:NAME -->`, NAME being one of
+`BLOCKS`; `--write` replaces what is between the markers and leaves the prose around them alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # `python benchmarks/report.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.analysis import sweep
+from benchmarks.analysis import paired_ratio, sweep
 from benchmarks.common import ROOT
 from benchmarks.plot import breakdown_parts
 
-__all__ = ["main", "tables"]
+__all__ = ["BLOCKS", "blocks", "fill", "main", "tables"]
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
@@ -139,6 +146,27 @@ def sweep_table(ddp: dict) -> str:
     return _table(header, rows)
 
 
+def overlap_table(ddp: dict) -> str:
+    """BucketedDDP's step without overlap / with it, at every cap measured both ways and at the default."""
+    caps = sorted(
+        {cap for name in ("cnn", "bert") if name in ddp for cap, _ in sweep(ddp[name]["variants"], "bucketed", False)}
+    )
+    rows = []
+    for name in ("cnn", "bert"):
+        if name not in ddp:
+            continue
+        variants = ddp[name]["variants"]
+        on, off = dict(sweep(variants, "bucketed")), dict(sweep(variants, "bucketed", overlap=False))
+        cells = [
+            f"{off[cap]['step']['median_ms'] / on[cap]['step']['median_ms']:.2f}" if cap in off else "" for cap in caps
+        ]
+        default, no_overlap = variants["bucketed default"], variants["bucketed default no-overlap"]
+        ratio = no_overlap["step"]["median_ms"] / default["step"]["median_ms"]
+        paired = paired_ratio(no_overlap, default)
+        rows.append([name.upper(), *cells, f"{ratio:.2f} (paired {paired['median']:.2f})"])
+    return _table(["workload \\ bucket cap (MiB)", *(_cap(cap) for cap in caps), "default (25, first 1)"], rows)
+
+
 def skip_table(ddp: dict) -> str:
     rows = []
     for name in ("cnn", "bert"):
@@ -247,32 +275,208 @@ def strategies_table(strategies: dict) -> str:
     return _table(header, rows)
 
 
+def _paired(p: dict) -> str:
+    return f"paired per repeat: median {p['median']:.2f}, range {p['min']:.2f}-{p['max']:.2f}"
+
+
+def headline_table(results: dict) -> str:
+    """The headline ratios the issue asks for, with the spread each comes with."""
+    h, sections = results["headline"], results["sections"]
+    rows = []
+    if "ddp" in h:
+        ddp = h["ddp"]
+
+        def per_workload(claim: str, names: list[str], cell: Callable[[dict], str]) -> None:
+            if names:
+                rows.append([claim, "; ".join(f"{n.upper()}{cell(ddp[n])}" for n in names)])
+
+        names = [n for n in ("cnn", "bert", "mlp") if n in ddp]
+        swept = [n for n in names if "native_sweep" in ddp[n]]
+        per_workload(
+            "BucketedDDP / NativeDDP, step time at the default bucket size (25 MiB, first bucket 1 MiB)",
+            names,
+            lambda w: (
+                f" **{w['bucketed_over_native_default']:.2f}** ({_paired(w['bucketed_over_native_default_paired'])})"
+            ),
+        )
+        per_workload(
+            "worst / best bucket size (paper: can exceed 2x)",
+            swept,
+            lambda w: (
+                f": NativeDDP **{w['native_sweep']['worst_over_best']:.2f}**, "
+                f"BucketedDDP **{w['bucketed_sweep']['worst_over_best']:.2f}**"
+            ),
+        )
+        per_workload(
+            "best / worst bucket cap, MiB",
+            swept,
+            lambda w: ", ".join(
+                f"{label} {_cap(w[key]['best_cap_mb'])} / {_cap(w[key]['worst_cap_mb'])}"
+                for label, key in ((": NativeDDP", "native_sweep"), ("BucketedDDP", "bucketed_sweep"))
+            ),
+        )
+        per_workload(
+            "overlap speedup: BucketedDDP step without / with overlap, default size (paper: 1.21-1.27 on Gloo)",
+            names,
+            lambda w: f" **{w['overlap_speedup_default']:.2f}** ({_paired(w['overlap_speedup_default_paired'])})",
+        )
+        per_workload(
+            "overlap speedup at the other swept sizes",
+            [n for n in swept if "overlap_speedup_by_cap" in ddp[n]],
+            lambda w: (
+                f" {min(w['overlap_speedup_by_cap'].values()):.2f}-{max(w['overlap_speedup_by_cap'].values()):.2f}"
+            ),
+        )
+        skip = [n for n in swept if "skip_sync_time_per_sample_vs_every_step" in ddp[n]]
+        k = max((int(k) for n in skip for k in ddp[n]["skip_sync_time_per_sample_vs_every_step"]["native"]), default=1)
+        per_workload(
+            f"skip-sync: time per sample, synchronizing every {k} micro-batches / every one",
+            skip,
+            lambda w: (
+                ": "
+                + ", ".join(
+                    f"{label} {w['skip_sync_time_per_sample_vs_every_step'][reducer][str(k)]:.2f}"
+                    for label, reducer in (("BucketedDDP", "bucketed"), ("NativeDDP", "native"))
+                )
+            ),
+        )
+    if "curves_val_loss_by_sync_every" in h:
+        ks = list(h["curves_val_loss_by_sync_every"])
+        best = h["curves_best_val_loss_by_sync_every"]
+        samples = sections["curves"]["microbatches"] * sections["curves"]["model"]["batch_size"] * 2
+        rows.append(
+            [
+                f"skip-sync: CharGPT validation loss after {samples:,} samples, sync every {' / '.join(ks)}",
+                "base lr: "
+                + " / ".join(f"{v:.3f}" for v in h["curves_val_loss_by_sync_every"].values())
+                + "; best lr tried: "
+                + " / ".join(f"{best[k]['val_loss']:.3f} ({best[k]['lr_scaling']})" for k in ks),
+            ]
+        )
+    if "overhead" in h:
+        o = h["overhead"]
+        for loop, label in (("trainer", "Trainer"), ("lightning", "Lightning")):
+            if f"{loop}_over_raw_step" in o:
+                rows.append(
+                    [
+                        f"{label} / raw loop, time per step (tiny MLP)",
+                        f"**{o[f'{loop}_over_raw_step']:.2f}** in one process, interleaved (paired median "
+                        f"{o[f'{loop}_over_raw_step_paired_median']:.2f}); "
+                        f"{o[f'{loop}_over_raw_step_fresh_processes']:.2f} in fresh processes",
+                    ]
+                )
+        loops = [loop for loop in ("raw", "trainer", "lightning") if f"{loop}_first_step_s" in o]
+        rows.append(
+            [
+                f"seconds from process start to first step: {' / '.join(loops)}",
+                " / ".join(f"{o[f'{loop}_first_step_s']:.2f}" for loop in loops),
+            ]
+        )
+    if "strategies" in h:
+        s = h["strategies"]
+        steps = sections["strategies"]["steps"]
+        rows.append(
+            [
+                f"CharGPT, {steps} steps: epoch time / single process",
+                ", ".join(f"{name} {v['steady_epoch_vs_single']:.2f}" for name, v in s.items() if name != "single")
+                + "; validation loss "
+                + ", ".join(f"{name} {v['val_loss']:.4f}" for name, v in s.items()),
+            ]
+        )
+    return _table(["claim", "measured here"], rows)
+
+
+def _ddp_block(make: Callable[[dict], str]) -> Callable[[dict], str | None]:
+    return lambda results: make(results["sections"]["ddp"]) if "ddp" in results["sections"] else None
+
+
+def _section_block(name: str, make: Callable[[dict], str]) -> Callable[[dict], str | None]:
+    return lambda results: make(results["sections"][name]) if name in results["sections"] else None
+
+
+#: The page's blocks, by the NAME of their markers: each makes its table from a run, or None without its section.
+BLOCKS: dict[str, Callable[[dict], str | None]] = {
+    "headline": headline_table,
+    "machine": machine_table,
+    "breakdown": _ddp_block(breakdown_table),
+    "sweep": _ddp_block(sweep_table),
+    "overlap": _ddp_block(overlap_table),
+    "skip": _ddp_block(skip_table),
+    "curves": _section_block("curves", curves_table),
+    "overhead": _section_block("overhead", overhead_table),
+    "strategies": _section_block("strategies", strategies_table),
+}
+
+_BLOCK = re.compile(r"(<!-- report:(\w+) -->\n)(?:.*?\n)?(<!-- /report:\2 -->)", re.DOTALL)
+
+
+def blocks(page: str) -> list[str]:
+    """The names of the marked blocks in `page`, in order."""
+    return [match.group(2) for match in _BLOCK.finditer(page)]
+
+
+def fill(page: str, results: dict) -> str:
+    """Return `page` with every marked block replaced by its table from `results`.
+
+    Raises:
+        ValueError: a block names no table, or the run lacks the section a block needs.
+    """
+
+    def replace(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in BLOCKS:
+            raise ValueError(f"unknown report block {name!r}; valid: {', '.join(BLOCKS)}")
+        table = BLOCKS[name](results)
+        if table is None:
+            raise ValueError(f"report block {name!r} needs a section this run lacks: rerun `python -m benchmarks`")
+        # Blank lines around the table: Markdown then sees it as a block of its own between the comments.
+        return f"{match.group(1)}\n{table}\n\n{match.group(3)}"
+
+    return _BLOCK.sub(replace, page)
+
+
+TITLES = {
+    "headline": "Headline",
+    "machine": "Machine",
+    "breakdown": "Latency breakdown",
+    "sweep": "Bucket size and overlap",
+    "overlap": "Overlap speedup (step without / with overlap)",
+    "skip": "Skip-sync, ms per sample",
+    "curves": "Skip-sync, CharGPT",
+    "overhead": "Framework overhead",
+    "strategies": "Strategies",
+}
+
+
 def tables(results: dict) -> str:
-    """Return every table of the report for the sections in `results`."""
-    sections = results["sections"]
-    parts = ["### Machine\n\n" + machine_table(results)]
-    if "ddp" in sections:
-        ddp = sections["ddp"]
-        parts += [
-            "### Latency breakdown\n\n" + breakdown_table(ddp),
-            "### Bucket size and overlap\n\n" + sweep_table(ddp),
-            "### Skip-sync, ms per sample\n\n" + skip_table(ddp),
-        ]
-    if "curves" in sections:
-        parts.append("### Skip-sync, CharGPT\n\n" + curves_table(sections["curves"]))
-    if "overhead" in sections:
-        parts.append("### Framework overhead\n\n" + overhead_table(sections["overhead"]))
-    if "strategies" in sections:
-        parts.append("### Strategies\n\n" + strategies_table(sections["strategies"]))
-    parts.append("### Headline\n\n```json\n" + json.dumps(results["headline"], indent=1) + "\n```")
+    """Return every table of the report for the sections in `results`, and the headline JSON."""
+    parts = [f"### {TITLES[name]}\n\n{table}" for name, make in BLOCKS.items() if (table := make(results))]
+    parts.append("### Headline ratios (JSON)\n\n```json\n" + json.dumps(results["headline"], indent=1) + "\n```")
     return "\n\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Print the report's tables from a suite run's JSON.")
     parser.add_argument("results", nargs="?", type=Path, default=ROOT / "benchmarks" / "results" / "suite.json")
+    page = parser.add_mutually_exclusive_group()
+    page.add_argument("--write", type=Path, metavar="PAGE", help="fill the marked blocks of PAGE in place")
+    page.add_argument("--check", type=Path, metavar="PAGE", help="exit 1 if PAGE's blocks differ from the JSON")
     args = parser.parse_args(argv)
-    print(tables(json.loads(args.results.read_text())))
+    results = json.loads(args.results.read_text())
+    target = args.write or args.check
+    if target is None:
+        print(tables(results))
+        return
+    text = target.read_text()
+    try:
+        filled = fill(text, results)
+    except ValueError as error:
+        sys.exit(f"{target}: {error}")
+    if args.write:
+        target.write_text(filled)
+        print(f"{target}: filled {', '.join(blocks(text))} from {args.results}")
+    elif filled != text:
+        sys.exit(f"{target}: its tables differ from {args.results}; run `python benchmarks/report.py --write {target}`")
 
 
 if __name__ == "__main__":

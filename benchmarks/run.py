@@ -1,7 +1,8 @@
 """Run syncline's benchmark suite: the DDP paper's experiments on this machine, in one command.
 
-    python -m benchmarks              # the full suite, 11-14 minutes on 2 cores -> results/suite.json
-    python -m benchmarks --quick      # the same experiments, fewer points and repeats, about 2.5 minutes
+    python -m benchmarks              # the full suite, about 14 minutes on 2 cores -> results/suite.json
+    python -m benchmarks --report     # the same, then the figures (docs/img) and the tables of docs/performance.md
+    python -m benchmarks --quick      # the same experiments, fewer points and repeats, about 3 minutes
     python -m benchmarks --sections ddp,overhead --out /tmp/x.json
 
 Sections (in the order they run):
@@ -17,7 +18,7 @@ Sections (in the order they run):
 
 Every figure is a median over repeats with its spread; the JSON holds the machine's description and its
 load average at the start and end of every section. `python benchmarks/plot.py` draws the figures and
-`python benchmarks/report.py` prints the report's tables from the JSON.
+`python benchmarks/report.py` prints the report's tables from the JSON; `--report` does both into docs/.
 """
 
 from __future__ import annotations
@@ -40,11 +41,15 @@ from benchmarks.common import ROOT, load_average, machine
 from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, run_ddp_workload
 from benchmarks.example_runs import run_example, summarize_runs
 from benchmarks.overhead import run_overhead
+from benchmarks.plot import plot_all
+from benchmarks.report import fill
 
 __all__ = ["PLANS", "SECTIONS", "main"]
 
 SECTIONS = ("ddp", "curves", "overhead", "strategies")
 RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "performance.md"
+FIGURES = ROOT / "docs" / "img"
 
 #: CharGPT for the loss curves: small and short, so four two-rank runs take about a minute and a half.
 SMALL_GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "max_chars": 1_000_000, "sample_chars": 0}
@@ -284,8 +289,18 @@ def main(argv: list[str] | None = None) -> None:
     mode.add_argument("--smoke", action="store_true", help="tiny models, a couple of steps (for the test suite)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--out", type=Path, help="JSON file (default: benchmarks/results/suite[_quick].json)")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help=f"full suite only: then draw {FIGURES.relative_to(ROOT)}/*.png and fill {PAGE.relative_to(ROOT)}'s tables",
+    )
     args = parser.parse_args(argv)
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
+    if args.report and (name != "full" or args.sections != ",".join(SECTIONS)):
+        parser.error("--report writes docs/performance.md, which quotes a full run: drop --quick/--smoke/--sections")
+    if args.report:
+        # Fail before a 14-minute run, not after it.
+        import matplotlib  # noqa: F401  (the bench extra: pip install -e ".[bench]")
     sections = tuple(s for s in args.sections.split(",") if s)
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
@@ -298,6 +313,11 @@ def main(argv: list[str] | None = None) -> None:
     results = run_suite(name, sections, out, log)
     log(f"done in {results['wall_s']} s; wrote {out}")
     print(json.dumps(results["headline"], indent=1))
+    if args.report:
+        for path in plot_all(results, FIGURES):
+            log(f"wrote {path}")
+        PAGE.write_text(fill(PAGE.read_text(), results))
+        log(f"filled the tables of {PAGE}; its prose quotes numbers too: reread it")
 
 
 if __name__ == "__main__":
