@@ -6,6 +6,8 @@
 - overlap speedup of BucketedDDP: median step without overlap / with overlap, at the default and at
   every swept size;
 - skip-sync: time per sample relative to synchronizing every micro-batch, and the final validation loss;
+- one device (world size 1): each reducer's step / local step, BucketedDDP / NativeDDP, and each mixed
+  precision's local step / the fp32 one;
 - Trainer / raw loop and Lightning / raw loop, per step and to the first step;
 - strategies: epoch time and validation loss of CharGPT per strategy.
 """
@@ -88,12 +90,37 @@ def _ddp(workload: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _device(workload: dict[str, Any], precisions: list[str]) -> dict[str, Any]:
+    variants = workload["variants"]
+    out: dict[str, Any] = {}
+    for precision in precisions:
+        suffix = "" if precision == "32" else f" {precision}"
+        local, native, bucketed = (
+            variants[f"{name}{suffix}"] for name in ("local", "native default", "bucketed default")
+        )
+        out[precision] = {
+            "local_ms": local["step"]["median_ms"],
+            "native_over_local": _ratio(native["step"]["median_ms"], local["step"]["median_ms"]),
+            "bucketed_over_local": _ratio(bucketed["step"]["median_ms"], local["step"]["median_ms"]),
+            "bucketed_over_native": _ratio(bucketed["step"]["median_ms"], native["step"]["median_ms"]),
+            "bucketed_over_native_paired": paired_ratio(bucketed, native),
+            "local_over_fp32_local": _ratio(local["step"]["median_ms"], variants["local"]["step"]["median_ms"]),
+        }
+    return out
+
+
 def headlines(results: dict[str, Any]) -> dict[str, Any]:
     """Return the headline ratios of every section present in `results`."""
     sections = results["sections"]
     out: dict[str, Any] = {}
     if "ddp" in sections:
         out["ddp"] = {name: _ddp(w) for name, w in sections["ddp"].items() if not name.startswith("_")}
+    if "device" in sections:
+        device = sections["device"]
+        out["device"] = {
+            "device": device["device"],
+            **{name: _device(w, device["precisions"]) for name, w in device["workloads"].items()},
+        }
     if "overhead" in sections:
         loops = sections["overhead"]["loops"]
         others = [loop for loop in loops if loop != "raw"]

@@ -15,6 +15,13 @@ compute, is the median backward of a variant minus the median backward of `local
 synchronization at all, both ranks computing at once so the cores are as busy). torch's reducer keeps
 its timers private, so this is the one measure both reducers share; for BucketedDDP the reducer's own
 wait (`comm/exposed_ms`) is recorded as well.
+
+`run_device_workload` is the one-device experiment (section `device`): one process, world size 1, on
+CUDA with NCCL when a GPU is present, else on the CPU with gloo. Communication is then a no-op copy, so
+BucketedDDP / local and NativeDDP / local measure each reducer's own bookkeeping per step (hooks,
+bucket views or copies, futures), and on CUDA every variant also runs under mixed precision (the
+Trainer's `Precision`: autocast, and loss scaling for fp16). On CUDA each phase ends with
+`torch.cuda.synchronize()`, so a phase's time is its kernels' time.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch.distributed as dist
 from benchmarks.common import ms, run_ranks, summary
 from benchmarks.workloads import build
 
-__all__ = ["DDPPlan", "Variant", "plan_variants", "run_ddp_workload"]
+__all__ = ["DDPPlan", "Variant", "device_variants", "plan_variants", "run_ddp_workload", "run_device_workload"]
 
 #: Bucket cap standing for "one bucket holds every gradient".
 ALL_IN_ONE_MB = 1024.0
@@ -46,6 +53,7 @@ class Variant:
         cap_mb: bucket cap, also used as the first bucket's cap so the sweep is one number; None: defaults.
         overlap: BucketedDDP only; False launches every bucket after the backward.
         sync_every: synchronize (and step the optimizer) every this many micro-batches.
+        precision: the Trainer's precision setting: "32", "bf16-mixed" or "16-mixed" (CUDA only).
     """
 
     name: str
@@ -53,6 +61,7 @@ class Variant:
     cap_mb: float | None = None
     overlap: bool = True
     sync_every: int = 1
+    precision: str = "32"
 
 
 @dataclass(frozen=True)
@@ -91,57 +100,82 @@ def plan_variants(plan: DDPPlan, sweep: bool = True) -> list[Variant]:
     return variants
 
 
+def device_variants(precisions: tuple[str, ...]) -> list[Variant]:
+    """The one-device job's variants: no synchronization, NativeDDP and BucketedDDP, at each precision."""
+    return [
+        Variant(name if precision == "32" else f"{name} {precision}", reducer, precision=precision)
+        for precision in precisions
+        for name, reducer in (("local", "local"), ("native default", "native"), ("bucketed default", "bucketed"))
+    ]
+
+
+def _local_name(precision: str) -> str:
+    return "local" if precision == "32" else f"local {precision}"
+
+
 # --------------------------------------------------------------- one rank
 class _Runner:
     """A variant's model, optimizer and strategy on this rank."""
 
-    def __init__(self, variant: Variant, workload, batch, timeout: float) -> None:
+    def __init__(self, variant: Variant, workload, batch, timeout: float, device: torch.device) -> None:
         from strategies.bucketed_ddp import BucketedDDP
         from strategies.native_ddp import NativeDDP
+        from trainer.precision import Precision
 
         self.variant = variant
         self.batch = batch
         torch.manual_seed(0)
-        self.model = workload.make_model()
+        self.model = workload.make_model().to(device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        self.precision = Precision(variant.precision, device)
+        self.cuda = device.type == "cuda"
+        backend = "nccl" if self.cuda else "gloo"
         self.strategy = None
         if variant.reducer == "bucketed":
             caps = (
                 {} if variant.cap_mb is None else {"bucket_cap_mb": variant.cap_mb, "first_bucket_mb": variant.cap_mb}
             )
-            self.strategy = BucketedDDP(backend="gloo", timeout=timeout, overlap=variant.overlap, **caps)
+            self.strategy = BucketedDDP(backend=backend, timeout=timeout, overlap=variant.overlap, **caps)
         elif variant.reducer == "native":
             # An explicit cap also caps torch's first bucket (torch 2.x), as `first_bucket_mb` does ours.
             caps = {} if variant.cap_mb is None else {"bucket_cap_mb": variant.cap_mb}
-            self.strategy = NativeDDP(backend="gloo", timeout=timeout, **caps)
+            self.strategy = NativeDDP(backend=backend, timeout=timeout, **caps)
         if self.strategy is not None:
             self.strategy.setup(self.model)
         self.index = 0
 
+    def _now(self) -> float:
+        """The time, once this device's queued work is done (CUDA runs asynchronously to Python)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     def step(self, sync: bool) -> tuple[float, float, float, float | None]:
         """Run one micro-batch; return forward, backward, optimizer seconds and BucketedDDP's exposed wait."""
-        strategy, k = self.strategy, self.variant.sync_every
-        start = time.perf_counter()
-        if strategy is None:
-            loss = self.model.training_step(self.batch, self.index)
-        else:
-            strategy.sync_next_backward = sync
-            loss = strategy.training_step(self.model, self.batch, self.index)
+        strategy, k, precision = self.strategy, self.variant.sync_every, self.precision
+        start = self._now()
+        with precision.autocast():
+            if strategy is None:
+                loss = self.model.training_step(self.batch, self.index)
+            else:
+                strategy.sync_next_backward = sync
+                loss = strategy.training_step(self.model, self.batch, self.index)
         if k > 1:
             loss = loss / k
-        forward_end = time.perf_counter()
+        loss = precision.scale_loss(loss)
+        forward_end = self._now()
         if strategy is None:
             loss.backward()
         else:
             strategy.backward(loss, sync=sync)
-        backward_end = time.perf_counter()
+        backward_end = self._now()
         if sync:
-            self.optimizer.step()
+            precision.step(self.optimizer)()
             if strategy is None:
                 self.optimizer.zero_grad(set_to_none=True)
             else:
                 strategy.zero_grad(self.optimizer)
-        end = time.perf_counter()
+        end = self._now()
         self.index += 1
         exposed = None
         if sync and self.variant.reducer == "bucketed":
@@ -162,16 +196,22 @@ class _Runner:
         return [self.step((i + 1) % k == 0) for i in range(steps)]
 
 
-def _rank(rank: int, world_size: int, workload_name: str, size: str, variants, plan: DDPPlan, timeout: float):
+def _rank(
+    rank: int, world_size: int, workload_name: str, size: str, variants, plan: DDPPlan, timeout: float, device: str
+):
     from strategies.process_group import init_process_group_from_env
 
-    init_process_group_from_env(backend="gloo", timeout=timeout)
+    cuda = device == "cuda"
+    init_process_group_from_env(backend="nccl" if cuda else "gloo", timeout=timeout)
+    on = torch.device("cuda", rank) if cuda else torch.device("cpu")
     workload = build(workload_name, size)
-    batch = workload.make_batch(torch.Generator().manual_seed(rank))
-    runners = [_Runner(v, workload, batch, timeout) for v in variants]
-    # The first two windows build torch's buckets, rebuild ours, allocate optimizer state: never timed.
+    batch = tuple(t.to(on) for t in workload.make_batch(torch.Generator().manual_seed(rank)))
+    runners = [_Runner(v, workload, batch, timeout, on) for v in variants]
+    # Two synchronized micro-batches build torch's buckets, rebuild ours, allocate optimizer state: never
+    # timed. (A skip-sync variant's unsynchronized path is warmed before each of its blocks.)
     for runner in runners:
-        runner.block(2 * runner.variant.sync_every)
+        for _ in range(2):
+            runner.step(sync=True)
     timings: dict[str, list] = {v.name: [] for v in variants}
     for repeat in range(plan.repeats):
         shift = repeat % len(runners)
@@ -187,17 +227,30 @@ def _rank(rank: int, world_size: int, workload_name: str, size: str, variants, p
 
 # ------------------------------------------------------------ the parent
 def run_ddp_workload(workload_name: str, size: str, plan: DDPPlan, sweep: bool, timeout: float) -> dict[str, Any]:
-    """Run one workload's two-rank job and summarize every variant."""
-    variants = plan_variants(plan, sweep)
-    per_rank = run_ranks(_rank, 2, (workload_name, size, variants, plan, timeout), timeout=timeout)
+    """Run one workload's two-rank job (gloo, CPU) and summarize every variant."""
+    return _run_job(workload_name, size, plan, plan_variants(plan, sweep), 2, "cpu", timeout)
+
+
+def run_device_workload(
+    workload_name: str, size: str, plan: DDPPlan, precisions: tuple[str, ...], device: str, timeout: float
+) -> dict[str, Any]:
+    """Run one workload's one-process job on `device` ("cpu" or "cuda") at each precision; summarize."""
+    return _run_job(workload_name, size, plan, device_variants(precisions), 1, device, timeout)
+
+
+def _run_job(
+    workload_name: str, size: str, plan: DDPPlan, variants: list[Variant], world_size: int, device: str, timeout: float
+) -> dict[str, Any]:
+    args = (workload_name, size, variants, plan, timeout, device)
+    per_rank = run_ranks(_rank, world_size, args, timeout=timeout)
     workload = build(workload_name, size)
     batch = workload.config["batch"]
     results = {}
     for variant in variants:
         results[variant.name] = _summarize(variant, [r[variant.name] for r in per_rank], batch, len(per_rank))
-    local_backward = results["local"]["phases_ms"]["backward"]
     for result in results.values():
         if result["reducer"] != "local" and result["sync_every"] == 1:
+            local_backward = results[_local_name(result["precision"])]["phases_ms"]["backward"]
             result["exposed_comm_ms"] = round(result["phases_ms"]["backward"] - local_backward, 3)
     return {"workload": workload.describe(), "plan": asdict(plan), "variants": results}
 

@@ -35,9 +35,9 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def _step(v: dict) -> str:
+def _step(v: dict, digits: int = 1) -> str:
     s = v["step"]
-    return f"{s['median_ms']:.1f} ({s['p25_ms']:.1f}-{s['p75_ms']:.1f})"
+    return f"{s['median_ms']:.{digits}f} ({s['p25_ms']:.{digits}f}-{s['p75_ms']:.{digits}f})"
 
 
 def _cap(cap: float) -> str:
@@ -165,6 +165,37 @@ def overlap_table(ddp: dict) -> str:
         paired = paired_ratio(no_overlap, default)
         rows.append([name.upper(), *cells, f"{ratio:.2f} (paired {paired['median']:.2f})"])
     return _table(["workload \\ bucket cap (MiB)", *(_cap(cap) for cap in caps), "default (25, first 1)"], rows)
+
+
+def device_table(device: dict) -> str:
+    """The one-device job: each variant's step and phases, relative to local and to NativeDDP."""
+    rows = []
+    for name, workload in device["workloads"].items():
+        variants = workload["variants"]
+        for precision in device["precisions"]:
+            suffix = "" if precision == "32" else f" {precision}"
+            local, native = variants[f"local{suffix}"], variants[f"native default{suffix}"]
+            for label, key in (
+                ("local", "local"),
+                ("NativeDDP", "native default"),
+                ("BucketedDDP", "bucketed default"),
+            ):
+                v = variants[f"{key}{suffix}"]
+                median = v["step"]["median_ms"]
+                digits = 3 if local["step"]["median_ms"] < 10 else 1  # the MLP's steps are fractions of a ms
+                rows.append(
+                    [
+                        name.upper(),
+                        precision,
+                        label,
+                        _step(v, digits),
+                        *(f"{v['phases_ms'][phase]:.{digits}f}" for phase in ("forward", "backward", "optimizer")),
+                        f"{median / local['step']['median_ms']:.3f}",
+                        "" if key == "local" else f"{median / native['step']['median_ms']:.3f}",
+                    ]
+                )
+    header = ["workload", "precision", "variant", "step ms, median (p25-p75)", "forward", "backward", "optimizer"]
+    return _table([*header, "/ local", "/ NativeDDP"], rows)
 
 
 def skip_table(ddp: dict) -> str:
@@ -340,6 +371,31 @@ def headline_table(results: dict) -> str:
                 )
             ),
         )
+    if "device" in h:
+        device = h["device"]
+        where = f"{device['device']}, world size 1, {results['sections']['device']['device_name']}"
+        names = [n for n in device if n != "device"]
+        rows.append(
+            [
+                f"one device ({where}): reducer step / local step, no communication",
+                "; ".join(
+                    f"{n.upper()}: BucketedDDP **{device[n]['32']['bucketed_over_local']:.3f}**, "
+                    f"NativeDDP **{device[n]['32']['native_over_local']:.3f}**"
+                    for n in names
+                ),
+            ]
+        )
+        for precision in results["sections"]["device"]["precisions"][1:]:
+            rows.append(
+                [
+                    f"{precision}: local step / fp32 local step; BucketedDDP / NativeDDP",
+                    "; ".join(
+                        f"{n.upper()}: {device[n][precision]['local_over_fp32_local']:.2f}; "
+                        f"{device[n][precision]['bucketed_over_native']:.3f}"
+                        for n in names
+                    ),
+                ]
+            )
     if "curves_val_loss_by_sync_every" in h:
         ks = list(h["curves_val_loss_by_sync_every"])
         best = h["curves_best_val_loss_by_sync_every"]
@@ -402,6 +458,7 @@ BLOCKS: dict[str, Callable[[dict], str | None]] = {
     "sweep": _ddp_block(sweep_table),
     "overlap": _ddp_block(overlap_table),
     "skip": _ddp_block(skip_table),
+    "device": _section_block("device", device_table),
     "curves": _section_block("curves", curves_table),
     "overhead": _section_block("overhead", overhead_table),
     "strategies": _section_block("strategies", strategies_table),
@@ -442,6 +499,7 @@ TITLES = {
     "sweep": "Bucket size and overlap",
     "overlap": "Overlap speedup (step without / with overlap)",
     "skip": "Skip-sync, ms per sample",
+    "device": "One device, world size 1",
     "curves": "Skip-sync, CharGPT",
     "overhead": "Framework overhead",
     "strategies": "Strategies",

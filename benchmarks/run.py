@@ -11,6 +11,9 @@ Sections (in the order they run):
   every variant is interleaved: latency breakdown (forward, backward, exposed communication, optimizer) of
   local training, BucketedDDP and NativeDDP at their defaults; a bucket-size sweep for both reducers;
   BucketedDDP with overlap off at every size; skipped synchronization every k micro-batches.
+- `device`: one process on one device (CUDA with NCCL when a GPU is present, else the CPU with gloo):
+  local training, NativeDDP and BucketedDDP at world size 1, so each reducer's own per-step cost shows
+  without communication (the tiny MLP; on CUDA also the CNN and BERT, and bf16 and fp16 mixed precision).
 - `curves`: CharGPT (the default example) trained through the Trainer on two ranks with BucketedDDP,
   synchronizing every k micro-batches: loss curves and final validation loss.
 - `overhead`: Trainer vs hand-written loop vs pytorch-lightning on the tiny MLP, in fresh processes.
@@ -33,12 +36,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 if __package__ in (None, ""):  # `python benchmarks/run.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.analysis import headlines
 from benchmarks.common import ROOT, load_average, machine
-from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, run_ddp_workload
+from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, run_ddp_workload, run_device_workload
 from benchmarks.example_runs import run_example, summarize_runs
 from benchmarks.overhead import run_overhead
 from benchmarks.plot import plot_all
@@ -46,7 +51,7 @@ from benchmarks.report import fill
 
 __all__ = ["PLANS", "SECTIONS", "main"]
 
-SECTIONS = ("ddp", "curves", "overhead", "strategies")
+SECTIONS = ("ddp", "device", "curves", "overhead", "strategies")
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "performance.md"
 FIGURES = ROOT / "docs" / "img"
@@ -69,6 +74,11 @@ class Plan:
     ddp: DDPPlan
     mlp: DDPPlan
     workloads: tuple[str, ...] = ("cnn", "bert")
+    #: The one-device section: world size 1, no sweep; mixed precisions are timed on CUDA only.
+    device: DDPPlan = DDPPlan(caps_mb=(), sync_every=(1,), repeats=7, steps=2)
+    #: The tiny MLP on one device: the reducers' fixed cost per step, which its 0.3 ms steps make visible.
+    device_mlp: DDPPlan = DDPPlan(caps_mb=(), sync_every=(1,), repeats=7, steps=40, warmup=5)
+    device_precisions_cuda: tuple[str, ...] = ("bf16-mixed", "16-mixed")
     curve_model: dict = field(default_factory=lambda: dict(SMALL_GPT))
     curve_batch: int = 16
     curve_microbatches: int = 384
@@ -112,6 +122,8 @@ PLANS = {
             skip_microbatches=4,
         ),
         mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=2, steps=20, warmup=5),
+        device=DDPPlan(caps_mb=(), sync_every=(1,), repeats=2, steps=2),
+        device_mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=2, steps=20, warmup=5),
         curve_microbatches=64,
         curve_sync_every=(1, 4),
         curve_lr_scalings=(),
@@ -136,6 +148,8 @@ PLANS = {
             skip_microbatches=2,
         ),
         mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=1, steps=2),
+        device=DDPPlan(caps_mb=(), sync_every=(1,), repeats=1, steps=2),
+        device_mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=1, steps=2),
         curve_model=dict(TINY_GPT),
         curve_batch=4,
         curve_microbatches=4,
@@ -164,6 +178,32 @@ def run_ddp(plan: Plan, log) -> dict[str, Any]:
         log(f"ddp: {name}")
         sweep = name != "mlp"
         results[name] = run_ddp_workload(name, plan.size, plan.ddp if sweep else plan.mlp, sweep, plan.timeout_s)
+    return results
+
+
+def run_device(plan: Plan, log) -> dict[str, Any]:
+    """One process on one device: each reducer's own cost at world size 1, and mixed precision on CUDA."""
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    precisions = ("32",)
+    if cuda:
+        precisions += tuple(
+            p for p in plan.device_precisions_cuda if p != "bf16-mixed" or torch.cuda.is_bf16_supported()
+        )
+    results: dict[str, Any] = {
+        "device": device,
+        "device_name": torch.cuda.get_device_name(0) if cuda else machine()["cpu"],
+        "backend": "nccl" if cuda else "gloo",
+        "world_size": 1,
+        "precisions": list(precisions),
+        "workloads": {},
+    }
+    # On the CPU a reducer's sub-millisecond bookkeeping is lost in the 10% spread of a 250 ms CNN or BERT
+    # step (two trial runs put BucketedDDP / local at 0.94 and 1.08 on the CNN), so only the MLP runs there.
+    for name in (*plan.workloads, "mlp") if cuda else ("mlp",):
+        log(f"device: {name} on {device}, precisions {', '.join(precisions)}")
+        job = plan.device_mlp if name == "mlp" else plan.device
+        results["workloads"][name] = run_device_workload(name, plan.size, job, precisions, device, plan.timeout_s)
     return results
 
 
@@ -247,7 +287,13 @@ def run_overhead_section(plan: Plan, log) -> dict[str, Any]:
     )
 
 
-_RUNNERS = {"ddp": run_ddp, "curves": run_curves, "overhead": run_overhead_section, "strategies": run_strategies}
+_RUNNERS = {
+    "ddp": run_ddp,
+    "device": run_device,
+    "curves": run_curves,
+    "overhead": run_overhead_section,
+    "strategies": run_strategies,
+}
 
 
 # -------------------------------------------------------------------- main

@@ -146,3 +146,40 @@ def test_report_and_figures_of_the_trainer_sections(smoke_runs, tmp_path):
     assert {p.name for p in written} == {"skip_sync.png", "overhead.png"}
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_device_section_times_each_reducer_alone_at_every_precision():
+    """World size 1 on this machine's device; bf16-mixed runs here on the CPU, as it would on CUDA."""
+    from benchmarks.ddp_suite import DDPPlan, run_device_workload
+    from benchmarks.report import device_table
+
+    plan = DDPPlan(caps_mb=(), sync_every=(1,), repeats=2, steps=2)
+    workload = run_device_workload("cnn", "tiny", plan, ("32", "bf16-mixed"), "cpu", timeout=120)
+    variants = workload["variants"]
+    assert set(variants) == {
+        f"{name}{suffix}" for name in ("local", "native default", "bucketed default") for suffix in ("", " bf16-mixed")
+    }
+    for label, variant in variants.items():
+        assert variant["precision"] == ("bf16-mixed" if "bf16" in label else "32")
+        assert _positive(variant["step"]["median_ms"]) and variant["step"]["n"] == 4
+        assert len(variant["block_medians_ms"]) == 2
+    # Exposed communication is measured against the local variant of the same precision.
+    bucketed = variants["bucketed default bf16-mixed"]
+    local = variants["local bf16-mixed"]
+    assert bucketed["exposed_comm_ms"] == pytest.approx(
+        bucketed["phases_ms"]["backward"] - local["phases_ms"]["backward"], abs=1e-3
+    )
+    section = {"device": "cpu", "precisions": ["32", "bf16-mixed"], "workloads": {"cnn": workload}}
+    table = device_table(section)
+    assert "| CNN | bf16-mixed | BucketedDDP |" in table and "| CNN | 32 | local |" in table
+
+
+def test_device_section_in_the_suite(tmp_path):
+    results = run_suite("smoke", ("device",), tmp_path / "device.json", log=lambda message: None)
+    device = results["sections"]["device"]
+    assert device["world_size"] == 1 and device["precisions"][0] == "32"
+    # Without a GPU only the MLP runs: a CNN or BERT step's spread hides a reducer's own cost on the CPU.
+    assert set(device["workloads"]) == ({"cnn", "bert", "mlp"} if device["device"] == "cuda" else {"mlp"})
+    headline = results["headline"]["device"]["mlp"]["32"]
+    assert _positive(headline["bucketed_over_local"]) and _positive(headline["native_over_local"])
+    assert "one device" in tables(results)
