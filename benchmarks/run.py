@@ -105,11 +105,11 @@ PLANS = {
             caps_mb=(0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, ALL_IN_ONE_MB),
             no_overlap_caps_mb=(0.0, 1.0, 4.0, ALL_IN_ONE_MB),
             sync_every=(1, 2, 4, 8),
-            repeats=5,
+            repeats=7,
             steps=2,
             skip_microbatches=8,
         ),
-        mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=5, steps=40, warmup=5),
+        mlp=DDPPlan(caps_mb=(), sync_every=(1,), repeats=7, steps=40, warmup=5),
     ),
     "quick": Plan(
         size="full",

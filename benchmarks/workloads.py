@@ -125,9 +125,9 @@ class _MLPStep(nn.Module):
 # ------------------------------------------------------------- registry
 #: Sizes per workload: "full" for measurements, "tiny" for the smoke test.
 SIZES: dict[str, dict[str, dict[str, int]]] = {
-    "cnn": {"full": {"width": 32, "batch": 16}, "tiny": {"width": 4, "batch": 2}},
+    "cnn": {"full": {"width": 32, "batch": 8}, "tiny": {"width": 4, "batch": 2}},
     "bert": {
-        "full": {"vocab": 8192, "seq": 128, "dim": 256, "layers": 4, "heads": 4, "batch": 4},
+        "full": {"vocab": 8192, "seq": 128, "dim": 256, "layers": 4, "heads": 4, "batch": 2},
         "tiny": {"vocab": 64, "seq": 16, "dim": 16, "layers": 1, "heads": 2, "batch": 2},
     },
     "mlp": {"full": {"batch": 32}, "tiny": {"batch": 32}},
