@@ -1,8 +1,8 @@
 """Run syncline's benchmark suite: the DDP paper's experiments on this machine, in one command.
 
-    python -m benchmarks              # the full suite, about 14 minutes on 2 cores -> results/suite.json
+    python -m benchmarks              # the full suite, about 15 minutes on 2 cores -> results/suite.json
     python -m benchmarks --report     # the same, then the figures (docs/img) and the tables of docs/performance.md
-    python -m benchmarks --quick      # the same experiments, fewer points and repeats, about 3 minutes
+    python -m benchmarks --quick      # the same experiments, fewer points and repeats, about 2.5 minutes
     python -m benchmarks --sections ddp,overhead --out /tmp/x.json
 
 Sections (in the order they run):
