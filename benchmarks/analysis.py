@@ -17,6 +17,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from benchmarks.ddp_suite import variant_name
+
 __all__ = ["headlines", "paired_ratio", "sweep"]
 
 
@@ -94,9 +96,8 @@ def _device(workload: dict[str, Any], precisions: list[str]) -> dict[str, Any]:
     variants = workload["variants"]
     out: dict[str, Any] = {}
     for precision in precisions:
-        suffix = "" if precision == "32" else f" {precision}"
         local, native, bucketed = (
-            variants[f"{name}{suffix}"] for name in ("local", "native default", "bucketed default")
+            variants[variant_name(name, precision)] for name in ("local", "native default", "bucketed default")
         )
         out[precision] = {
             "local_ms": local["step"]["median_ms"],

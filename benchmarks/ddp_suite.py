@@ -37,7 +37,15 @@ import torch.distributed as dist
 from benchmarks.common import ms, run_ranks, summary
 from benchmarks.workloads import build
 
-__all__ = ["DDPPlan", "Variant", "device_variants", "plan_variants", "run_ddp_workload", "run_device_workload"]
+__all__ = [
+    "DDPPlan",
+    "Variant",
+    "device_variants",
+    "plan_variants",
+    "run_ddp_workload",
+    "run_device_workload",
+    "variant_name",
+]
 
 #: Bucket cap standing for "one bucket holds every gradient".
 ALL_IN_ONE_MB = 1024.0
@@ -100,17 +108,18 @@ def plan_variants(plan: DDPPlan, sweep: bool = True) -> list[Variant]:
     return variants
 
 
+def variant_name(name: str, precision: str) -> str:
+    """A variant's label at `precision`: `name` itself for fp32, else e.g. "local bf16-mixed"."""
+    return name if precision == "32" else f"{name} {precision}"
+
+
 def device_variants(precisions: tuple[str, ...]) -> list[Variant]:
     """The one-device job's variants: no synchronization, NativeDDP and BucketedDDP, at each precision."""
     return [
-        Variant(name if precision == "32" else f"{name} {precision}", reducer, precision=precision)
+        Variant(variant_name(name, precision), reducer, precision=precision)
         for precision in precisions
         for name, reducer in (("local", "local"), ("native default", "native"), ("bucketed default", "bucketed"))
     ]
-
-
-def _local_name(precision: str) -> str:
-    return "local" if precision == "32" else f"local {precision}"
 
 
 # --------------------------------------------------------------- one rank
@@ -129,7 +138,7 @@ class _Runner:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
         self.precision = Precision(variant.precision, device)
         self.cuda = device.type == "cuda"
-        backend = "nccl" if self.cuda else "gloo"
+        backend = dist.get_backend()  # the group `_rank` joined: gloo on the CPU, NCCL on CUDA
         self.strategy = None
         if variant.reducer == "bucketed":
             caps = (
@@ -250,7 +259,7 @@ def _run_job(
         results[variant.name] = _summarize(variant, [r[variant.name] for r in per_rank], batch, len(per_rank))
     for result in results.values():
         if result["reducer"] != "local" and result["sync_every"] == 1:
-            local_backward = results[_local_name(result["precision"])]["phases_ms"]["backward"]
+            local_backward = results[variant_name("local", result["precision"])]["phases_ms"]["backward"]
             result["exposed_comm_ms"] = round(result["phases_ms"]["backward"] - local_backward, 3)
     return {"workload": workload.describe(), "plan": asdict(plan), "variants": results}
 

@@ -24,6 +24,7 @@ if __package__ in (None, ""):  # `python benchmarks/report.py`
 
 from benchmarks.analysis import paired_ratio, sweep
 from benchmarks.common import ROOT
+from benchmarks.ddp_suite import variant_name
 from benchmarks.plot import breakdown_parts
 
 __all__ = ["BLOCKS", "blocks", "fill", "main", "tables"]
@@ -173,14 +174,16 @@ def device_table(device: dict) -> str:
     for name, workload in device["workloads"].items():
         variants = workload["variants"]
         for precision in device["precisions"]:
-            suffix = "" if precision == "32" else f" {precision}"
-            local, native = variants[f"local{suffix}"], variants[f"native default{suffix}"]
+            local, native = (
+                variants[variant_name("local", precision)],
+                variants[variant_name("native default", precision)],
+            )
             for label, key in (
                 ("local", "local"),
                 ("NativeDDP", "native default"),
                 ("BucketedDDP", "bucketed default"),
             ):
-                v = variants[f"{key}{suffix}"]
+                v = variants[variant_name(key, precision)]
                 median = v["step"]["median_ms"]
                 digits = 3 if local["step"]["median_ms"] < 10 else 1  # the MLP's steps are fractions of a ms
                 rows.append(
@@ -442,10 +445,6 @@ def headline_table(results: dict) -> str:
     return _table(["claim", "measured here"], rows)
 
 
-def _ddp_block(make: Callable[[dict], str]) -> Callable[[dict], str | None]:
-    return lambda results: make(results["sections"]["ddp"]) if "ddp" in results["sections"] else None
-
-
 def _section_block(name: str, make: Callable[[dict], str]) -> Callable[[dict], str | None]:
     return lambda results: make(results["sections"][name]) if name in results["sections"] else None
 
@@ -454,10 +453,10 @@ def _section_block(name: str, make: Callable[[dict], str]) -> Callable[[dict], s
 BLOCKS: dict[str, Callable[[dict], str | None]] = {
     "headline": headline_table,
     "machine": machine_table,
-    "breakdown": _ddp_block(breakdown_table),
-    "sweep": _ddp_block(sweep_table),
-    "overlap": _ddp_block(overlap_table),
-    "skip": _ddp_block(skip_table),
+    "breakdown": _section_block("ddp", breakdown_table),
+    "sweep": _section_block("ddp", sweep_table),
+    "overlap": _section_block("ddp", overlap_table),
+    "skip": _section_block("ddp", skip_table),
     "device": _section_block("device", device_table),
     "curves": _section_block("curves", curves_table),
     "overhead": _section_block("overhead", overhead_table),
