@@ -39,10 +39,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cpu_model
-from strategies.bucketed_ddp import BucketedDDP
-from strategies.launcher import free_port
-from strategies.native_ddp import NativeDDP
-from strategies.process_group import init_process_group_from_env
+from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.launcher import free_port
+from syncline.strategies.native_ddp import NativeDDP
+from syncline.strategies.process_group import init_process_group_from_env
 
 WIDTH, DEPTH, BATCH = 512, 12, 64
 

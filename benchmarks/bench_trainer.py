@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import make_mlp as make_model
 from benchmarks.workloads import mlp_loader as make_loader
-from callbacks import Callback
-from trainer import Task, Trainer
+from syncline.callbacks import Callback
+from syncline.trainer import Task, Trainer
 
 WARMUP = 200
 

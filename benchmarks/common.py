@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from strategies.launcher import free_port
+from syncline.strategies.launcher import free_port
 
 __all__ = [
     "LAUNCHED_AT",

@@ -127,9 +127,9 @@ class _Runner:
     """A variant's model, optimizer and strategy on this rank."""
 
     def __init__(self, variant: Variant, workload, batch, timeout: float, device: torch.device) -> None:
-        from strategies.bucketed_ddp import BucketedDDP
-        from strategies.native_ddp import NativeDDP
-        from trainer.precision import Precision
+        from syncline.strategies.bucketed_ddp import BucketedDDP
+        from syncline.strategies.native_ddp import NativeDDP
+        from syncline.trainer.precision import Precision
 
         self.variant = variant
         self.batch = batch
@@ -208,7 +208,7 @@ class _Runner:
 def _rank(
     rank: int, world_size: int, workload_name: str, size: str, variants, plan: DDPPlan, timeout: float, device: str
 ):
-    from strategies.process_group import init_process_group_from_env
+    from syncline.strategies.process_group import init_process_group_from_env
 
     cuda = device == "cuda"
     init_process_group_from_env(backend="nccl" if cuda else "gloo", timeout=timeout)

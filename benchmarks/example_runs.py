@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import LAUNCHED_AT, run_child, summary
-from callbacks import Callback
+from syncline.callbacks import Callback
 
 __all__ = ["StepRecorder", "run_example"]
 
@@ -56,11 +56,11 @@ class StepRecorder(Callback):
 
 def _train(config: dict[str, Any]) -> dict[str, Any]:
     """Train CharGPT as `config` says; return timings, the loss curve and the final validation metrics."""
-    from examples.char_gpt import CharGPT
-    from strategies.bucketed_ddp import BucketedDDP
-    from strategies.native_ddp import NativeDDP
-    from trainer import Trainer
-    from trainer.seed import seed_everything
+    from syncline.examples.char_gpt import CharGPT
+    from syncline.strategies.bucketed_ddp import BucketedDDP
+    from syncline.strategies.native_ddp import NativeDDP
+    from syncline.trainer import Trainer
+    from syncline.trainer.seed import seed_everything
 
     devices, k = config["devices"], config["accumulate"]
     if devices == 1:

@@ -86,8 +86,8 @@ def _trainer(steps: int, clock: _Clock, root: Path) -> None:
 
     from benchmarks.bench_trainer import MLPTask
     from benchmarks.workloads import mlp_loader
-    from callbacks import Callback
-    from trainer import Trainer
+    from syncline.callbacks import Callback
+    from syncline.trainer import Trainer
 
     class Timer(Callback):
         def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):

@@ -58,7 +58,7 @@ FIGURES = ROOT / "docs" / "img"
 
 #: CharGPT for the loss curves: small and short, so four two-rank runs take about a minute and a half.
 SMALL_GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, "max_chars": 1_000_000, "sample_chars": 0}
-#: CharGPT as `python -m trainer` trains it (4 layers, width 128, context 64), without the final sample.
+#: CharGPT as `python -m syncline` trains it (4 layers, width 128, context 64), without the final sample.
 DEFAULT_GPT = {"max_chars": 1_000_000, "sample_chars": 0}
 #: The curves' base learning rate (CharGPT's default) and the rules that scale it for an effective batch k times larger.
 CURVE_LR = 3e-3

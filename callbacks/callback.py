@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from trainer.task import Task
-    from trainer.trainer import Trainer
+    from syncline.trainer.task import Task
+    from syncline.trainer.trainer import Trainer
 
 __all__ = ["Callback", "CallbackDispatcher"]
 
@@ -203,7 +203,7 @@ class CallbackDispatcher:
         self._listeners: dict[Hook, tuple[list[Callable[..., None]], list[Callable[..., None]]]] = {}
 
     def _resolve(self, hook: Hook) -> tuple[list[Callable[..., None]], list[Callable[..., None]]]:
-        from trainer.task import Task
+        from syncline.trainer.task import Task
 
         name = hook.__name__
         task_listeners: list[Callable[..., None]] = []

@@ -10,12 +10,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from callbacks.callback import Callback
-from trainer.rank_zero import rank_zero_warn
+from syncline.callbacks.callback import Callback
+from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
-    from trainer.task import Task
-    from trainer.trainer import Trainer
+    from syncline.trainer.task import Task
+    from syncline.trainer.trainer import Trainer
 
 __all__ = ["ModelCheckpoint"]
 

@@ -6,8 +6,8 @@ import csv
 import os
 from typing import Any
 
-from callbacks.versioned_logger import VersionedLogger
-from trainer.rank_zero import rank_zero_only, rank_zero_warn
+from syncline.callbacks.versioned_logger import VersionedLogger
+from syncline.trainer.rank_zero import rank_zero_only, rank_zero_warn
 
 __all__ = ["CSVLogger"]
 

@@ -6,12 +6,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from callbacks.callback import Callback
-from trainer.rank_zero import rank_zero_info
+from syncline.callbacks.callback import Callback
+from syncline.trainer.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
-    from trainer.task import Task
-    from trainer.trainer import Trainer
+    from syncline.trainer.task import Task
+    from syncline.trainer.trainer import Trainer
 
 __all__ = ["EarlyStopping"]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from callbacks.callback import Callback
+from syncline.callbacks.callback import Callback
 
 if TYPE_CHECKING:
-    from trainer.task import Task
-    from trainer.trainer import Trainer
+    from syncline.trainer.task import Task
+    from syncline.trainer.trainer import Trainer
 
 __all__ = ["LearningRateMonitor"]
 

@@ -6,8 +6,8 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from callbacks.versioned_logger import VersionedLogger
-from trainer.rank_zero import rank_zero_only
+from syncline.callbacks.versioned_logger import VersionedLogger
+from syncline.trainer.rank_zero import rank_zero_only
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from callbacks.logger import Logger
+from syncline.callbacks.logger import Logger
 
 __all__ = ["VersionedLogger"]
 

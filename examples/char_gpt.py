@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.text import Perplexity
 
-from trainer.rank_zero import rank_zero_only
-from trainer.task import Task
+from syncline.trainer.rank_zero import rank_zero_only
+from syncline.trainer.task import Task
 
 __all__ = ["CharGPT", "CharWindows", "load_stdlib_text"]
 

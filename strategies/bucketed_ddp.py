@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from strategies.backward_sync import BackwardSyncControl
-from strategies.comm_hooks import COMM_HOOKS, CommHook
-from strategies.process_group import ProcessGroupStrategy, broadcast_coalesced
-from strategies.reducer import Reducer
+from syncline.strategies.backward_sync import BackwardSyncControl
+from syncline.strategies.comm_hooks import COMM_HOOKS, CommHook
+from syncline.strategies.process_group import ProcessGroupStrategy, broadcast_coalesced
+from syncline.strategies.reducer import Reducer
 
 if TYPE_CHECKING:
-    from trainer.task import Task
+    from syncline.trainer.task import Task
 
 __all__ = ["BucketedDDP"]
 

@@ -22,8 +22,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 if TYPE_CHECKING:
-    from trainer.task import Task
-    from trainer.trainer import Trainer
+    from syncline.trainer.task import Task
+    from syncline.trainer.trainer import Trainer
 
 __all__ = ["WorkerFailedError", "free_port", "launch", "launched_by_torchrun"]
 
@@ -50,7 +50,7 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
     Raises:
         WorkerFailedError: a worker raised or died; names the rank and the error.
     """
-    from trainer.state import capture_rng
+    from syncline.trainer.state import capture_rng
 
     nprocs = trainer.devices
     config = LaunchConfig(
@@ -83,7 +83,7 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
 @record
 def _worker(stage: str, payload: bytes) -> dict | None:
     """Entry point of one launched process."""
-    from trainer.state import restore_rng
+    from syncline.trainer.state import restore_rng
 
     trainer, task, kwargs, rng = pickle.loads(payload)
     if "OMP_NUM_THREADS" not in os.environ:

@@ -24,11 +24,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from strategies.backward_sync import BackwardSyncControl
-from strategies.process_group import ProcessGroupStrategy
+from syncline.strategies.backward_sync import BackwardSyncControl
+from syncline.strategies.process_group import ProcessGroupStrategy
 
 if TYPE_CHECKING:
-    from trainer.task import Task
+    from syncline.trainer.task import Task
 
 __all__ = ["NativeDDP"]
 

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from strategies.strategy import ReduceOp, Strategy
+from syncline.strategies.strategy import ReduceOp, Strategy
 
 if TYPE_CHECKING:
-    from trainer.task import Task
+    from syncline.trainer.task import Task
 
 __all__ = [
     "DistributedEnv",

@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.futures import Future
 from torch.nn import Parameter
 
-from strategies.comm_hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
+from syncline.strategies.comm_hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
 
 __all__ = [
     "CollectiveError",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from strategies.bucketed_ddp import BucketedDDP
-from strategies.native_ddp import NativeDDP
-from strategies.single_device import SingleDevice
-from strategies.strategy import Strategy
+from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.native_ddp import NativeDDP
+from syncline.strategies.single_device import SingleDevice
+from syncline.strategies.strategy import Strategy
 
 __all__ = ["STRATEGIES", "register_strategy", "resolve_strategy"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from strategies.strategy import Strategy
+from syncline.strategies.strategy import Strategy
 
 __all__ = ["SingleDevice", "default_device"]
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from trainer.task import Task
+    from syncline.trainer.task import Task
 
 __all__ = ["ReduceOp", "Strategy", "move_to_device"]
 

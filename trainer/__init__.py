@@ -1,6 +1,6 @@
 """The training loop and what it needs: Trainer, Task, state, Hydra config and CLI."""
 
-from trainer.task import Task
-from trainer.trainer import Trainer
+from syncline.trainer.task import Task
+from syncline.trainer.trainer import Trainer
 
 __all__ = ["Task", "Trainer"]

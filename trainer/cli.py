@@ -1,4 +1,4 @@
-"""`python -m trainer` / `syncline`: compose the Hydra config, build the task and the Trainer, and fit.
+"""`python -m syncline` / `syncline`: compose the Hydra config, build the task and the Trainer, and fit.
 
 The overrides are checked by composing the config once before Hydra runs, so that a misspelled key, an
 unknown option or a value of the wrong type ends in a few lines naming what is wrong and what is valid,
@@ -30,11 +30,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-import trainer.config  # noqa: F401  (registers the structured configs in Hydra's ConfigStore)
-from trainer.checkpoint import CheckpointError
-from trainer.rank_zero import rank_zero_only
-from trainer.seed import seed_everything
-from trainer.trainer import Trainer
+import syncline.trainer.config  # noqa: F401  (registers the structured configs in Hydra's ConfigStore)
+from syncline.trainer.checkpoint import CheckpointError
+from syncline.trainer.rank_zero import rank_zero_only
+from syncline.trainer.seed import seed_everything
+from syncline.trainer.trainer import Trainer
 
 __all__ = ["RUNTIME_ERROR", "USAGE_ERROR", "check_overrides", "main", "run"]
 
@@ -43,7 +43,7 @@ USAGE_ERROR = 2
 #: Exit code of a failure while training.
 RUNTIME_ERROR = 1
 
-_CONFIG_MODULE = "trainer.conf"
+_CONFIG_MODULE = "syncline.trainer.conf"
 _CONFIG_NAME = "config"
 #: Command-line keys that select an option of a config group rather than set a value.
 _GROUPS = ("task", "strategy", "callbacks")

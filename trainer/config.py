@@ -15,7 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
 
-from strategies.registry import STRATEGIES
+from syncline.strategies.registry import STRATEGIES
 
 __all__ = [
     "STRATEGY_CONFS",
@@ -61,7 +61,7 @@ class TrainerConf:
 class AutoStrategyConf:
     """``strategy=auto``: one device for one process, `BucketedDDP` for several (the Trainer's default)."""
 
-    _target_: str = "strategies.registry.resolve_strategy"
+    _target_: str = "syncline.strategies.registry.resolve_strategy"
     strategy: str = "auto"
     devices: int = II("trainer.devices")
 
@@ -70,7 +70,7 @@ class AutoStrategyConf:
 class SingleDeviceConf:
     """``strategy=single``: `strategies.SingleDevice`."""
 
-    _target_: str = "strategies.single_device.SingleDevice"
+    _target_: str = "syncline.strategies.single_device.SingleDevice"
     device: str | None = None
 
 
@@ -78,7 +78,7 @@ class SingleDeviceConf:
 class BucketedDDPConf:
     """``strategy=bucketed_ddp``: `strategies.BucketedDDP`, syncline's implementation of the DDP paper."""
 
-    _target_: str = "strategies.bucketed_ddp.BucketedDDP"
+    _target_: str = "syncline.strategies.bucketed_ddp.BucketedDDP"
     bucket_cap_mb: float = 25.0
     first_bucket_mb: float = 1.0
     find_unused_parameters: bool = False
@@ -94,7 +94,7 @@ class BucketedDDPConf:
 class NativeDDPConf:
     """``strategy=native_ddp``: `strategies.NativeDDP`, torch's `DistributedDataParallel` as reference."""
 
-    _target_: str = "strategies.native_ddp.NativeDDP"
+    _target_: str = "syncline.strategies.native_ddp.NativeDDP"
     backend: str | None = None
     timeout: float = 1800.0
     # Passed through to DistributedDataParallel, with torch's defaults.

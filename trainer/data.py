@@ -9,7 +9,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from trainer.rank_zero import rank_zero_warn
+from syncline.trainer.rank_zero import rank_zero_warn
 
 __all__ = ["epoch_batches", "limit_batches", "with_distributed_sampler"]
 

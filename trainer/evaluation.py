@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from callbacks.callback import Callback
-from trainer.data import epoch_batches
+from syncline.callbacks.callback import Callback
+from syncline.trainer.data import epoch_batches
 
 if TYPE_CHECKING:
-    from trainer.trainer import Trainer
+    from syncline.trainer.trainer import Trainer
 
 __all__ = ["EVAL_STAGES", "EvalStage", "run_evaluation"]
 

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from callbacks.callback import Callback
-from trainer.data import epoch_batches
-from trainer.state import capture_rng, restore_rng
+from syncline.callbacks.callback import Callback
+from syncline.trainer.data import epoch_batches
+from syncline.trainer.state import capture_rng, restore_rng
 
 if TYPE_CHECKING:
-    from trainer.trainer import Trainer
+    from syncline.trainer.trainer import Trainer
 
 __all__ = ["FitLoop"]
 

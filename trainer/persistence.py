@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from callbacks.callback import Callback
-from trainer.checkpoint import FORMAT_VERSION, load_checkpoint, to_primitive
-from trainer.rank_zero import rank_zero_warn
-from trainer.state import capture_rng
+from syncline.callbacks.callback import Callback
+from syncline.trainer.checkpoint import FORMAT_VERSION, load_checkpoint, to_primitive
+from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.trainer.state import capture_rng
 
 if TYPE_CHECKING:
-    from trainer.task import Task
-    from trainer.trainer import Trainer
+    from syncline.trainer.task import Task
+    from syncline.trainer.trainer import Trainer
 
 __all__ = [
     "apply_worker_result",

@@ -11,7 +11,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 if TYPE_CHECKING:
-    from strategies.strategy import ReduceOp, Strategy
+    from syncline.strategies.strategy import ReduceOp, Strategy
 
 __all__ = ["ResultCollection", "infer_batch_size"]
 

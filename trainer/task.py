@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
     from torchmetrics import Metric
 
-    from trainer.trainer import Trainer
+    from syncline.trainer.trainer import Trainer
 
 __all__ = ["Task"]
 

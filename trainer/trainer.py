@@ -12,22 +12,22 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from callbacks.callback import Callback, CallbackDispatcher
-from callbacks.logger import Logger
-from strategies.launcher import launch, launched_by_torchrun
-from strategies.registry import resolve_strategy
-from strategies.strategy import Strategy
-from trainer import persistence
-from trainer.checkpoint import save_checkpoint, to_primitive
-from trainer.data import limit_batches, with_distributed_sampler
-from trainer.evaluation import run_evaluation
-from trainer.fit_loop import FitLoop
-from trainer.optim import OptimizerSetup, parse_optimizers
-from trainer.precision import PRECISIONS, Precision
-from trainer.results import ResultCollection
-from trainer.seed import seed_everything, set_deterministic
-from trainer.state import TrainerState, isolated_rng
-from trainer.task import Task
+from syncline.callbacks.callback import Callback, CallbackDispatcher
+from syncline.callbacks.logger import Logger
+from syncline.strategies.launcher import launch, launched_by_torchrun
+from syncline.strategies.registry import resolve_strategy
+from syncline.strategies.strategy import Strategy
+from syncline.trainer import persistence
+from syncline.trainer.checkpoint import save_checkpoint, to_primitive
+from syncline.trainer.data import limit_batches, with_distributed_sampler
+from syncline.trainer.evaluation import run_evaluation
+from syncline.trainer.fit_loop import FitLoop
+from syncline.trainer.optim import OptimizerSetup, parse_optimizers
+from syncline.trainer.precision import PRECISIONS, Precision
+from syncline.trainer.results import ResultCollection
+from syncline.trainer.seed import seed_everything, set_deterministic
+from syncline.trainer.state import TrainerState, isolated_rng
+from syncline.trainer.task import Task
 
 __all__ = ["Trainer"]
 
@@ -151,7 +151,7 @@ class Trainer:
     # ------------------------------------------------------------------ wiring
     def _build_loggers(self, logger: bool | Logger | Sequence[Logger]) -> list[Logger]:
         if logger is True:
-            from callbacks.tensorboard import TensorBoardLogger
+            from syncline.callbacks.tensorboard import TensorBoardLogger
 
             return [TensorBoardLogger(save_dir=self.default_root_dir)]
         if logger is False or logger is None:
@@ -167,8 +167,8 @@ class Trainer:
     def _build_callbacks(
         self, callbacks: Sequence[Callback] | Callback | None, checkpointing: bool, progress_bar: bool
     ) -> list[Callback]:
-        from callbacks.checkpoint import ModelCheckpoint
-        from callbacks.progress import ProgressBar
+        from syncline.callbacks.checkpoint import ModelCheckpoint
+        from syncline.callbacks.progress import ProgressBar
 
         if isinstance(callbacks, Callback):
             callbacks = [callbacks]
@@ -248,7 +248,7 @@ class Trainer:
     @property
     def checkpoint_callbacks(self) -> list[Callback]:
         """The ModelCheckpoint callbacks."""
-        from callbacks.checkpoint import ModelCheckpoint
+        from syncline.callbacks.checkpoint import ModelCheckpoint
 
         return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
 

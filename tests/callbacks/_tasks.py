@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks.logger import Logger
-from strategies.single_device import SingleDevice
-from trainer import Task, Trainer
+from syncline.callbacks.logger import Logger
+from syncline.strategies.single_device import SingleDevice
+from syncline.trainer import Task, Trainer
 
 
 def make_loader(batches: int = 4, batch_size: int = 2, seed: int = 0) -> DataLoader:
@@ -79,7 +79,7 @@ class Scripted(Task):
 
 def make_trainer(root: Any, **kwargs: Any) -> Trainer:
     """Return a quiet Trainer writing under `root` (no logger, bar, sanity check or checkpoint unless asked)."""
-    from callbacks import ModelCheckpoint
+    from syncline.callbacks import ModelCheckpoint
 
     callbacks = kwargs.get("callbacks") or []
     options: dict[str, Any] = {

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from callbacks import ModelCheckpoint
-from callbacks.checkpoint import _Plan
+from syncline.callbacks import ModelCheckpoint
+from syncline.callbacks.checkpoint import _Plan
+from syncline.trainer import Trainer
+from syncline.trainer.checkpoint import load_checkpoint
 from tests.callbacks._tasks import FakeRank, Scripted, make_loader, make_trainer
 from tests.strategies._dist import run_distributed
-from trainer import Trainer
-from trainer.checkpoint import load_checkpoint
 
 # Batches of 2 samples, 4 batches per epoch: epoch e ends at global step 4 * (e + 1).
 BATCHES = 4

@@ -7,7 +7,7 @@ import csv
 import pytest
 import yaml
 
-from callbacks import CSVLogger
+from syncline.callbacks import CSVLogger
 from tests.callbacks._tasks import Scripted, make_loader, make_trainer
 
 

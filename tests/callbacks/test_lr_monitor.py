@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from callbacks import LearningRateMonitor
+from syncline.callbacks import LearningRateMonitor
 from tests.callbacks._tasks import RecordingLogger, Scripted, make_loader, make_trainer
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-import callbacks.progress as progress
-from callbacks import ProgressBar
+import syncline.callbacks.progress as progress
+from syncline.callbacks import ProgressBar
 from tests.callbacks._tasks import FakeRank, Scripted, make_loader, make_trainer
 
 

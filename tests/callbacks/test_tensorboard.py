@@ -7,7 +7,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
-from callbacks import ModelCheckpoint, TensorBoardLogger
+from syncline.callbacks import ModelCheckpoint, TensorBoardLogger
 from tests.callbacks._tasks import Scripted, make_loader, make_trainer
 
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from examples.char_gpt import CharGPT, CharWindows, _warmup_cosine, load_stdlib_text
-from trainer import Trainer
+from syncline.examples.char_gpt import CharGPT, CharWindows, _warmup_cosine, load_stdlib_text
+from syncline.trainer import Trainer
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=16, max_chars=40_000, sample_chars=0)
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainer import Task
+from syncline.trainer import Task
 
 
 def regression_data(n: int = 64, features: int = 8, seed: int = 0) -> TensorDataset:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from syncline.trainer import Task, Trainer
+from syncline.trainer.checkpoint import CheckpointError
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
-from trainer import Task, Trainer
-from trainer.checkpoint import CheckpointError
 
 
 def _fit(task, **kwargs):

@@ -1,4 +1,4 @@
-"""`python -m trainer`: a short run writes its outputs, resumes, and bad input fails in a few lines."""
+"""`python -m syncline`: a short run writes its outputs, resumes, and bad input fails in a few lines."""
 
 import dataclasses
 import inspect
@@ -12,10 +12,10 @@ import torch
 from hydra.utils import get_object
 from omegaconf import OmegaConf
 
-from strategies import STRATEGIES
-from trainer import Trainer
-from trainer.cli import check_overrides
-from trainer.config import STRATEGY_CONFS, TrainerConf
+from syncline.strategies import STRATEGIES
+from syncline.trainer import Trainer
+from syncline.trainer.cli import check_overrides
+from syncline.trainer.config import STRATEGY_CONFS, TrainerConf
 
 #: A run of a few seconds: a one-layer model on a little text, validated (and checkpointed) every 3 steps.
 SMALL = [
@@ -33,7 +33,7 @@ SMALL = [
 def _cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RANK", "WORLD_SIZE")}
     return subprocess.run(
-        [sys.executable, "-m", "trainer", *args],
+        [sys.executable, "-m", "syncline", *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -52,7 +52,7 @@ def test_short_run_writes_logs_checkpoints_and_resolved_config(tmp_path):
     config = OmegaConf.load(out / "config.yaml")
     assert config.trainer.max_steps == 3
     assert config.trainer.seed == config.seed == 1234  # resolved, not "${seed}"
-    assert config.task._target_ == "examples.char_gpt.CharGPT"
+    assert config.task._target_ == "syncline.examples.char_gpt.CharGPT"
     log_dir = out / "logs" / "version_0"
     assert list(log_dir.glob("events.out.tfevents.*"))
     assert (log_dir / "checkpoints" / "last.ckpt").is_file()

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from syncline.trainer import Trainer
 from tests.strategies._dist import run_distributed
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
-from trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,7 +128,7 @@ def test_devices_2_launches_workers_and_returns_rank_zero_weights(tmp_path):
         f"""
         import json, torch
         from tests.trainer._tasks import Regressor, loader, quiet, regression_data
-        from trainer import Trainer
+        from syncline.trainer import Trainer
         if __name__ == "__main__":
             torch.manual_seed(0)
             task = Regressor()
@@ -157,7 +157,7 @@ def test_devices_2_launches_workers_and_returns_rank_zero_weights(tmp_path):
 
 
 def _fit_with_csv(rank, world_size, tmp):
-    from callbacks import CSVLogger
+    from syncline.callbacks import CSVLogger
 
     torch.manual_seed(0)
     trainer = Trainer(
@@ -195,7 +195,7 @@ def test_torchrun_starts_the_workers(tmp_path):
             """
             import os, torch
             from tests.trainer._tasks import Regressor, loader, quiet, regression_data
-            from trainer import Trainer
+            from syncline.trainer import Trainer
             torch.manual_seed(0)
             task = Regressor()
             trainer = Trainer(max_epochs=2, **quiet())

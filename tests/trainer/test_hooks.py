@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer as trainer_package
-from callbacks import Callback
+import syncline.trainer as trainer_package
+from syncline.callbacks import Callback
+from syncline.trainer import Task, Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
-from trainer import Task, Trainer
 
 HOOKS = [
     name

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from callbacks import Callback
+from syncline.callbacks import Callback
+from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, quiet, regression_data
-from trainer import Trainer
 
 
 class NoisyData(Dataset):

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
-from trainer import Trainer
 
 
 def _hand_written(task: Regressor, data, batch_size: int, epochs: int, accumulate: int = 1, clip: float | None = None):

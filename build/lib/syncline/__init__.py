@@ -1,0 +1,10 @@
+"""syncline: a PyTorch training framework whose data-parallel strategies are readable Python.
+
+This file is the `syncline` package itself: pyproject.toml maps `syncline` to the repository root, so the
+top-level folders install as `syncline.trainer`, `syncline.strategies`, `syncline.callbacks` and
+`syncline.examples`, and nothing else lands at the top level of site-packages.
+"""
+
+from syncline.trainer import Task, Trainer
+
+__all__ = ["Task", "Trainer"]

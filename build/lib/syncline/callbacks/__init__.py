@@ -1,0 +1,24 @@
+"""Everything that observes training: checkpoints, early stopping, progress, loggers."""
+
+from syncline.callbacks.callback import Callback, CallbackDispatcher
+from syncline.callbacks.checkpoint import ModelCheckpoint
+from syncline.callbacks.csv_logger import CSVLogger
+from syncline.callbacks.early_stopping import EarlyStopping
+from syncline.callbacks.logger import Logger
+from syncline.callbacks.lr_monitor import LearningRateMonitor
+from syncline.callbacks.progress import ProgressBar
+from syncline.callbacks.tensorboard import TensorBoardLogger
+from syncline.callbacks.versioned_logger import VersionedLogger
+
+__all__ = [
+    "CSVLogger",
+    "Callback",
+    "CallbackDispatcher",
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "Logger",
+    "ModelCheckpoint",
+    "ProgressBar",
+    "TensorBoardLogger",
+    "VersionedLogger",
+]

@@ -1,0 +1,342 @@
+"""`ModelCheckpoint`: save the best k checkpoints by a monitored metric, and optionally the last one."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from syncline.callbacks.callback import Callback
+from syncline.trainer.rank_zero import rank_zero_warn
+
+if TYPE_CHECKING:
+    from syncline.trainer.task import Task
+    from syncline.trainer.trainer import Trainer
+
+__all__ = ["ModelCheckpoint"]
+
+#: A ``{name}`` or ``{name:format_spec}`` field of a filename template.
+_FIELD = re.compile(r"\{([^{}:]+)(?::([^{}]*))?\}")
+
+
+@dataclass
+class _Plan:
+    """What one save does; decided on rank 0 and broadcast, so every rank saves the same files."""
+
+    error: Exception | None = None
+    #: Top-k file to write, and the top-k file it pushes out (deleted once the new one exists).
+    save_path: str | None = None
+    drop_path: str | None = None
+    best_k_models: dict[str, float] = field(default_factory=dict)
+    best_model_path: str = ""
+    best_model_score: float | None = None
+    last_path: str | None = None
+
+
+class ModelCheckpoint(Callback):
+    """Save checkpoints during `fit`, keeping the best `save_top_k` by `monitor`, as Lightning does.
+
+    Args:
+        dirpath: directory of the files; None for ``<trainer.log_dir>/checkpoints``.
+        filename: template of the file name without extension, with fields from `trainer.callback_metrics`
+            plus ``epoch`` and ``step``, e.g. ``"{epoch:02d}-{val_loss:.3f}"``; default ``"{epoch}-{step}"``.
+            With `auto_insert_metric_name` a field renders as ``name=value``.
+        monitor: metric to rank checkpoints by; None keeps the most recent ones.
+        mode: "min" or "max": whether a lower or a higher `monitor` is better.
+        save_top_k: how many checkpoints to keep; -1 keeps all, 0 none (only `save_last`).
+        save_last: also write ``last.ckpt`` at every save, replacing the previous one.
+        every_n_epochs: save every this many epochs (1 unless `every_n_train_steps` is given; 0 never).
+        every_n_train_steps: save every this many optimizer steps, after the step's micro-batch.
+        save_on_train_epoch_end: save epoch checkpoints at the end of the training epoch (True) or after
+            each validation (False). None: at epoch end, unless validation runs within the epoch.
+        auto_insert_metric_name: render template fields as ``name=value``.
+
+    Attributes:
+        best_model_path: the best checkpoint so far ("" before the first save).
+        best_model_score: its `monitor` value (None without a monitor).
+        best_k_models: every kept top-k checkpoint with its score (its global step without a monitor).
+        last_model_path: the last ``last.ckpt`` written ("" if none).
+    """
+
+    CHECKPOINT_NAME_LAST = "last"
+    FILE_EXTENSION = ".ckpt"
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        mode: str = "min",
+        save_top_k: int = 1,
+        save_last: bool | None = None,
+        every_n_epochs: int | None = None,
+        every_n_train_steps: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        auto_insert_metric_name: bool = True,
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"ModelCheckpoint mode must be 'min' or 'max', got {mode!r}.")
+        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
+            raise ValueError(f"ModelCheckpoint save_top_k must be an int >= -1, got {save_top_k!r}.")
+        for name, value in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"ModelCheckpoint {name} must be None or an int >= 0, got {value!r}.")
+        if every_n_epochs and every_n_train_steps:
+            raise ValueError("ModelCheckpoint: pass every_n_epochs or every_n_train_steps, not both.")
+        self._given_dirpath = _real_dir(dirpath)
+        self.dirpath: str | None = self._given_dirpath
+        self.filename = filename
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        self.save_last = bool(save_last)
+        self.every_n_train_steps = every_n_train_steps or 0
+        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else int(not every_n_train_steps)
+        self.save_on_train_epoch_end = save_on_train_epoch_end
+        self.auto_insert_metric_name = auto_insert_metric_name
+
+        self.best_k_models: dict[str, float] = {}
+        self.best_model_path = ""
+        self.best_model_score: float | None = None
+        self.last_model_path = ""
+        self._last_global_step_saved = -1
+        #: Global step at the previous train batch end, to notice the micro-batch that took a step.
+        self._step_seen = 0
+
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's state, distinct for checkpoint callbacks with different settings."""
+        settings = {
+            "monitor": self.monitor,
+            "mode": self.mode,
+            "every_n_train_steps": self.every_n_train_steps,
+            "every_n_epochs": self.every_n_epochs,
+        }
+        return f"{type(self).__qualname__}{settings}"
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: Trainer, task: Task, stage: str) -> None:
+        """Resolve the directory: the given one, or ``<trainer.log_dir>/checkpoints`` as rank 0 sees it."""
+        if stage != "fit" or self._given_dirpath is not None:
+            return
+        dirpath = _real_dir(os.path.join(trainer.log_dir, "checkpoints")) if trainer.is_global_zero else None
+        # Collective: the logger picks its version directory on rank 0; every rank must use that one.
+        self.dirpath = trainer.strategy.broadcast_object(dirpath)
+
+    def on_train_start(self, trainer: Trainer, task: Task) -> None:
+        """Start watching for optimizer steps from the (possibly resumed) global step."""
+        self._step_seen = trainer.global_step
+
+    def on_train_batch_end(self, trainer: Trainer, task: Task, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Save when this micro-batch's optimizer step reached a multiple of `every_n_train_steps`."""
+        step = trainer.global_step
+        if step == self._step_seen:  # inside an accumulation window: no optimizer step this micro-batch
+            return
+        self._step_seen = step
+        if self.every_n_train_steps and step % self.every_n_train_steps == 0:
+            self._save(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, task: Task) -> None:
+        """Save every `every_n_epochs` epochs, after the epoch's validation."""
+        if self._epoch_due(trainer) and self._saves_on_train_epoch_end(trainer):
+            self._save(trainer)
+
+    def on_validation_end(self, trainer: Trainer, task: Task) -> None:
+        """Save after a validation that runs within the epoch, where epoch-end saving is off."""
+        if trainer.sanity_checking or trainer.state.stage != "fit":
+            return
+        if self._epoch_due(trainer) and not self._saves_on_train_epoch_end(trainer):
+            self._save(trainer)
+
+    def on_train_end(self, trainer: Trainer, task: Task) -> None:
+        """Write ``last.ckpt`` for the final state when training stopped between saves (max_steps)."""
+        if not self.save_last or trainer.global_step == self._last_global_step_saved:
+            return
+        self._last_global_step_saved = trainer.global_step
+        path = os.path.join(self._dir(), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+        trainer.save_checkpoint(path)  # collective; replaces last.ckpt atomically
+        self.last_model_path = path
+
+    def _epoch_due(self, trainer: Trainer) -> bool:
+        return self.every_n_epochs > 0 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+
+    def _saves_on_train_epoch_end(self, trainer: Trainer) -> bool:
+        if self.save_on_train_epoch_end is not None:
+            return self.save_on_train_epoch_end
+        if not any(trainer.num_val_batches):
+            return True
+        # Validating only at the end of each epoch: its metrics are there when the epoch ends.
+        interval = trainer.val_check_interval
+        return isinstance(interval, float) and interval == 1.0
+
+    # ----------------------------------------------------------------- saving
+    def _save(self, trainer: Trainer) -> None:
+        """Decide on rank 0 what to write and delete, then write it on every rank."""
+        if trainer.global_step == self._last_global_step_saved:
+            return  # one save per optimizer step, however many triggers fire at it
+        plan = self._plan(trainer) if trainer.is_global_zero else None
+        # Collective: the files to write and delete are rank 0's choice, so every rank joins the same saves.
+        plan = trainer.strategy.broadcast_object(plan)
+        if plan.error is not None:
+            raise plan.error
+        self._last_global_step_saved = trainer.global_step
+        if plan.save_path is not None:
+            previous = (dict(self.best_k_models), self.best_model_path, self.best_model_score)
+            # The checkpoint's own copy of this callback's state must already list the file it is written to.
+            self.best_k_models = plan.best_k_models
+            self.best_model_path, self.best_model_score = plan.best_model_path, plan.best_model_score
+            try:
+                trainer.save_checkpoint(plan.save_path)  # collective; atomic on rank 0
+            except BaseException:
+                self.best_k_models, self.best_model_path, self.best_model_score = previous
+                raise
+            if plan.drop_path is not None and trainer.is_global_zero:
+                # Only now: until the new file exists, the dropped one may be the only good checkpoint.
+                _remove(plan.drop_path)
+        if plan.last_path is not None:
+            previous_last, self.last_model_path = self.last_model_path, plan.last_path
+            try:
+                trainer.save_checkpoint(plan.last_path)  # collective; replaces last.ckpt atomically
+            except BaseException:
+                self.last_model_path = previous_last
+                raise
+
+    def _plan(self, trainer: Trainer) -> _Plan:
+        """Return which files this save writes and deletes (rank 0), or the error to raise on every rank."""
+        try:
+            plan = _Plan(best_k_models=dict(self.best_k_models))
+            if self.save_top_k != 0:
+                self._plan_top_k(trainer, plan)
+            if self.save_last:
+                plan.last_path = os.path.join(self._dir(), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+            return plan
+        except Exception as error:
+            # Raised on every rank after the broadcast, so no rank waits for a save that never comes.
+            return _Plan(error=error)
+
+    def _plan_top_k(self, trainer: Trainer, plan: _Plan) -> None:
+        metrics = trainer.callback_metrics
+        if self.monitor is not None and self.monitor not in metrics:
+            raise KeyError(
+                f"ModelCheckpoint(monitor={self.monitor!r}) found no metric of that name. "
+                f"Logged metrics: {', '.join(sorted(metrics)) or 'none'}. "
+                f"Log it with self.log({self.monitor!r}, ...) or change `monitor`."
+            )
+        score = self._score(metrics[self.monitor]) if self.monitor is not None else float(trainer.global_step)
+        path = self.format_checkpoint_name({**metrics, "epoch": trainer.current_epoch, "step": trainer.global_step})
+        kept = plan.best_k_models
+        drop: str | None = None
+        if path not in kept and self.save_top_k != -1 and len(kept) >= self.save_top_k:
+            drop = self._worst(kept)
+            if not self._better(score, kept[drop]):
+                return
+        if path not in kept and path != drop:
+            path = _free_name(path, taken={self.last_model_path})
+        if drop is not None:
+            del kept[drop]
+        kept[path] = score
+        plan.save_path = path
+        plan.drop_path = drop if drop != path else None
+        plan.best_model_path = self._best(kept)
+        plan.best_model_score = kept[plan.best_model_path] if self.monitor is not None else None
+
+    def _score(self, value: Any) -> float:
+        score = float(value)  # host sync: once per save, never per step
+        if math.isnan(score):
+            # A NaN is never better than anything kept.
+            return math.inf if self.mode == "min" else -math.inf
+        return score
+
+    def _better(self, score: float, than: float) -> bool:
+        # Without a monitor the score is the global step, and newer is better.
+        if self.monitor is None or self.mode == "max":
+            return score > than
+        return score < than
+
+    def _worst(self, kept: dict[str, float]) -> str:
+        lowest_is_worst = self.monitor is None or self.mode == "max"
+        return min(kept, key=kept.__getitem__) if lowest_is_worst else max(kept, key=kept.__getitem__)
+
+    def _best(self, kept: dict[str, float]) -> str:
+        lowest_is_best = self.monitor is not None and self.mode == "min"
+        return min(kept, key=kept.__getitem__) if lowest_is_best else max(kept, key=kept.__getitem__)
+
+    def _dir(self) -> str:
+        if self.dirpath is None:
+            raise RuntimeError("ModelCheckpoint has no directory yet; it is resolved when fit starts.")
+        return self.dirpath
+
+    def format_checkpoint_name(self, metrics: Mapping[str, Any]) -> str:
+        """Return the path of a checkpoint with `metrics` (which include ``epoch`` and ``step``).
+
+        Raises:
+            KeyError: the filename template names a metric that is not in `metrics`.
+        """
+
+        def render(match: re.Match[str]) -> str:
+            name, spec = match.group(1), match.group(2) or ""
+            if name not in metrics:
+                raise KeyError(
+                    f"ModelCheckpoint filename {template!r} uses {{{name}}}, which was not logged. "
+                    f"Available: {', '.join(sorted(metrics))}."
+                )
+            value = metrics[name]
+            if not isinstance(value, (int, float)):
+                value = value.item()  # host sync: once per save
+            rendered = format(value, spec)
+            return f"{name}={rendered}" if self.auto_insert_metric_name else rendered
+
+        template = self.filename or "{epoch}-{step}"
+        return os.path.join(self._dir(), _FIELD.sub(render, template) + self.FILE_EXTENSION)
+
+    # ------------------------------------------------------------- resuming
+    def state_dict(self) -> dict[str, Any]:
+        """Return the top-k bookkeeping, so a resumed run keeps and prunes the same files."""
+        return {
+            "monitor": self.monitor,
+            "dirpath": self.dirpath,
+            "best_model_path": self.best_model_path,
+            "best_model_score": self.best_model_score,
+            "best_k_models": dict(self.best_k_models),
+            "last_model_path": self.last_model_path,
+            "last_global_step_saved": self._last_global_step_saved,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the bookkeeping; if the directory changed, keep only `best_model_path`."""
+        saved_dir = state_dict.get("dirpath")
+        self.best_model_path = state_dict.get("best_model_path", "")
+        if self.dirpath is not None and saved_dir != self.dirpath:
+            # The files listed belong to another directory: pruning them from this run would be wrong.
+            rank_zero_warn(
+                f"ModelCheckpoint's directory changed from {saved_dir} to {self.dirpath}; the top-k "
+                "checkpoints of the old directory are not tracked (only best_model_path is restored)."
+            )
+            return
+        self.best_model_score = state_dict.get("best_model_score")
+        self.best_k_models = dict(state_dict.get("best_k_models", {}))
+        self.last_model_path = state_dict.get("last_model_path", "")
+        self._last_global_step_saved = state_dict.get("last_global_step_saved", -1)
+
+
+def _real_dir(path: str | os.PathLike[str] | None) -> str | None:
+    return None if path is None else os.path.realpath(os.path.expanduser(os.fspath(path)))
+
+
+def _free_name(path: str, taken: set[str]) -> str:
+    """Return `path`, or ``<stem>-v1.ckpt``, ``-v2``... when a file not tracked by this run is there."""
+    stem, extension = os.path.splitext(path)
+    candidate, version = path, 0
+    while os.path.exists(candidate) or candidate in taken:
+        version += 1
+        candidate = f"{stem}-v{version}{extension}"
+    return candidate
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)

@@ -1,0 +1,156 @@
+"""`EarlyStopping`: stop training when a monitored metric stops improving."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from syncline.callbacks.callback import Callback
+from syncline.trainer.rank_zero import rank_zero_info
+
+if TYPE_CHECKING:
+    from syncline.trainer.task import Task
+    from syncline.trainer.trainer import Trainer
+
+__all__ = ["EarlyStopping"]
+
+
+@dataclass
+class _Decision:
+    """The outcome of one check; decided on rank 0 and broadcast, so every rank stops together."""
+
+    wait_count: int = 0
+    best_score: float = math.inf
+    should_stop: bool = False
+    message: str = ""
+    error: Exception | None = None
+
+
+class EarlyStopping(Callback):
+    """Stop `fit` once `monitor` has not improved for `patience` checks, as Lightning's callback does.
+
+    A check runs after each validation (not the sanity check), or at the end of each training epoch
+    when there is no validation.
+
+    Args:
+        monitor: key in `trainer.callback_metrics` to watch.
+        patience: checks without improvement after which training stops.
+        min_delta: how much `monitor` must beat the best value by to count as an improvement.
+        mode: "min" or "max": whether a lower or a higher `monitor` is better.
+        check_on_train_epoch_end: check at training epoch end (True) or after validation (False).
+            None: after validation, or at epoch end when there is no validation.
+        verbose: print each improvement and the stop.
+        check_finite: stop as soon as `monitor` is NaN or infinite.
+    """
+
+    def __init__(
+        self,
+        monitor: str,
+        patience: int = 3,
+        min_delta: float = 0.0,
+        mode: str = "min",
+        check_on_train_epoch_end: bool | None = None,
+        verbose: bool = False,
+        check_finite: bool = True,
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"EarlyStopping mode must be 'min' or 'max', got {mode!r}.")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"EarlyStopping patience must be an int >= 1, got {patience!r}.")
+        self.monitor = monitor
+        self.patience = patience
+        self.min_delta = abs(min_delta)
+        self.mode = mode
+        self.check_on_train_epoch_end = check_on_train_epoch_end
+        self.verbose = verbose
+        self.check_finite = check_finite
+        self.wait_count = 0
+        self.best_score = math.inf if mode == "min" else -math.inf
+        #: Epoch at which training was stopped (0 if it was not).
+        self.stopped_epoch = 0
+        self._on_epoch_end = bool(check_on_train_epoch_end)
+
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's state, distinct for early stoppers on different metrics."""
+        return f"{type(self).__qualname__}{{'monitor': {self.monitor!r}, 'mode': {self.mode!r}}}"
+
+    # ------------------------------------------------------------------ hooks
+    def on_fit_start(self, trainer: Trainer, task: Task) -> None:
+        """Decide where to check, now that the validation data is known."""
+        if self.check_on_train_epoch_end is None:
+            self._on_epoch_end = not any(trainer.num_val_batches)
+        else:
+            self._on_epoch_end = self.check_on_train_epoch_end
+
+    def on_validation_end(self, trainer: Trainer, task: Task) -> None:
+        """Check after a validation run during fit."""
+        if not self._on_epoch_end and not trainer.sanity_checking and trainer.state.stage == "fit":
+            self._check(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, task: Task) -> None:
+        """Check at the end of a training epoch, when configured to."""
+        if self._on_epoch_end:
+            self._check(trainer)
+
+    # ------------------------------------------------------------------ logic
+    def _check(self, trainer: Trainer) -> None:
+        decision = self._decide(trainer.callback_metrics) if trainer.is_global_zero else None
+        # Collective: rank 0 decides, so no rank keeps training while another has stopped.
+        decision = trainer.strategy.broadcast_object(decision)
+        if decision.error is not None:
+            raise decision.error
+        self.wait_count, self.best_score = decision.wait_count, decision.best_score
+        if decision.should_stop:
+            trainer.should_stop = True
+            self.stopped_epoch = trainer.current_epoch
+        if self.verbose and decision.message:
+            rank_zero_info(decision.message)
+
+    def _decide(self, metrics: dict[str, Any]) -> _Decision:
+        """Return the new wait count and best score, and whether to stop (rank 0)."""
+        if self.monitor not in metrics:
+            return _Decision(
+                error=KeyError(
+                    f"EarlyStopping(monitor={self.monitor!r}) found no metric of that name. "
+                    f"Logged metrics: {', '.join(sorted(metrics)) or 'none'}. "
+                    f"Log it with self.log({self.monitor!r}, ...) or change `monitor`."
+                )
+            )
+        current = float(metrics[self.monitor])  # host sync: once per check
+        if self.check_finite and not math.isfinite(current):
+            message = f"EarlyStopping: {self.monitor} = {current} is not finite; stopping."
+            return _Decision(self.wait_count, self.best_score, True, message)
+        if self._improves(current):
+            message = f"EarlyStopping: {self.monitor} improved to {current:.6g}."
+            return _Decision(0, current, False, message)
+        wait = self.wait_count + 1
+        if wait >= self.patience:
+            message = (
+                f"EarlyStopping: {self.monitor} did not improve in the last {wait} checks "
+                f"(best {self.best_score:.6g}); stopping."
+            )
+            return _Decision(wait, self.best_score, True, message)
+        return _Decision(wait, self.best_score, False)
+
+    def _improves(self, current: float) -> bool:
+        if self.mode == "min":
+            return current < self.best_score - self.min_delta
+        return current > self.best_score + self.min_delta
+
+    # ------------------------------------------------------------- resuming
+    def state_dict(self) -> dict[str, Any]:
+        """Return the wait count, best score and stop epoch."""
+        return {
+            "wait_count": self.wait_count,
+            "best_score": self.best_score,
+            "stopped_epoch": self.stopped_epoch,
+            "patience": self.patience,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (the patience given now is kept)."""
+        self.wait_count = state_dict["wait_count"]
+        self.best_score = state_dict["best_score"]
+        self.stopped_epoch = state_dict["stopped_epoch"]

@@ -1,0 +1,37 @@
+"""The `Logger` base class: where logged metrics and hyperparameters are written."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+__all__ = ["Logger"]
+
+
+class Logger(ABC):
+    """Write metrics somewhere. The Trainer calls these on global rank 0 only.
+
+    A logger's files live under `log_dir`; checkpoints default to ``log_dir/checkpoints``.
+    """
+
+    @property
+    @abstractmethod
+    def log_dir(self) -> str:
+        """Directory of this run's files."""
+
+    @abstractmethod
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Record scalar `metrics` at optimizer step `step`."""
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        """Record the run's hyperparameters."""
+
+    def finalize(self, status: str) -> None:
+        """Flush and close; `status` is "success", "failed" or "interrupted"."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return what a resumed run needs to continue writing to the same place."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned, before anything is written."""

@@ -1,0 +1,113 @@
+"""`TensorBoardLogger`: scalars and hyperparameters as TensorBoard event files."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from syncline.callbacks.versioned_logger import VersionedLogger
+from syncline.trainer.rank_zero import rank_zero_only
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+__all__ = ["TensorBoardLogger"]
+
+
+class TensorBoardLogger(VersionedLogger):
+    """Write metrics to ``save_dir/name/version_N`` for TensorBoard, as Lightning's logger does.
+
+    The `SummaryWriter` is created on the first write. A run resumed from a checkpoint keeps the
+    checkpoint's version and opens the writer with ``purge_step`` set to its first logged step, so
+    TensorBoard hides what the crashed run logged after the checkpoint.
+
+    Args:
+        save_dir: root directory of all runs.
+        name: experiment name, a subdirectory of `save_dir`.
+        version: run number; None picks the next free one.
+        default_hp_metric: log a placeholder ``hp_metric`` of -1 with the hyperparameters, so the
+            HPARAMS tab has a metric column before you log a real one under that name.
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        name: str = "logs",
+        version: int | None = None,
+        default_hp_metric: bool = False,
+    ) -> None:
+        # Import tensorboard now rather than at the first logged step: an import in the middle of
+        # training leaves tens of thousands of young objects whose promotion later sets off a full
+        # garbage collection (a pause of ~200 ms measured on the tiny-MLP benchmark).
+        import torch.utils.tensorboard  # noqa: F401
+
+        super().__init__(save_dir, name, version)
+        self.default_hp_metric = default_hp_metric
+        self._writer: SummaryWriter | None = None
+        self._purged = False
+
+    @property
+    def experiment(self) -> SummaryWriter:
+        """The `SummaryWriter`, created on first use (rank 0 only)."""
+        return self._open_writer(purge_step=None)
+
+    def _open_writer(self, purge_step: int | None) -> SummaryWriter:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # A purge step applies only to the first writer of a resumed run; later ones append.
+            purge = purge_step if self.resuming and not self._purged else None
+            self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge)
+            self._started = self._purged = True
+        return self._writer
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Add one scalar per metric at `step`."""
+        writer = self._open_writer(purge_step=step)
+        for name, value in metrics.items():
+            writer.add_scalar(name, value, step)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        """Save `params` to ``hparams.yaml`` and as an HPARAMS-tab session of this run."""
+        if not params:
+            return
+        self.save_hparams_file(params)
+        if self.resuming:
+            # The run that created this directory wrote the session already; writing now would open the
+            # writer before the first resumed step is known, and that step is the purge step.
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        metrics = {"hp_metric": -1.0} if self.default_hp_metric else {}
+        experiment, start, end = hparams(_flatten(params), metrics)
+        # The plugin's summaries go to this run's own event file, not a sub-run as `add_hparams` would.
+        file_writer = self.experiment.file_writer
+        for summary in (experiment, start, end):
+            file_writer.add_summary(summary)
+        for name, value in metrics.items():
+            self.experiment.add_scalar(name, value, 0)
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        """Flush and close the event file."""
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+
+
+def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Return nested `params` as one level, keys joined by "/", values as numbers, bools or strings."""
+    flat: dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{name}/"))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        else:
+            flat[name] = str(value)
+    return flat

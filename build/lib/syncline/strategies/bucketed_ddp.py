@@ -1,0 +1,170 @@
+"""Data parallelism with syncline's own bucketed, overlapped reducer (Li et al., VLDB 2020).
+
+One process per device; every process holds the whole model and trains on its shard of each batch.
+`setup` checks that all ranks built the same model and copies rank 0's weights to the others; from
+then on the `Reducer` averages gradients during the backward, so the replicas stay identical. The
+loop drives it through the `Strategy` interface:
+
+    strategy.setup_environment()                 # join the process group (from RANK, WORLD_SIZE, ...)
+    strategy.setup(task)
+    for each micro-batch:
+        strategy.sync_next_backward = sync       # optional here; NativeDDP needs it
+        output = strategy.training_step(task, batch, batch_idx)
+        strategy.backward(loss, sync=sync)       # sync=False: no communication, gradients accumulate
+        if sync: clip, strategy.optimizer_step(...), strategy.zero_grad(optimizer)
+    strategy.teardown()
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from syncline.strategies.backward_sync import BackwardSyncControl
+from syncline.strategies.comm_hooks import COMM_HOOKS, CommHook
+from syncline.strategies.process_group import ProcessGroupStrategy, broadcast_coalesced
+from syncline.strategies.reducer import Reducer
+
+if TYPE_CHECKING:
+    from syncline.trainer.task import Task
+
+__all__ = ["BucketedDDP"]
+
+
+class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
+    """Average gradients across processes with bucketed all-reduces that overlap the backward.
+
+    Args:
+        bucket_cap_mb: the most MiB of gradients per bucket (one all-reduce each).
+        first_bucket_mb: cap of the first bucket to be reduced, small so communication starts early.
+        find_unused_parameters: tolerate parameters that a forward does not use, at the cost of a
+            walk of the autograd graph and one extra small all-reduce per synchronized step.
+        gradient_as_bucket_view: make `param.grad` a view into the bucket, saving a copy and memory.
+        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before
+            each forward that follows a synchronized step.
+        comm_hook: per-bucket communication, a function `hook(state, bucket) -> Future[Tensor]` or
+            the name of one in `COMM_HOOKS` ("allreduce", "fp16"); None is "allreduce".
+        backend: "gloo", "nccl", ...; None picks NCCL with CUDA, else gloo.
+        timeout: seconds a collective may take before it fails with an error.
+        overlap: launch each bucket as soon as its gradients are ready; False waits for the end of
+            the backward (to measure what overlap buys).
+        comm_state: the state object passed to a custom `comm_hook`; None gives the default hooks'
+            `AllreduceState`.
+    """
+
+    name = "bucketed_ddp"
+
+    def __init__(
+        self,
+        bucket_cap_mb: float = 25,
+        first_bucket_mb: float = 1,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = True,
+        broadcast_buffers: bool = True,
+        comm_hook: CommHook | str | None = None,
+        backend: str | None = None,
+        timeout: float = 1800.0,
+        overlap: bool = True,
+        comm_state: Any = None,
+    ) -> None:
+        super().__init__(backend=backend, timeout=timeout)
+        if isinstance(comm_hook, str):
+            if comm_hook not in COMM_HOOKS:
+                raise ValueError(f"Unknown comm_hook {comm_hook!r}. Valid: {', '.join(sorted(COMM_HOOKS))}.")
+            comm_hook = COMM_HOOKS[comm_hook]
+        self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_mb = first_bucket_mb
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.broadcast_buffers = broadcast_buffers
+        self.comm_hook = comm_hook
+        self.comm_state = comm_state
+        self.overlap = overlap
+        self._reducer: Reducer | None = None
+        self._buffers: list[Tensor] = []
+        self._buffers_stale = True
+        self._outputs: list[Any] = []
+
+    @property
+    def reducer(self) -> Reducer:
+        """The reducer built by `setup`."""
+        if self._reducer is None:
+            raise RuntimeError("BucketedDDP.setup(task) has not been called yet.")
+        return self._reducer
+
+    # --------------------------------------------------------------- lifecycle
+    def setup(self, task: Task) -> None:
+        """Move `task` to the device, check all ranks agree on it, copy rank 0's state, build the reducer.
+
+        Raises:
+            ValueError: the ranks' models differ in parameter names, shapes or dtypes.
+        """
+        task.to(self.root_device)
+        self.check_same_parameters(task)
+        # Collective: start every replica from rank 0's parameters and buffers.
+        broadcast_coalesced([*task.parameters(), *task.buffers()])
+        self._buffers = list(task.buffers())
+        self._buffers_stale = False
+        self._reducer = Reducer(
+            list(task.named_parameters()),
+            bucket_cap_mb=self.bucket_cap_mb,
+            first_bucket_mb=self.first_bucket_mb,
+            find_unused_parameters=self.find_unused_parameters,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            comm_hook=self.comm_hook,
+            comm_state=self.comm_state,
+            overlap=self.overlap,
+            timeout=self.timeout,
+        )
+
+    def teardown(self) -> None:
+        """Remove the reducer's hooks; the process group stays for later stages."""
+        if self._reducer is not None:
+            self._reducer.remove_hooks()
+            self._reducer = None
+        self._outputs = []
+        super().teardown()
+
+    # -------------------------------------------------------------- train step
+    def training_step(self, task: Task, batch: Any, batch_idx: int) -> Any:
+        """Refresh buffers from rank 0 if a synchronized step changed them, then run the forward."""
+        if self.broadcast_buffers and self._buffers and self._buffers_stale:
+            # Collective: every rank's forward sees rank 0's buffers, as torch's DDP does.
+            broadcast_coalesced(self._buffers)
+            self._buffers_stale = False
+        output = task.training_step(batch, batch_idx)
+        if self.find_unused_parameters:
+            # Kept until `backward`, whose reducer walks their graph if that backward synchronizes.
+            self._outputs.append(output)
+        return output
+
+    def backward(self, loss: Tensor, *, sync: bool) -> None:
+        """Back-propagate `loss`; average gradients across ranks only when `sync` is true."""
+        reducer = self.reducer
+        sync = self._backward_syncs(sync)
+        outputs, self._outputs = [*self._outputs, loss], []
+        reducer.prepare_for_backward(sync=sync, outputs=outputs if self.find_unused_parameters else None)
+        loss.backward()
+        reducer.finalize_backward()
+        if sync:
+            self._buffers_stale = True
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Zero gradients; in place when they are bucket views, so the views stay attached."""
+        optimizer.zero_grad(set_to_none=not self.gradient_as_bucket_view)
+
+    # -------------------------------------------------------------- reporting
+    def communication_stats(self) -> dict[str, float]:
+        """Collectives, bytes and exposed wait of the last synchronized backward; empty before one."""
+        if self._reducer is None or self._reducer.stats().buckets == 0:
+            return {}
+        return self._reducer.stats().as_dict()
+
+    def __repr__(self) -> str:
+        return (
+            f"BucketedDDP(bucket_cap_mb={self.bucket_cap_mb}, first_bucket_mb={self.first_bucket_mb}, "
+            f"find_unused_parameters={self.find_unused_parameters}, "
+            f"gradient_as_bucket_view={self.gradient_as_bucket_view}, overlap={self.overlap})"
+        )

@@ -1,0 +1,125 @@
+"""torch's own `DistributedDataParallel` behind the `Strategy` interface: the reference for BucketedDDP.
+
+torch's DDP hooks into `module.forward`, not into `training_step`, so the task is wrapped in a small
+module whose `forward` is the task's `training_step`; every training forward goes through the DDP
+wrapper and torch's reducer is prepared exactly as in a hand-written DDP loop.
+
+torch's DDP decides in its forward whether the coming backward all-reduces (`no_sync` must enclose
+the forward). The loop therefore announces each micro-batch's synchronization before the forward
+(`BackwardSyncControl`) and repeats it to `backward`:
+
+    strategy.sync_next_backward = sync
+    output = strategy.training_step(task, batch, batch_idx)    # forward inside ddp.no_sync() if not sync
+    strategy.backward(loss, sync=sync)                         # must agree with the announcement
+
+A disagreement raises instead of silently synchronizing (or not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from syncline.strategies.backward_sync import BackwardSyncControl
+from syncline.strategies.process_group import ProcessGroupStrategy
+
+if TYPE_CHECKING:
+    from syncline.trainer.task import Task
+
+__all__ = ["NativeDDP"]
+
+
+class _TrainingStepModule(nn.Module):
+    """Expose `task.training_step` as `forward`, which is what torch's DDP wraps."""
+
+    def __init__(self, task: nn.Module) -> None:
+        super().__init__()
+        self.task = task
+
+    def forward(self, batch: Any, batch_idx: int) -> Any:
+        return self.task.training_step(batch, batch_idx)
+
+
+class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
+    """Average gradients with `torch.nn.parallel.DistributedDataParallel`.
+
+    Process-group handling, identity and the metric collectives are shared with `BucketedDDP`; only
+    the gradient synchronization is torch's.
+
+    Args:
+        backend: "gloo", "nccl", ...; None picks NCCL with CUDA, else gloo.
+        timeout: seconds a collective may take before it fails with an error.
+        **ddp_kwargs: passed to `DistributedDataParallel` (`bucket_cap_mb`, `find_unused_parameters`,
+            `gradient_as_bucket_view`, `broadcast_buffers`, ...).
+    """
+
+    name = "native_ddp"
+
+    def __init__(self, backend: str | None = None, timeout: float = 1800.0, **ddp_kwargs: Any) -> None:
+        super().__init__(backend=backend, timeout=timeout)
+        self.ddp_kwargs = ddp_kwargs
+        self.gradient_as_bucket_view = bool(ddp_kwargs.get("gradient_as_bucket_view", False))
+        self._ddp: DistributedDataParallel | None = None
+        self._forward_synced: bool | None = None
+
+    @property
+    def ddp(self) -> DistributedDataParallel:
+        """The `DistributedDataParallel` wrapper built by `setup`."""
+        if self._ddp is None:
+            raise RuntimeError("NativeDDP.setup(task) has not been called yet.")
+        return self._ddp
+
+    def setup(self, task: Task) -> None:
+        """Move `task` to the device and wrap it in `DistributedDataParallel` (which copies rank 0's state)."""
+        task.to(self.root_device)
+        self.check_same_parameters(task)
+        device_ids = [self.root_device] if self.root_device.type == "cuda" else None
+        # Collective: torch's DDP broadcasts rank 0's parameters and buffers as it is built.
+        self._ddp = DistributedDataParallel(_TrainingStepModule(task), device_ids=device_ids, **self.ddp_kwargs)
+
+    def teardown(self) -> None:
+        """Drop the DDP wrapper; the process group stays for later stages."""
+        self._ddp = None
+        super().teardown()
+
+    def training_step(self, task: Task, batch: Any, batch_idx: int) -> Any:
+        """Run the forward through the DDP wrapper, inside `no_sync` unless the next backward syncs."""
+        sync = self._backward_syncs(self.sync_next_backward)
+        context = contextlib.nullcontext() if sync else self.ddp.no_sync()
+        with context:
+            # Collective (inside torch's forward): rank 0's buffers, after a synchronized step.
+            output = self.ddp(batch, batch_idx)
+        self._forward_synced = sync
+        return output
+
+    def backward(self, loss: Tensor, *, sync: bool) -> None:
+        """Back-propagate `loss`; torch's reducer all-reduces if the forward was prepared to.
+
+        Raises:
+            RuntimeError: `sync` disagrees with `sync_next_backward` at the forward.
+        """
+        sync = self._backward_syncs(sync)
+        if self._forward_synced is not None and sync != self._forward_synced:
+            raise RuntimeError(
+                f"backward(sync={sync}) follows a forward run with sync_next_backward="
+                f"{self._forward_synced}; torch's DDP fixes synchronization in the forward, so set "
+                "strategy.sync_next_backward to the same value before training_step."
+            )
+        self._forward_synced = None
+        loss.backward()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Zero gradients; in place when they are bucket views, as torch recommends for that mode."""
+        optimizer.zero_grad(set_to_none=not self.gradient_as_bucket_view)
+
+    def communication_stats(self) -> dict[str, float]:
+        """Return nothing: torch's DDP keeps its own counters private."""
+        return {}
+
+    def __repr__(self) -> str:
+        kwargs = ", ".join(f"{key}={value!r}" for key, value in self.ddp_kwargs.items())
+        return f"NativeDDP({kwargs})"

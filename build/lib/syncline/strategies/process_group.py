@@ -1,0 +1,281 @@
+"""Join and leave the default process group the way launchers (torchrun, SLURM wrappers) describe it.
+
+A launcher starts one process per device and sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT in each. `init_process_group_from_env` reads them, picks the backend (gloo on CPU, NCCL on
+CUDA) and joins the group with a timeout, so that a rank that never arrives fails the job instead of
+hanging it. `ProcessGroupStrategy` is the part every data-parallel strategy shares: identity from the
+group, joining and leaving it, the metric collectives, and the start-of-training checks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from syncline.strategies.strategy import ReduceOp, Strategy
+
+if TYPE_CHECKING:
+    from syncline.trainer.task import Task
+
+__all__ = [
+    "DistributedEnv",
+    "ProcessGroupStrategy",
+    "broadcast_coalesced",
+    "default_backend",
+    "destroy_process_group",
+    "device_for_local_rank",
+    "init_process_group_from_env",
+]
+
+_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    """Where this process sits in the job, as the launcher described it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_environ(cls) -> DistributedEnv:
+        """Read the launcher's environment variables.
+
+        Raises:
+            RuntimeError: a required variable is missing.
+        """
+        missing = [name for name in _REQUIRED if name not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"Cannot join the process group: environment variable(s) {', '.join(missing)} are not set. "
+                "Start the job with a launcher such as `torchrun --nproc-per-node=N`."
+            )
+        return cls(
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+            master_addr=os.environ["MASTER_ADDR"],
+            master_port=int(os.environ["MASTER_PORT"]),
+        )
+
+
+def default_backend() -> str:
+    """Return "nccl" when CUDA is available, else "gloo"."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def device_for_local_rank(local_rank: int, backend: str) -> torch.device:
+    """Return the device a process with `local_rank` computes on: its GPU, unless the backend is gloo."""
+    if torch.cuda.is_available() and backend != "gloo":
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group_from_env(backend: str | None = None, timeout: float = 1800.0) -> bool:
+    """Join the default process group described by the environment, unless already joined.
+
+    Args:
+        backend: "gloo", "nccl", ...; None picks `default_backend()`.
+        timeout: seconds a collective (and the rendezvous) may take before it fails.
+
+    Returns:
+        True when this call created the group (and so its caller should destroy it).
+    """
+    if dist.is_initialized():
+        return False
+    env = DistributedEnv.from_environ()
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    # Collective: rendezvous of all ranks at MASTER_ADDR:MASTER_PORT.
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout),
+    )
+    return True
+
+
+def destroy_process_group() -> None:
+    """Leave the default process group, if this process is in one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _leave_at_exit() -> None:
+    """Leave the group together with the other ranks when the interpreter exits normally.
+
+    A rank that tears gloo down while a peer is still working (rank 0 writing a file, say) can abort
+    with "terminate called without an active exception"; waiting for everyone first avoids that. The
+    wait is bounded, so a rank whose peer died still exits.
+    """
+    if not dist.is_initialized():
+        return
+    # A peer that is gone makes the barrier fail: leave anyway.
+    with contextlib.suppress(Exception):
+        # Collective: every rank reaches the end of its script before any leaves the group.
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=60))
+        else:
+            dist.barrier()
+    destroy_process_group()
+
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+class ProcessGroupStrategy(Strategy):
+    """Base of the strategies whose processes form one `torch.distributed` process group.
+
+    Args:
+        backend: "gloo", "nccl", ...; None picks NCCL with CUDA, else gloo.
+        timeout: seconds a collective may take before it fails with an error.
+    """
+
+    multi_process = True
+
+    def __init__(self, backend: str | None = None, timeout: float = 1800.0) -> None:
+        self.backend = backend
+        self.timeout = timeout
+
+    # ---------------------------------------------------------------- identity
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", self.global_rank))
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+    @property
+    def root_device(self) -> torch.device:
+        backend = dist.get_backend() if dist.is_initialized() else (self.backend or default_backend())
+        return device_for_local_rank(self.local_rank, backend)
+
+    # --------------------------------------------------------------- lifecycle
+    def setup_environment(self) -> None:
+        """Join the default process group from RANK, WORLD_SIZE, ... unless already in one."""
+        if init_process_group_from_env(self.backend, self.timeout):
+            # The group outlives stages (see teardown); leave it cleanly before the interpreter shuts down,
+            # since gloo's threads dying with the process can abort it ("terminate called ...").
+            atexit.register(_leave_at_exit)
+
+    def teardown(self) -> None:
+        """Stay in the process group: it outlives a stage, as in Lightning.
+
+        `trainer.save_checkpoint` after `fit`, or `trainer.test` after it, still need the group; the
+        process leaves it when it exits (or on an explicit `destroy_process_group()`).
+        """
+
+    # ------------------------------------------------------------- collectives
+    def reduce(self, tensor: Tensor, op: ReduceOp = "mean") -> Tensor:
+        """Return `tensor` reduced across ranks with `op`; the input is not modified."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"Unknown reduce op {op!r}. Valid: {', '.join(_REDUCE_OPS)}.")
+        self._require_group()
+        result = tensor.detach().clone()
+        # Collective: all-reduce of a metric.
+        dist.all_reduce(result, op=_REDUCE_OPS[op])
+        return result / self.world_size if op == "mean" else result
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        self._require_group()
+        gathered: list[Any] = [None] * self.world_size
+        # Collective: every rank's object, pickled.
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        self._require_group()
+        box = [obj]
+        # Collective: rank `src`'s object, pickled.
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        self._require_group()
+        # Collective: wait for every rank.
+        dist.barrier()
+
+    # ----------------------------------------------------------------- helpers
+    def _require_group(self) -> None:
+        """Raise a clear error instead of torch's when there is no process group to talk to."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{type(self).__name__} has no process group: call setup_environment() first. Note that "
+                "teardown() leaves the group that setup_environment() joined, so collectives after "
+                "teardown() fail."
+            )
+
+    def check_same_parameters(self, task: Task) -> None:
+        """Raise on every rank if two ranks' parameters differ in name, shape, dtype or requires_grad.
+
+        Raises:
+            ValueError: naming the first differing parameter and the two ranks.
+        """
+        mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in task.named_parameters()]
+        # Collective: every rank sees every rank's list, so every rank raises the same error.
+        everyone = self.all_gather_object(mine)
+        for rank, theirs in enumerate(everyone[1:], start=1):
+            if theirs != everyone[0]:
+                raise ValueError(
+                    "The model differs across ranks, so their gradients cannot be averaged: "
+                    f"{_first_difference(everyone[0], theirs, rank)}. Build the same model on every rank."
+                )
+
+
+def broadcast_coalesced(tensors: list[Tensor], src: int = 0) -> None:
+    """Overwrite `tensors` with rank `src`'s values, one broadcast per dtype and device."""
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    with torch.no_grad():
+        for group in groups.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            # Collective: one broadcast for all tensors of this dtype and device.
+            dist.broadcast(flat, src=src)
+            for tensor, value in zip(group, flat.split([t.numel() for t in group])):
+                tensor.copy_(value.view_as(tensor))
+
+
+_Signature = tuple[str, tuple[int, ...], str, bool]
+
+
+def _first_difference(reference: list[_Signature], other: list[_Signature], rank: int) -> str:
+    """Describe the first parameter in which rank `rank`'s model differs from rank 0's."""
+    for mine, theirs in zip(reference, other):
+        if mine != theirs:
+            name, shape, dtype, grad = mine
+            other_name, other_shape, other_dtype, other_grad = theirs
+            if name != other_name:
+                return f"parameter {name!r} on rank 0 is {other_name!r} on rank {rank}"
+            return (
+                f"parameter {name!r} is (shape={shape}, dtype={dtype}, requires_grad={grad}) on rank 0 "
+                f"but (shape={other_shape}, dtype={other_dtype}, requires_grad={other_grad}) on rank {rank}"
+            )
+    common = min(len(reference), len(other))
+    if len(reference) > common:
+        return f"parameter {reference[common][0]!r} exists on rank 0 but not on rank {rank}"
+    return f"parameter {other[common][0]!r} exists on rank {rank} but not on rank 0"

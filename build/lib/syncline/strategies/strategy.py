@@ -1,0 +1,164 @@
+"""The interface between the training loop and everything that synchronizes processes.
+
+The Trainer talks to exactly one `Strategy`. It asks it to set up the process group, to prepare the
+task (move it, hook it, wrap it), to run the training forward, to run a backward that does or does not
+synchronize gradients, to take the optimizer step, to reduce metrics, and whether this process may write
+files. Everything else a strategy knows stays inside it, so that bucketed all-reduce, compression, local
+SGD or a parameter server can replace one another without the loop noticing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from syncline.trainer.task import Task
+
+__all__ = ["ReduceOp", "Strategy", "move_to_device"]
+
+ReduceOp = Literal["mean", "sum", "max", "min"]
+
+
+class Strategy(ABC):
+    """Base class of every gradient-synchronization strategy.
+
+    Subclasses implement the collectives; the defaults here are those of a single process, so a
+    strategy only overrides what it changes.
+    """
+
+    #: Name under which the strategy is registered for Hydra (`strategy=<name>`).
+    name: str = ""
+
+    #: Whether the backward after the next `training_step` synchronizes gradients. The loop sets it
+    #: before each forward, because some strategies (torch's DDP) decide in the forward.
+    sync_next_backward: bool = True
+
+    #: Whether the strategy runs as several processes (and so can take `devices > 1`).
+    multi_process: bool = False
+
+    # ---------------------------------------------------------------- identity
+    @property
+    def global_rank(self) -> int:
+        """Rank of this process among all processes."""
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its machine."""
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes taking part in training."""
+        return 1
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this process writes files, logs and progress output."""
+        return self.global_rank == 0
+
+    @property
+    @abstractmethod
+    def root_device(self) -> torch.device:
+        """Device this process computes on."""
+
+    # --------------------------------------------------------------- lifecycle
+    def setup_environment(self) -> None:
+        """Join the process group, if there is one. Called once before anything else."""
+
+    def setup(self, task: Task) -> None:
+        """Move the task to the device and install whatever gradient synchronization needs."""
+        task.to(self.root_device)
+
+    def teardown(self) -> None:
+        """Undo `setup` and `setup_environment`: remove hooks, leave the process group."""
+
+    # -------------------------------------------------------------- train step
+    def training_step(self, task: Task, batch: Any, batch_idx: int) -> Any:
+        """Run the task's forward for one micro-batch and return what `training_step` returned."""
+        return task.training_step(batch, batch_idx)
+
+    def backward(self, loss: Tensor, *, sync: bool) -> None:
+        """Back-propagate `loss`; synchronize gradients across processes only when `sync` is true.
+
+        The loop passes `sync=False` for every micro-batch but the last of an accumulation window.
+        When this returns with `sync=True`, gradients are ready for clipping and the optimizer.
+        """
+        loss.backward()
+
+    def clip_gradients(self, parameters: list[Tensor], max_norm: float) -> Tensor:
+        """Clip the gradients' global 2-norm to `max_norm` and return the norm before clipping.
+
+        A sharded strategy overrides this, since no single process sees every gradient.
+        """
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> None:
+        """Take one optimizer step by calling `step` (which applies precision scaling).
+
+        Strategies that average models after the step (local SGD) or replace the step (a parameter
+        server) override this.
+        """
+        step()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Reset gradients after an optimizer step."""
+        optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------- collectives
+    def reduce(self, tensor: Tensor, op: ReduceOp = "mean") -> Tensor:
+        """Reduce `tensor` across processes; every process gets the result."""
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Gather one picklable object from every process, in rank order."""
+        return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Return rank `src`'s `obj` on every process."""
+        return obj
+
+    def barrier(self) -> None:
+        """Wait until every process reaches this point."""
+
+    # -------------------------------------------------------------------- data
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int] | None:
+        """`num_replicas` and `rank` for a `DistributedSampler`, or None when there is one process."""
+        if self.world_size == 1:
+            return None
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def batch_to_device(self, batch: Any) -> Any:
+        """Move every tensor in `batch` to the root device."""
+        device = self.root_device
+        if device.type == "cpu":
+            # DataLoaders produce CPU tensors: skip walking the batch on the hot path.
+            return batch
+        return move_to_device(batch, device)
+
+    # -------------------------------------------------------------- reporting
+    def communication_stats(self) -> dict[str, float]:
+        """Counters of the last synchronized step (collectives, bytes, exposed wait); empty if none."""
+        return {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Return `batch` with every tensor inside lists, tuples, dicts and namedtuples moved to `device`."""
+    if isinstance(batch, Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(move_to_device(b, device) for b in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(b, device) for b in batch)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})
+    return batch

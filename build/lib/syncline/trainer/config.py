@@ -1,0 +1,142 @@
+"""Structured configs for Hydra: the Trainer's arguments and one dataclass per registered strategy.
+
+The packaged YAML in ``trainer/conf`` picks the defaults (task, strategy, callbacks) and the values of
+the default run; the dataclasses here give every key a type, so that a misspelled key or a value of the
+wrong type is an error before anything runs.
+
+A new strategy needs one dataclass with its `_target_` and its constructor's options, added to
+`STRATEGY_CONFS` under its registry name; it becomes selectable as ``strategy=<name>`` as soon as the
+class is in `strategies.STRATEGIES`.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import II, MISSING
+
+from syncline.strategies.registry import STRATEGIES
+
+__all__ = [
+    "STRATEGY_CONFS",
+    "AutoStrategyConf",
+    "BucketedDDPConf",
+    "NativeDDPConf",
+    "SingleDeviceConf",
+    "SynclineConf",
+    "TrainerConf",
+    "register_configs",
+]
+
+
+@dataclass
+class TrainerConf:
+    """Every argument of `trainer.Trainer` but the objects (`strategy`, `callbacks`), with its default.
+
+    `default_root_dir` None means the run's Hydra output directory. `logger` True is a TensorBoardLogger
+    under it.
+    """
+
+    max_epochs: int | None = None
+    max_steps: int = -1
+    devices: int = 1
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    precision: str = "32"
+    logger: bool = True
+    default_root_dir: str | None = None
+    enable_checkpointing: bool = True
+    enable_progress_bar: bool = True
+    log_every_n_steps: int = 50
+    val_check_interval: int | float = 1.0
+    limit_train_batches: int | float | None = None
+    limit_val_batches: int | float | None = None
+    num_sanity_val_steps: int = 2
+    use_distributed_sampler: bool = True
+    seed: int | None = None
+    deterministic: bool = False
+
+
+@dataclass
+class AutoStrategyConf:
+    """``strategy=auto``: one device for one process, `BucketedDDP` for several (the Trainer's default)."""
+
+    _target_: str = "syncline.strategies.registry.resolve_strategy"
+    strategy: str = "auto"
+    devices: int = II("trainer.devices")
+
+
+@dataclass
+class SingleDeviceConf:
+    """``strategy=single``: `strategies.SingleDevice`."""
+
+    _target_: str = "syncline.strategies.single_device.SingleDevice"
+    device: str | None = None
+
+
+@dataclass
+class BucketedDDPConf:
+    """``strategy=bucketed_ddp``: `strategies.BucketedDDP`, syncline's implementation of the DDP paper."""
+
+    _target_: str = "syncline.strategies.bucketed_ddp.BucketedDDP"
+    bucket_cap_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
+    broadcast_buffers: bool = True
+    comm_hook: str | None = None
+    backend: str | None = None
+    timeout: float = 1800.0
+    overlap: bool = True
+
+
+@dataclass
+class NativeDDPConf:
+    """``strategy=native_ddp``: `strategies.NativeDDP`, torch's `DistributedDataParallel` as reference."""
+
+    _target_: str = "syncline.strategies.native_ddp.NativeDDP"
+    backend: str | None = None
+    timeout: float = 1800.0
+    # Passed through to DistributedDataParallel, with torch's defaults.
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = False
+    broadcast_buffers: bool = True
+
+
+#: The config of each strategy, by the name it has in `strategies.STRATEGIES` ("auto" is the Trainer's).
+STRATEGY_CONFS: dict[str, type] = {
+    "auto": AutoStrategyConf,
+    "single": SingleDeviceConf,
+    "bucketed_ddp": BucketedDDPConf,
+    "native_ddp": NativeDDPConf,
+}
+
+
+@dataclass
+class SynclineConf:
+    """The whole run: what to train (`task`), how (`trainer`, `strategy`), who watches (`callbacks`).
+
+    `seed` seeds python, numpy and torch before the task is built; `trainer.seed` follows it unless set.
+    `ckpt_path` resumes from a checkpoint ("last": the newest ``last*.ckpt`` under the run directory).
+    """
+
+    task: Any = MISSING
+    strategy: Any = MISSING
+    trainer: TrainerConf = field(default_factory=TrainerConf)
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    ckpt_path: str | None = None
+
+
+def register_configs() -> None:
+    """Store the run's schema and every registered strategy's config in Hydra's ConfigStore."""
+    store = ConfigStore.instance()
+    store.store(name="syncline_schema", node=SynclineConf)
+    for name, conf in STRATEGY_CONFS.items():
+        # A config whose class is not registered (yet) would only fail later, at instantiation.
+        if name == "auto" or name in STRATEGIES:
+            store.store(group="strategy", name=name, node=conf)
+
+
+register_configs()

@@ -1,0 +1,103 @@
+"""DataLoaders as the loop needs them: sharded across processes, limited, and resumable mid-epoch."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from syncline.trainer.rank_zero import rank_zero_warn
+
+__all__ = ["epoch_batches", "limit_batches", "with_distributed_sampler"]
+
+
+def with_distributed_sampler(loader: DataLoader, sampler_kwargs: dict[str, int] | None, seed: int = 0) -> DataLoader:
+    """Return `loader` rebuilt with a `DistributedSampler` when several processes share the data.
+
+    The loader's shuffle setting and `drop_last` are kept. A loader with a sampler of the user's own
+    is returned unchanged, with a warning, since syncline cannot know how to shard it.
+    """
+    if sampler_kwargs is None or not isinstance(loader, DataLoader):
+        return loader
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler):
+        return loader
+    if not isinstance(sampler, (RandomSampler, SequentialSampler)) or loader.batch_sampler is None:
+        rank_zero_warn(
+            f"The DataLoader uses its own sampler ({type(sampler).__name__}); syncline leaves it alone, so "
+            "make sure it gives each process a different shard, or pass use_distributed_sampler=False."
+        )
+        return loader
+    if type(loader.batch_sampler).__name__ != "BatchSampler":
+        rank_zero_warn("The DataLoader has a custom batch_sampler; syncline leaves it alone.")
+        return loader
+    distributed = DistributedSampler(
+        loader.dataset,
+        shuffle=isinstance(sampler, RandomSampler),
+        drop_last=loader.drop_last,
+        seed=seed,
+        **sampler_kwargs,
+    )
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=distributed,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+    )
+
+
+def limit_batches(loader: Iterable[Any], limit: int | float | None, name: str) -> int | float:
+    """Return how many batches of `loader` an epoch uses (`math.inf` when the loader has no length).
+
+    Args:
+        loader: the DataLoader.
+        limit: None or 1.0 for all, an int for that many, a float in [0, 1] for that fraction.
+        name: the Trainer argument, for error messages (e.g. "limit_train_batches").
+    """
+    try:
+        length: int | float = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        length = math.inf
+    if limit is None:
+        return length
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit < 0:
+        raise ValueError(f"{name} must be None, an int >= 0 or a float in [0, 1]; got {limit!r}.")
+    if isinstance(limit, int):
+        return min(length, limit)
+    if limit > 1.0:
+        raise ValueError(f"{name}={limit} is a float above 1.0; pass an int for a number of batches.")
+    if length == math.inf:
+        if limit == 1.0:
+            return length
+        raise ValueError(f"{name}={limit} is a fraction, but the DataLoader has no length; pass an int.")
+    batches = int(length * limit)
+    if limit > 0 and batches == 0:
+        raise ValueError(f"{name}={limit} of {length} batches is less than one batch; raise it.")
+    return batches
+
+
+def epoch_batches(loader: Iterable[Any], num_batches: int | float, skip: int = 0) -> Iterator[Any]:
+    """Iterate one epoch of `loader`, at most `num_batches` batches, after discarding the first `skip`.
+
+    Skipping fetches and drops batches rather than indexing the sampler, so that worker processes and
+    samplers advance exactly as in the original run.
+    """
+    iterator = iter(loader)
+    for _ in range(skip):
+        next(iterator, None)
+    if num_batches == math.inf:
+        return iterator
+    return itertools.islice(iterator, int(num_batches) - skip)

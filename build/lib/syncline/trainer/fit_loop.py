@@ -1,0 +1,227 @@
+"""The training loop: epochs of micro-batches, accumulation windows, optimizer steps, validation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from syncline.callbacks.callback import Callback
+from syncline.trainer.data import epoch_batches
+from syncline.trainer.state import capture_rng, restore_rng
+
+if TYPE_CHECKING:
+    from syncline.trainer.trainer import Trainer
+
+__all__ = ["FitLoop"]
+
+
+class FitLoop:
+    """Run `Trainer.fit`'s epochs. Holds nothing that the trainer's state does not already say."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.state = trainer.state
+        self.task = trainer.task
+        self.strategy = trainer.strategy
+        self.precision = trainer.precision
+        self.fire = trainer.dispatcher.fire
+        self.accumulate = trainer.accumulate_grad_batches
+        if trainer.optim is None:
+            raise RuntimeError("FitLoop needs the task's optimizers: call configure_optimizers first.")
+        self.optim = trainer.optim
+        self.parameters = [p for p in self.task.parameters() if p.requires_grad]
+        #: RNG state of the checkpoint being resumed, applied at the point in the loop it was taken.
+        self.resume_rng: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ epochs
+    def run(self) -> None:
+        """Train until max_epochs, max_steps or a stop request."""
+        trainer, state = self.trainer, self.state
+        if state.epoch_finished:
+            state.current_epoch += 1
+            state.batch_idx, state.epoch_finished = 0, False
+        self.fire(Callback.on_train_start)
+        while not self._done():
+            self.run_epoch()
+            if self._done():
+                break
+            state.current_epoch += 1
+            state.batch_idx, state.epoch_finished = 0, False
+        self.fire(Callback.on_train_end)
+        trainer.flush_step_logs(force=True)
+
+    def _done(self) -> bool:
+        trainer, state = self.trainer, self.state
+        if state.should_stop:
+            return True
+        if trainer.max_steps != -1 and state.global_step >= trainer.max_steps:
+            return True
+        return trainer.max_epochs is not None and state.current_epoch >= trainer.max_epochs
+
+    def run_epoch(self) -> None:
+        """Run one training epoch, its validations and its end-of-epoch events."""
+        trainer, state, task = self.trainer, self.state, self.task
+        task.train()
+        self.fire(Callback.on_train_epoch_start)
+        num_batches = trainer.num_training_batches
+        validated_after = -1
+        exhausted = True
+        for batch_idx, batch, is_last in self._batches(num_batches):
+            self.run_batch(batch, batch_idx, is_last)
+            if not is_last and trainer.validation_due(batch_idx, is_last=False):
+                trainer.run_validation()
+                validated_after = batch_idx
+            exhausted = is_last
+            if state.should_stop or (trainer.max_steps != -1 and state.global_step >= trainer.max_steps):
+                break
+        # An epoch cut short by max_steps is not finished: it gets its final validation but no epoch-end
+        # events, and a resume with a larger max_steps continues it with its remaining batches, as an
+        # uninterrupted run would. A stop request (early stopping) ends the epoch.
+        state.epoch_finished = exhausted or state.should_stop
+        last = state.batch_idx - 1
+        if last != validated_after and trainer.validation_due(last, is_last=True):
+            trainer.run_validation()
+        if state.epoch_finished:
+            self.fire_epoch_end()
+            self.optim_step_schedulers("epoch", state.current_epoch + 1)
+
+    def fire_epoch_end(self) -> None:
+        """Let the task log, resolve the epoch's aggregates, then let the callbacks see them."""
+        trainer = self.trainer
+        trainer.dispatcher.fire_task(Callback.on_train_epoch_end)
+        trainer.log_metrics(trainer.results.epoch_end())
+        trainer.dispatcher.fire_callbacks(Callback.on_train_epoch_end)
+
+    def optim_step_schedulers(self, interval: str, count: int) -> None:
+        """Step the schedulers due at this step or epoch."""
+        self.optim.step_schedulers(interval, count, self.trainer.callback_metrics)
+
+    def _batches(self, num_batches: int | float) -> Iterator[tuple[int, Any, bool]]:
+        """Return (batch_idx, batch, is_last) for this epoch, replaying the data order on a resume."""
+        state, loader = self.state, self.trainer.train_dataloader
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(state.current_epoch)
+        skip = state.batch_idx
+        if skip:
+            # Resume mid-epoch: recreate the iterator from the RNG it was first made with and drop the
+            # batches already trained on; the RNG of the checkpoint's moment is applied after that.
+            restore_rng(state.epoch_start_rng)
+        else:
+            self._apply_resume_rng()
+            state.epoch_start_rng = capture_rng()
+        batches = epoch_batches(loader, num_batches, skip)
+        if num_batches == math.inf:
+            flagged = _flag_last(batches, start=skip)
+        else:
+            last = int(num_batches) - 1
+            flagged = ((i, batch, i == last) for i, batch in enumerate(batches, start=skip))
+        self._apply_resume_rng()
+        return flagged
+
+    def _apply_resume_rng(self) -> None:
+        if self.resume_rng is not None:
+            restore_rng(self.resume_rng)
+            self.resume_rng = None
+
+    # ----------------------------------------------------------------- batches
+    def run_batch(self, batch: Any, batch_idx: int, is_last: bool) -> None:
+        """Forward, backward (synchronized at the end of an accumulation window), and maybe a step."""
+        trainer, task, strategy = self.trainer, self.task, self.strategy
+        batch = strategy.batch_to_device(batch)
+        trainer.results.new_batch(batch)
+        self.fire(Callback.on_train_batch_start, batch, batch_idx)
+        window_end = is_last or (batch_idx + 1) % self.accumulate == 0
+        strategy.sync_next_backward = window_end
+        with self.precision.autocast():
+            outputs = strategy.training_step(task, batch, batch_idx)
+        loss = self._loss_of(outputs)
+        if self.accumulate > 1:
+            # Average over the window's micro-batches so k steps of size b equal one of size k*b.
+            loss = loss / self.accumulate
+        self.fire(Callback.on_before_backward, loss)
+        strategy.backward(self.precision.scale_loss(loss), sync=window_end)
+        self.fire(Callback.on_after_backward)
+        if window_end:
+            self.optimizer_step()
+        # Counted before the batch-end hooks, so a checkpoint taken there resumes after this batch.
+        self.state.batch_idx = batch_idx + 1
+        self.fire(Callback.on_train_batch_end, outputs, batch, batch_idx)
+        if window_end:
+            trainer.flush_step_logs()
+
+    def _loss_of(self, outputs: Any) -> Tensor:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not isinstance(loss, Tensor):
+            name = type(self.task).__name__
+            raise TypeError(
+                f"{name}.training_step returned {type(outputs).__name__}; return the loss as a scalar "
+                "tensor, or a dict with a 'loss' tensor."
+            )
+        if loss.numel() != 1:
+            raise ValueError(
+                f"{type(self.task).__name__}.training_step returned a loss of shape {tuple(loss.shape)}; "
+                "the loss must be a scalar (reduce it, e.g. with .mean())."
+            )
+        return loss
+
+    def optimizer_step(self) -> None:
+        """Clip, step, count, reset gradients and step per-step schedulers."""
+        trainer, state, strategy = self.trainer, self.state, self.strategy
+        optimizer = self.optim.optimizer
+        self.precision.unscale(optimizer)
+        self.fire(Callback.on_before_optimizer_step, optimizer)
+        if trainer.gradient_clip_val is not None:
+            strategy.clip_gradients(self.parameters, trainer.gradient_clip_val)
+        strategy.optimizer_step(optimizer, self.precision.step(optimizer))
+        state.global_step += 1
+        self.fire(Callback.on_before_zero_grad, optimizer)
+        strategy.zero_grad(optimizer)
+        if self.optim.schedulers:
+            self.optim_step_schedulers("step", state.global_step)
+
+    # -------------------------------------------------------------- checkpoints
+    def accumulated_grads(self) -> list[Tensor | None] | None:
+        """Gradients of an open accumulation window (None when the window is closed)."""
+        if self.state.batch_idx % self.accumulate == 0 or self.state.epoch_finished:
+            return None
+        return [None if p.grad is None else p.grad.detach().clone() for p in self.parameters]
+
+    def restore_accumulated_grads(self, grads: list[Tensor | None] | None) -> None:
+        """Put back the gradients of an accumulation window that a checkpoint interrupted."""
+        if grads is None:
+            return
+        if len(grads) != len(self.parameters):
+            raise ValueError("The checkpoint's accumulated gradients do not match the task's parameters.")
+        with torch.no_grad():
+            for param, grad in zip(self.parameters, grads):
+                if grad is None:
+                    continue
+                if param.grad is None:
+                    param.grad = grad.to(param.device)
+                else:
+                    # In place: a strategy's gradients may be views into its communication buffers.
+                    param.grad.copy_(grad)
+
+
+_END = object()
+
+
+def _flag_last(batches: Iterator[Any], start: int) -> Iterator[tuple[int, Any, bool]]:
+    """Yield (index, batch, is_last) from an iterator of unknown length by looking one batch ahead.
+
+    The first batch is fetched now, not on the first `next()`, as the original run had fetched it
+    before any checkpoint taken in this epoch.
+    """
+    return _flag_last_from(next(batches, _END), batches, start)
+
+
+def _flag_last_from(current: Any, batches: Iterator[Any], index: int) -> Iterator[tuple[int, Any, bool]]:
+    while current is not _END:
+        upcoming = next(batches, _END)
+        yield index, current, upcoming is _END
+        current, index = upcoming, index + 1

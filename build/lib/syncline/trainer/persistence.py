@@ -1,0 +1,119 @@
+"""What a Trainer saves and restores: checkpoints, and the state a launched rank 0 sends back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from syncline.callbacks.callback import Callback
+from syncline.trainer.checkpoint import FORMAT_VERSION, load_checkpoint, to_primitive
+from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.trainer.state import capture_rng
+
+if TYPE_CHECKING:
+    from syncline.trainer.task import Task
+    from syncline.trainer.trainer import Trainer
+
+__all__ = [
+    "apply_worker_result",
+    "checkpoint_state",
+    "find_last_checkpoint",
+    "read_checkpoint",
+    "restore",
+    "worker_result",
+]
+
+
+def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
+    """Assemble everything a bit-exact resume needs (a collective: call it on every rank)."""
+    task, loop = trainer.task, trainer._fit_loop
+    checkpoint: dict[str, Any] = {
+        "syncline_format": FORMAT_VERSION,
+        "state_dict": task.state_dict(),
+        "hparams": to_primitive(task.hparams),
+        "progress": trainer.state.state_dict(),
+        # Collective: every rank's RNG, so each process resumes its own random stream.
+        "rng": trainer.strategy.all_gather_object({"now": capture_rng(), "epoch_start": trainer.state.epoch_start_rng}),
+        "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
+        "loggers": [logger.state_dict() for logger in trainer.loggers],
+    }
+    if trainer.optim is not None:
+        checkpoint["optimizer"] = trainer.optim.state_dict()
+        checkpoint["precision"] = trainer.precision.state_dict()
+        checkpoint["results"] = trainer._train_results.state_dict(task)
+    if loop is not None:
+        checkpoint["accumulated_grads"] = loop.accumulated_grads()
+    trainer.dispatcher.fire(Callback.on_save_checkpoint, checkpoint)
+    return checkpoint
+
+
+def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
+    """Load the checkpoint `ckpt_path` names ("last": the newest last checkpoint), or None."""
+    if ckpt_path is None:
+        return None
+    path = find_last_checkpoint(trainer) if ckpt_path == "last" else str(ckpt_path)
+    if path is None:
+        rank_zero_warn(f'ckpt_path="last" found no checkpoint under {trainer.default_root_dir}; training from scratch.')
+        return None
+    return load_checkpoint(path)
+
+
+def find_last_checkpoint(trainer: Trainer) -> str | None:
+    """Return rank 0's newest ``last*.ckpt`` (else newest ``*.ckpt``) under the run's directories."""
+    roots = {Path(trainer.default_root_dir)}
+    roots.update(Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None))
+    found = [p for root in roots if root.is_dir() for p in root.rglob("*.ckpt")]
+    last = [p for p in found if p.name.startswith("last")] or found
+    if not last:
+        return None
+    newest = max(last, key=lambda p: p.stat().st_mtime)
+    # Collective: every rank resumes from the file rank 0 chose.
+    return trainer.strategy.broadcast_object(str(newest))
+
+
+def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    """Restore the task, optimizer, progress, callbacks and the point in the loop the checkpoint was taken."""
+    task, loop = trainer.task, trainer._fit_loop
+    assert loop is not None
+    trainer.dispatcher.fire(Callback.on_load_checkpoint, checkpoint)
+    task.load_state_dict(checkpoint["state_dict"])
+    trainer.optim.load_state_dict(checkpoint["optimizer"])
+    trainer.precision.load_state_dict(checkpoint.get("precision", {}))
+    trainer.state.load_state_dict(checkpoint["progress"])
+    trainer._train_results.load_state_dict(checkpoint.get("results", {}), task)
+    saved_callbacks = checkpoint.get("callbacks", {})
+    for callback in trainer.callbacks:
+        if callback.state_key in saved_callbacks:
+            callback.load_state_dict(saved_callbacks[callback.state_key])
+    loop.restore_accumulated_grads(checkpoint.get("accumulated_grads"))
+    rng_states = checkpoint["rng"]
+    # A run resumed on more processes than it was saved with gives the extra ranks rank 0's streams.
+    mine = rng_states[trainer.global_rank] if trainer.global_rank < len(rng_states) else rng_states[0]
+    loop.resume_rng = mine["now"]
+    trainer.state.epoch_start_rng = mine["epoch_start"]
+
+
+def worker_result(trainer: Trainer, task: Task, returned: Any) -> dict[str, Any]:
+    """Return what a launched rank 0 sends back to the process that launched it."""
+    return {
+        "return": returned,
+        "state_dict": {name: value.cpu() for name, value in task.state_dict().items()},
+        "progress": trainer.state.state_dict(),
+        "callback_metrics": {name: value.cpu() for name, value in trainer.callback_metrics.items()},
+        "logged_metrics": dict(trainer.logged_metrics),
+        "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
+        "loggers": [logger.state_dict() for logger in trainer.loggers],
+    }
+
+
+def apply_worker_result(trainer: Trainer, task: Task, result: dict[str, Any]) -> None:
+    """Load what a launched rank 0 sent back, so this process holds the trained task and metrics."""
+    task.load_state_dict(result["state_dict"])
+    trainer.state.load_state_dict(result["progress"])
+    trainer.callback_metrics.update(result["callback_metrics"])
+    trainer.logged_metrics.update(result["logged_metrics"])
+    for callback in trainer.callbacks:
+        if callback.state_key in result["callbacks"]:
+            callback.load_state_dict(result["callbacks"][callback.state_key])
+    for logger, state in zip(trainer.loggers, result["loggers"]):
+        logger.load_state_dict(state)

@@ -1,0 +1,97 @@
+"""The Trainer's progress, as one typed object that checkpoints save and restore."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["TrainerState", "capture_rng", "restore_rng", "isolated_rng"]
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional: torch runs without it
+    np = None  # type: ignore[assignment]
+
+
+@dataclass
+class TrainerState:
+    """Where training stands.
+
+    Attributes:
+        stage: "fit", "validate", "test", "predict" or "" between runs.
+        current_epoch: index of the training epoch in progress (or the next one, once finished).
+        global_step: optimizer steps taken so far.
+        batch_idx: training micro-batches completed in the current epoch.
+        epoch_finished: the current epoch has consumed its last batch; a resume starts the next one.
+        sanity_checking: the sanity validation is running (its metrics are discarded).
+        should_stop: a callback asked training to stop at the next opportunity.
+    """
+
+    stage: str = ""
+    current_epoch: int = 0
+    global_step: int = 0
+    batch_idx: int = 0
+    epoch_finished: bool = False
+    sanity_checking: bool = False
+    should_stop: bool = False
+    #: RNG states taken just before the current epoch's training iterator was created; a mid-epoch
+    #: resume replays the epoch's data order from them.
+    epoch_start_rng: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the progress fields that a resume needs."""
+        state = dataclasses.asdict(self)
+        # The epoch's RNG is per process: checkpoints gather it from every rank with the current RNG.
+        for transient in ("stage", "sanity_checking", "epoch_start_rng"):
+            state.pop(transient)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        for name, value in state.items():
+            setattr(self, name, value)
+
+
+def capture_rng() -> dict[str, Any]:
+    """Return the RNG states of python, numpy (if installed), torch and every CUDA device."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        # Stored as plain lists so checkpoints load with `weights_only=True`.
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Restore RNG states returned by `capture_rng`."""
+    if not state:
+        return
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    torch.set_rng_state(state["torch"])
+    if np is not None and "numpy" in state:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class isolated_rng:
+    """Run a block without moving the training RNG streams.
+
+    Validation runs inside this, so whether and when it runs never changes the training run's random
+    numbers (dropout, data order): resumed runs stay bit-exact, and adding validation does not
+    change the trained weights.
+    """
+
+    def __enter__(self) -> None:
+        self._state = capture_rng()
+
+    def __exit__(self, *exc: object) -> None:
+        restore_rng(self._state)
