@@ -174,6 +174,17 @@ class ProcessGroupStrategy(Strategy):
         backend = dist.get_backend() if dist.is_initialized() else (self.backend or default_backend())
         return device_for_local_rank(self.local_rank, backend)
 
+    def use_accelerator(self, device_type: str) -> None:
+        # The device follows the backend: gloo computes on the CPU, NCCL on each rank's GPU.
+        wanted = "nccl" if device_type == "cuda" else "gloo"
+        if self.backend is None:
+            self.backend = wanted
+        elif self.backend != wanted:
+            raise ValueError(
+                f"{type(self).__name__}(backend={self.backend!r}) cannot compute on {device_type}: use "
+                f"backend={wanted!r} (or leave backend unset), or accelerator='auto'."
+            )
+
     # --------------------------------------------------------------- lifecycle
     def setup_environment(self) -> None:
         """Join the default process group from RANK, WORLD_SIZE, ... unless already in one."""

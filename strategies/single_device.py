@@ -25,7 +25,13 @@ class SingleDevice(Strategy):
     name = "single"
 
     def __init__(self, device: str | torch.device | None = None) -> None:
+        self._chosen = device is not None
         self._device = torch.device(device) if device is not None else default_device()
+
+    def use_accelerator(self, device_type: str) -> None:
+        if not self._chosen:
+            self._device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
+        super().use_accelerator(device_type)
 
     @property
     def root_device(self) -> torch.device:

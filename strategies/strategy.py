@@ -67,6 +67,18 @@ class Strategy(ABC):
     def root_device(self) -> torch.device:
         """Device this process computes on."""
 
+    def use_accelerator(self, device_type: str) -> None:
+        """Compute on `device_type` ("cpu" or "cuda"), as `Trainer(accelerator=...)` asks.
+
+        Raises:
+            ValueError: the strategy was configured for another kind of device.
+        """
+        if self.root_device.type != device_type:
+            raise ValueError(
+                f"{self!r} computes on {self.root_device}, but the Trainer's accelerator asks for {device_type}; "
+                "make the two agree (or pass accelerator='auto')."
+            )
+
     # --------------------------------------------------------------- lifecycle
     def setup_environment(self) -> None:
         """Join the process group, if there is one. Called once before anything else."""

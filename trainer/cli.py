@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import inspect
+import io
 import os
 import re
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import hydra
 from hydra import compose, initialize_config_module
+from hydra._internal.utils import _locate, get_args_parser
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException, MissingConfigException, OverrideParseException
@@ -36,7 +40,7 @@ from syncline.trainer.rank_zero import rank_zero_only
 from syncline.trainer.seed import seed_everything
 from syncline.trainer.trainer import Trainer
 
-__all__ = ["RUNTIME_ERROR", "USAGE_ERROR", "check_overrides", "main", "run"]
+__all__ = ["RUNTIME_ERROR", "USAGE_ERROR", "check_overrides", "main", "run", "task_by_target"]
 
 #: Exit code of a bad command line or bad argument values.
 USAGE_ERROR = 2
@@ -51,7 +55,7 @@ _GROUPS = ("task", "strategy", "callbacks")
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the command line: check the overrides in `argv` (default: ``sys.argv[1:]``), then train."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = task_by_target(list(sys.argv[1:] if argv is None else argv))
     problem = check_overrides(args)
     if problem is not None:
         _exit(problem, USAGE_ERROR)
@@ -60,18 +64,44 @@ def main(argv: Sequence[str] | None = None) -> None:
     _hydra_main()
 
 
+def task_by_target(args: Sequence[str]) -> list[str]:
+    """Let ``task._target_=module.Class`` replace the default task, arguments and all.
+
+    Without a ``task=<option>`` choice, the default task's YAML would stay merged in and its arguments
+    (``n_layer``, ...) would reach the user's class. The override is rewritten to Hydra's own spelling for
+    "drop the group, add a new node" (``~task +task._target_=...``), and every ``task.<key>=<value>`` next to
+    it to ``++task.<key>=<value>``, so the class's own defaults apply to whatever is not given.
+    """
+    keys = [arg.partition("=")[0] for arg in args]
+    if "task._target_" not in (key.lstrip("+") for key in keys) or "task" in (key.lstrip("+~") for key in keys):
+        return list(args)
+    rewritten = ["~task"]
+    for arg, key in zip(args, keys):
+        if key.lstrip("+").startswith("task.") and "=" in arg:
+            arg = "++" + arg.lstrip("+")
+        rewritten.append(arg)
+    return rewritten
+
+
 def check_overrides(args: Sequence[str]) -> str | None:
     """Compose the config with `args` and return what is wrong with them, or None if nothing is.
 
-    Arguments with Hydra flags (``--help``, ``--cfg``, ``-m``, ...) are left for Hydra to interpret.
+    Hydra's own flags are understood: ``--config-dir`` adds the user's config folder to the search path,
+    ``--config-name`` picks the primary config, ``--cfg``/``--resolve``/``--package`` are checked like a run.
+    Help, shell completion and multirun sweeps (whose values are lists to expand) are left to Hydra.
     """
-    if any(arg.startswith("-") for arg in args):
+    try:
+        line = _CommandLine.parse(args)
+    except SystemExit:
+        return None  # argparse has printed its own usage error; hydra.main will print it again and exit.
+    if line is None:
         return None
     try:
-        _compose(args)
+        cfg = line.compose()
+        problem = _check_task_keys(cfg)
     except Exception as error:
-        return _describe(error, args)
-    return None
+        return _describe(error, line)
+    return problem
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name=_CONFIG_NAME)
@@ -117,16 +147,45 @@ def _save_config(cfg: DictConfig, path: Path) -> None:
 
 
 # ------------------------------------------------------------------ composing
-def _compose(args: Sequence[str]) -> DictConfig:
-    with _hydra_context():
-        # With the hydra node, so `hydra.run.dir=...` and friends are checked too.
-        return compose(_CONFIG_NAME, overrides=list(args), return_hydra_config=True)
+@dataclass(frozen=True)
+class _CommandLine:
+    """The parts of a command line that decide what is composed: the overrides and Hydra's config flags."""
 
+    overrides: tuple[str, ...]
+    config_name: str = _CONFIG_NAME
+    #: Extra overrides that stand for flags, e.g. ``hydra.searchpath=[file://<abs dir>]`` for --config-dir.
+    flags: tuple[str, ...] = ()
+    config_dir: str | None = None
 
-def _group_options(group: str) -> list[str]:
-    """Return the options of config group `group` (YAML files and ConfigStore entries)."""
-    with _hydra_context():
-        return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+    @classmethod
+    def parse(cls, args: Sequence[str]) -> _CommandLine | None:
+        """Read `args` as hydra.main would; None where nothing can be checked before Hydra runs."""
+        with contextlib.redirect_stderr(io.StringIO()):
+            parsed = get_args_parser().parse_args(list(args))
+        if parsed.help or parsed.hydra_help or parsed.shell_completion or parsed.info or parsed.multirun:
+            return None
+        if parsed.config_path is not None or parsed.experimental_rerun is not None:
+            return None  # a primary config somewhere else entirely: Hydra reports its own errors
+        flags: tuple[str, ...] = ()
+        searchpath_given = any(o.partition("=")[0].lstrip("+") == "hydra.searchpath" for o in parsed.overrides)
+        if parsed.config_dir is not None and not searchpath_given:
+            flags = (f"hydra.searchpath=[file://{Path(parsed.config_dir).resolve()}]",)
+        return cls(tuple(parsed.overrides), parsed.config_name or _CONFIG_NAME, flags, parsed.config_dir)
+
+    def compose(self, overrides: Sequence[str] | None = None) -> DictConfig:
+        """Compose the config with `overrides` (default: this command line's) and the flags' overrides."""
+        with _hydra_context():
+            # With the hydra node, so `hydra.run.dir=...` and friends are checked too.
+            chosen = self.overrides if overrides is None else overrides
+            return compose(self.config_name, overrides=[*self.flags, *chosen], return_hydra_config=True)
+
+    def group_options(self, group: str) -> list[str]:
+        """Return the options of config group `group` (YAML files, the user's folder, ConfigStore entries)."""
+        with _hydra_context():
+            options = set(GlobalHydra.instance().config_loader().get_group_options(group))
+        if self.config_dir is not None:
+            options.update(path.stem for path in Path(self.config_dir, group).glob("*.yaml"))
+        return sorted(options)
 
 
 @contextlib.contextmanager
@@ -139,29 +198,67 @@ def _hydra_context() -> Iterator[None]:
         GlobalHydra.instance().clear()
 
 
-def _describe(error: Exception, args: Sequence[str]) -> str:
+def _check_task_keys(cfg: DictConfig) -> str | None:
+    """Check the task's keys against its class's constructor, so a typo is caught before anything runs."""
+    target = OmegaConf.select(cfg, "task._target_")
+    if not isinstance(target, str):
+        return "error: the config has no task._target_. " + _TASK_HINT
+    try:
+        task_class = _locate(target)
+    except Exception as error:
+        # _locate's message: "Error loading '<path>':", the import error, "Are you sure that ...?"
+        reason = " ".join(line.strip() for line in str(error).strip().splitlines()[1:]) or str(error)
+        return (
+            f"error: cannot import task._target_={target}: {reason}\n"
+            "The module must be importable from the working directory (or PYTHONPATH)."
+        )
+    try:
+        parameters = inspect.signature(task_class).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    valid = sorted(name for name, p in parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL)
+    for key in cfg.task:
+        if not str(key).startswith("_") and key not in valid:
+            return (
+                f"error: unknown key 'task.{key}': {target} takes no argument {key!r}."
+                f"{_did_you_mean(str(key), valid)}\nValid keys under 'task': {', '.join(valid)}"
+            )
+    return None
+
+
+def _describe(error: Exception, line: _CommandLine) -> str:
     """Turn a composition error into a short message that names the problem and the valid choices."""
     cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
     if isinstance(error, OverrideParseException):
         return f"error: cannot parse {error.override!r}: {error.message.splitlines()[0]}\n{_GRAMMAR}"
     if isinstance(error, MissingConfigException) and error.missing_cfg_file:
-        return _describe_missing_option(str(error.missing_cfg_file))
+        return _describe_missing_option(str(error.missing_cfg_file), line)
     if isinstance(cause, ValidationError):
-        return _describe_bad_value(cause, args)
+        return _describe_bad_value(cause, line.overrides)
     if isinstance(cause, (ConfigKeyError, AttributeError)) and getattr(cause, "full_key", None):
-        return _describe_unknown_key(cause.full_key, args)
+        return _describe_unknown_key(cause.full_key, line)
     return "error: " + str(error).strip().splitlines()[0] + "\n" + _HINT
 
 
-def _describe_missing_option(missing: str) -> str:
+def _describe_missing_option(missing: str, line: _CommandLine) -> str:
     group, _, option = missing.rpartition("/")
-    options = _group_options(group) if group else []
+    options = line.group_options(group) if group else []
     if not options:
         return f"error: no config {missing!r}.\n{_HINT}"
-    return (
+    message = (
         f"error: unknown {group} option {option!r}.{_did_you_mean(option, options)}\n"
         f"Valid {group} options: {', '.join(options)}"
     )
+    if group in ("task", "callbacks"):
+        if line.config_dir is None:
+            message += f"\nAn option of your own: <folder>/{group}/{option}.yaml, with --config-dir <folder>"
+        else:
+            message += f"\nNo file {Path(line.config_dir, group, option + '.yaml')} (from --config-dir)"
+        if group == "task":
+            message += "; or name the class: task._target_=<module>.<Class>"
+    return message
 
 
 def _describe_bad_value(error: ValidationError, args: Sequence[str]) -> str:
@@ -171,9 +268,9 @@ def _describe_bad_value(error: ValidationError, args: Sequence[str]) -> str:
     return f"error: bad value for {key}{f'={given}' if given is not None else ''}: {reason}"
 
 
-def _describe_unknown_key(full_key: str, args: Sequence[str]) -> str:
+def _describe_unknown_key(full_key: str, line: _CommandLine) -> str:
     parent, _, name = full_key.rpartition(".")
-    valid = _valid_keys(parent, args)
+    valid = _valid_keys(parent, line)
     message = f"error: unknown key {full_key!r}."
     if valid:
         where = f"under '{parent}'" if parent else "at the top level"
@@ -183,13 +280,13 @@ def _describe_unknown_key(full_key: str, args: Sequence[str]) -> str:
     return message
 
 
-def _valid_keys(parent: str, args: Sequence[str]) -> list[str]:
-    """Return the keys of the config node `parent` under the group choices made in `args`."""
-    choices = [arg for arg in args if arg.split("=", 1)[0].lstrip("+~") in _GROUPS]
+def _valid_keys(parent: str, line: _CommandLine) -> list[str]:
+    """Return the keys of the config node `parent` under the group choices made on the command line."""
+    choices = [arg for arg in line.overrides if arg.split("=", 1)[0].lstrip("+~") in _GROUPS]
     try:
-        cfg = _compose(choices)
+        cfg = line.compose(choices)
     except Exception:
-        cfg = _compose([])
+        cfg = line.compose([])
     node = OmegaConf.select(cfg, parent) if parent else cfg
     if not isinstance(node, DictConfig):
         return []
@@ -211,6 +308,7 @@ def _did_you_mean(word: str, choices: Sequence[str]) -> str:
 
 # --------------------------------------------------------------------- errors
 _HINT = "Set HYDRA_FULL_ERROR=1 for the full traceback."
+_TASK_HINT = "Choose one with task=<option> (--config-dir <folder> for your own) or task._target_=<module>.<Class>."
 _GRAMMAR = "Overrides look like key=value, +new_key=value or group=option; see docs/cli.md."
 
 

@@ -40,6 +40,7 @@ class TrainerConf:
     max_epochs: int | None = None
     max_steps: int = -1
     devices: int = 1
+    accelerator: str = "auto"
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
     precision: str = "32"

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.callback import Callback
-from syncline.trainer.checkpoint import FORMAT_VERSION, load_checkpoint, to_primitive
+from syncline.trainer.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, to_primitive
 from syncline.trainer.rank_zero import rank_zero_warn
 from syncline.trainer.state import capture_rng
 
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "apply_worker_result",
+    "best_checkpoint",
     "checkpoint_state",
     "find_last_checkpoint",
     "read_checkpoint",
@@ -48,14 +49,40 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
 
 
 def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
-    """Load the checkpoint `ckpt_path` names ("last": the newest last checkpoint), or None."""
+    """Load the checkpoint `ckpt_path` names, or None for None.
+
+    "last" is the newest last checkpoint, "best" the first ModelCheckpoint's best; anything else is a path.
+
+    Raises:
+        CheckpointError: "best" without a best checkpoint, or a word that is neither of these nor a file.
+    """
     if ckpt_path is None:
         return None
+    if ckpt_path == "best":
+        return load_checkpoint(best_checkpoint(trainer))
+    if ckpt_path != "last" and not Path(ckpt_path).exists() and not any(c in str(ckpt_path) for c in "/\\."):
+        raise CheckpointError(
+            f"ckpt_path={str(ckpt_path)!r} is neither a file nor one of the names: "
+            "'best' (the ModelCheckpoint's best), 'last' (the newest last checkpoint), a path, or None."
+        )
     path = find_last_checkpoint(trainer) if ckpt_path == "last" else str(ckpt_path)
     if path is None:
         rank_zero_warn(f'ckpt_path="last" found no checkpoint under {trainer.default_root_dir}; training from scratch.')
         return None
     return load_checkpoint(path)
+
+
+def best_checkpoint(trainer: Trainer) -> str:
+    """Return the path of the first ModelCheckpoint's best checkpoint, as ``ckpt_path="best"`` means it."""
+    callback = trainer.checkpoint_callback
+    if callback is None:
+        raise CheckpointError('ckpt_path="best" needs a ModelCheckpoint callback; pass a path or "last" instead.')
+    path = getattr(callback, "best_model_path", "")
+    if not path:
+        raise CheckpointError(
+            'ckpt_path="best": the ModelCheckpoint has saved no checkpoint yet (fit first, or pass a path).'
+        )
+    return path
 
 
 def find_last_checkpoint(trainer: Trainer) -> str | None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+import os
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -14,7 +15,22 @@ if TYPE_CHECKING:
 
     from syncline.trainer.trainer import Trainer
 
-__all__ = ["Task"]
+__all__ = ["AttributeDict", "Task"]
+
+TaskT = TypeVar("TaskT", bound="Task")
+
+
+class AttributeDict(dict):
+    """A dict whose keys read as attributes too: ``hparams.lr`` is ``hparams["lr"]``, as in Lightning."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(f"no hyperparameter {key!r}; saved: {', '.join(map(str, self)) or 'none'}") from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
 
 
 class Task(nn.Module):
@@ -30,7 +46,7 @@ class Task(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Trainer | None = None
-        self.hparams: dict[str, Any] = {}
+        self.hparams = AttributeDict()
 
     # ------------------------------------------------------------ environment
     @property
@@ -55,6 +71,16 @@ class Task(nn.Module):
         return self._trainer.world_size if self._trainer is not None else 1
 
     @property
+    def current_epoch(self) -> int:
+        """Index of the current training epoch (0 outside a Trainer)."""
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far (0 outside a Trainer)."""
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
     def device(self) -> torch.device:
         """Device of the task's first parameter or buffer (CPU when it has none)."""
         for tensor in self.parameters():
@@ -77,6 +103,36 @@ class Task(nn.Module):
                 if arg_info.keywords:
                     hparams.update(arg_info.locals[arg_info.keywords])
         self.hparams.update(hparams)
+
+    @classmethod
+    def load_from_checkpoint(
+        cls: type[TaskT], checkpoint_path: str | os.PathLike[str], map_location: Any = None, **overrides: Any
+    ) -> TaskT:
+        """Build the task from a checkpoint's saved hyperparameters and load its weights, as Lightning does.
+
+        The constructor gets the hyperparameters `save_hyperparameters` recorded, with `overrides` taking
+        precedence; the weights are then loaded strictly. The task is returned in training mode on the
+        device `map_location` names (the CPU by default); call ``.eval()`` for inference.
+
+        Raises:
+            CheckpointError: the file is missing, unreadable or not a syncline checkpoint.
+            TypeError: the saved hyperparameters (or `overrides`) do not fit the constructor.
+        """
+        from syncline.trainer.checkpoint import load_checkpoint
+
+        checkpoint = load_checkpoint(checkpoint_path, map_location=map_location or "cpu")
+        arguments = {**checkpoint.get("hparams", {}), **overrides}
+        try:
+            task = cls(**arguments)
+        except TypeError as error:
+            raise TypeError(
+                f"{cls.__name__}.load_from_checkpoint({str(checkpoint_path)!r}): {error}. The checkpoint's "
+                f"hyperparameters are {sorted(checkpoint.get('hparams', {}))}; pass missing ones as keywords."
+            ) from error
+        task.load_state_dict(checkpoint["state_dict"])
+        if isinstance(map_location, (str, int, torch.device)):
+            task.to(map_location)
+        return task
 
     # ---------------------------------------------------------------- logging
     def log(

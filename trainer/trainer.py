@@ -60,6 +60,8 @@ class Trainer:
         limit_val_batches: likewise for validation.
         num_sanity_val_steps: validation batches run before training to catch errors early.
         use_distributed_sampler: shard the data across processes with a `DistributedSampler`.
+        accelerator: "auto" (CUDA when there is a GPU, else the CPU), "cpu", or "gpu"/"cuda"; with
+            several `devices` it picks the backend too (gloo on the CPU, NCCL on GPUs).
         seed: seed python, numpy and torch now (before the task is trained) and in every worker.
         deterministic: use deterministic algorithms only.
     """
@@ -70,6 +72,7 @@ class Trainer:
         max_steps: int = -1,
         strategy: str | Strategy = "auto",
         devices: int = 1,
+        accelerator: str = "auto",
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
         precision: str | int = "32",
@@ -121,6 +124,10 @@ class Trainer:
         self.seed = seed
         self.deterministic = deterministic
         self.strategy = resolve_strategy(strategy, devices)
+        self.accelerator = accelerator
+        device_type = _device_type(accelerator, devices)
+        if device_type is not None:
+            self.strategy.use_accelerator(device_type)
         if devices > 1 and not self.strategy.multi_process:
             raise ValueError(
                 f"devices={devices} needs a data-parallel strategy, but {self.strategy!r} trains in one "
@@ -271,12 +278,19 @@ class Trainer:
     # ------------------------------------------------------------------ stages
     def fit(
         self,
-        task: Task,
+        task: Task | None = None,
         train_dataloaders: Any = None,
         val_dataloaders: Any = None,
         ckpt_path: str | os.PathLike[str] | None = None,
+        *,
+        model: Task | None = None,
     ) -> None:
-        """Train `task`; resume from `ckpt_path` ("last" finds the newest last checkpoint) if given."""
+        """Train `task` (or `model=`, Lightning's name); resume from `ckpt_path` if given.
+
+        `ckpt_path` is a checkpoint's path, "last" (the newest last checkpoint), "best" (the first
+        ModelCheckpoint's best) or None.
+        """
+        task = _task_argument("fit", task, model)
         if self._must_launch():
             return launch(
                 self,
@@ -287,25 +301,52 @@ class Trainer:
         self._run("fit", task, lambda: self._fit(train_dataloaders, val_dataloaders, ckpt_path))
 
     def validate(
-        self, task: Task, dataloaders: Any = None, ckpt_path: str | os.PathLike[str] | None = None
+        self,
+        task: Task | None = None,
+        dataloaders: Any = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
+        *,
+        model: Task | None = None,
     ) -> list[dict[str, float]]:
-        """Run the validation loop once and return its epoch metrics."""
+        """Run the validation loop once and return its epoch metrics.
+
+        `ckpt_path`: None (the task's current weights), "best", "last", or a checkpoint's path.
+        """
+        task = _task_argument("validate", task, model)
         if self._must_launch():
             return launch(self, "validate", task, {"dataloaders": dataloaders, "ckpt_path": ckpt_path})
         return self._run("validate", task, lambda: self._evaluate("validate", dataloaders, ckpt_path))
 
     def test(
-        self, task: Task, dataloaders: Any = None, ckpt_path: str | os.PathLike[str] | None = None
+        self,
+        task: Task | None = None,
+        dataloaders: Any = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
+        *,
+        model: Task | None = None,
     ) -> list[dict[str, float]]:
-        """Run the test loop once and return its epoch metrics."""
+        """Run the test loop once and return its epoch metrics.
+
+        `ckpt_path`: None (the task's current weights), "best", "last", or a checkpoint's path.
+        """
+        task = _task_argument("test", task, model)
         if self._must_launch():
             return launch(self, "test", task, {"dataloaders": dataloaders, "ckpt_path": ckpt_path})
         return self._run("test", task, lambda: self._evaluate("test", dataloaders, ckpt_path))
 
     def predict(
-        self, task: Task, dataloaders: Any = None, ckpt_path: str | os.PathLike[str] | None = None
+        self,
+        task: Task | None = None,
+        dataloaders: Any = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
+        *,
+        model: Task | None = None,
     ) -> list[Any]:
-        """Run `predict_step` over the data and return its outputs, batch by batch."""
+        """Run `predict_step` over the data and return its outputs, batch by batch.
+
+        `ckpt_path`: None (the task's current weights), "best", "last", or a checkpoint's path.
+        """
+        task = _task_argument("predict", task, model)
         if self._must_launch():
             return launch(self, "predict", task, {"dataloaders": dataloaders, "ckpt_path": ckpt_path})
         return self._run("predict", task, lambda: self._evaluate("predict", dataloaders, ckpt_path))
@@ -518,6 +559,31 @@ class Trainer:
         if self.use_distributed_sampler and isinstance(loader, DataLoader):
             return with_distributed_sampler(loader, self.strategy.distributed_sampler_kwargs, seed=self.seed or 0)
         return loader
+
+
+def _task_argument(stage: str, task: Task | None, model: Task | None) -> Task:
+    """Return the task given positionally or as `model=` (Lightning's keyword), exactly one of them."""
+    if (task is None) == (model is None):
+        raise TypeError(f"Trainer.{stage} takes one task: pass it positionally or as model=..., not both or neither.")
+    return task if task is not None else model  # type: ignore[return-value]
+
+
+#: The accelerators `Trainer(accelerator=...)` accepts, and the device type each means.
+ACCELERATORS = {"auto": None, "cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
+
+
+def _device_type(accelerator: str, devices: int) -> str | None:
+    """Check `accelerator` against the machine and return its device type (None for "auto")."""
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"Unknown accelerator {accelerator!r}. Valid values: {', '.join(ACCELERATORS)}.")
+    device_type = ACCELERATORS[accelerator]
+    if device_type == "cuda":
+        available = torch.cuda.device_count()
+        if available == 0:
+            raise ValueError(f"accelerator={accelerator!r} but no CUDA device is visible; use 'cpu' or 'auto'.")
+        if devices > available:
+            raise ValueError(f"devices={devices} with accelerator={accelerator!r}, but only {available} GPU(s).")
+    return device_type
 
 
 def _check_positive(name: str, value: Any) -> None:

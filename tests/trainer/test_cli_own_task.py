@@ -1,0 +1,134 @@
+"""A task of one's own from the command line: a user's config folder, or a class by its import path."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from syncline.trainer.cli import check_overrides, task_by_target
+
+MYTASK = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from syncline import Task
+
+
+    class Classifier(Task):
+        def __init__(self, lr: float = 0.1, hidden: int = 8) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+            g = torch.Generator().manual_seed(0)
+            self.data = TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+        def train_dataloader(self):
+            return DataLoader(self.data, batch_size=16, shuffle=True)
+
+        def val_dataloader(self):
+            return DataLoader(self.data, batch_size=32)
+    """
+)
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A user's folder: mytask.py and conf/task/mytask.yaml; importable, as from the working directory."""
+    (tmp_path / "mytask.py").write_text(MYTASK)
+    (tmp_path / "conf" / "task").mkdir(parents=True)
+    (tmp_path / "conf" / "task" / "mytask.yaml").write_text("_target_: mytask.Classifier\nlr: 0.05\nhidden: 16\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "syncline", *args, "trainer.max_steps=2", "callbacks=[]", "trainer.limit_val_batches=1"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "task"),
+    [
+        (["--config-dir", "conf", "task=mytask"], {"_target_": "mytask.Classifier", "lr": 0.05, "hidden": 16}),
+        # The class's own defaults apply; the default task's arguments (n_layer, ...) are not merged in.
+        (["task._target_=mytask.Classifier", "task.hidden=4"], {"_target_": "mytask.Classifier", "hidden": 4}),
+    ],
+    ids=["config-dir", "class-path"],
+)
+def test_own_task_trains_from_the_command_line(project, args, task):
+    out = project / "run"
+    result = _cli(*args, f"hydra.run.dir={out}", cwd=project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert OmegaConf.to_container(OmegaConf.load(out / "config.yaml").task) == task
+    hparams = OmegaConf.load(out / "logs" / "version_0" / "hparams.yaml")
+    assert hparams.hidden == task["hidden"]
+
+
+def test_task_by_target_replaces_the_default_task_only_without_a_task_choice():
+    assert task_by_target(["task._target_=m.C", "task.lr=1", "trainer.max_epochs=2"]) == [
+        "~task",
+        "++task._target_=m.C",
+        "++task.lr=1",
+        "trainer.max_epochs=2",
+    ]
+    assert task_by_target(["+task.lr=1", "task._target_=m.C"]) == ["~task", "++task.lr=1", "++task._target_=m.C"]
+    # With a task=<option> choice the user overrides that option's target and keeps its arguments.
+    assert task_by_target(["task=mine", "task._target_=m.C"]) == ["task=mine", "task._target_=m.C"]
+    assert task_by_target(["trainer.max_epochs=2"]) == ["trainer.max_epochs=2"]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        # Hydra's flags no longer switch the check off (it printed Hydra's raw error with rc 1).
+        (["--config-dir", "conf", "task=mytask", "trainer.max_epoch=2"], "Did you mean 'max_epochs'?"),
+        (["-cd", "conf", "task=mytsk"], "unknown task option 'mytsk'. Did you mean 'mytask'?"),
+        (["task=mytask"], "with --config-dir <folder>"),
+        (["task=mytask"], "task._target_=<module>.<Class>"),
+        (["task._target_=mytask.Classifier", "task.lrr=0.1"], "takes no argument 'lrr'. Did you mean 'lr'?"),
+        (["--config-dir", "conf", "task=mytask", "task.hiden=3"], "Did you mean 'hidden'?"),
+        (["task._target_=mytask.Clasifier"], "cannot import task._target_=mytask.Clasifier"),
+        (["--cfg", "job", "trainer.max_epochz=2"], "Did you mean 'max_epochs'?"),
+    ],
+)
+def test_check_overrides_understands_hydra_flags_and_own_tasks(project, args, expected):
+    message = check_overrides(task_by_target(args))
+    assert message is not None and expected in message, message
+    assert len(message.splitlines()) <= 3
+
+
+def test_check_overrides_accepts_own_tasks_and_leaves_help_and_sweeps_to_hydra(project):
+    assert check_overrides(["--config-dir", "conf", "task=mytask", "task.lr=0.5"]) is None
+    assert check_overrides(task_by_target(["task._target_=mytask.Classifier", "task.lr=0.5"])) is None
+    assert check_overrides(["--help"]) is None
+    assert check_overrides(["-m", "trainer.max_epochs=1,2"]) is None
+
+
+def test_cli_exits_2_with_the_suggestion_when_a_flag_is_given(project):
+    result = _cli("--config-dir", "conf", "task=mytask", "trainer.max_epoch=2", cwd=project)
+    assert result.returncode == 2
+    assert "Did you mean 'max_epochs'?" in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 3, result.stderr
