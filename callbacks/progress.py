@@ -28,7 +28,7 @@ UNKNOWN_LENGTH_EVERY = 50
 
 
 class ProgressBar(Callback):
-    """Show training progress: epoch, batch, loss and the metrics logged with ``prog_bar=True``.
+    """Show training progress: epoch, batch and the metrics logged with ``prog_bar=True`` (else the loss).
 
     On a terminal this draws tqdm bars; otherwise (a log file, CI) it prints a plain line every
     `print_every_n_steps` batches and at the end of each epoch and validation. Only global rank 0
@@ -154,7 +154,9 @@ class ProgressBar(Callback):
         rank_zero_info(" ".join(part for part in parts if part))
 
     def _postfix(self, trainer: Trainer) -> str:
-        values = {} if self._loss is None else {"loss": self._loss}
+        # The step's loss only when the task shows nothing of its own: a task that logs its loss with
+        # prog_bar=True would otherwise see it twice ("loss=2.727 train_loss=2.727").
+        values = {"loss": self._loss} if self._loss is not None and not trainer.progress_bar_metrics else {}
         values.update(trainer.progress_bar_metrics)
         return " ".join(f"{name}={_format(value)}" for name, value in values.items())
 

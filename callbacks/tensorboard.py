@@ -46,6 +46,7 @@ class TensorBoardLogger(VersionedLogger):
         self.default_hp_metric = default_hp_metric
         self._writer: SummaryWriter | None = None
         self._purged = False
+        self._epoch_step = -1
 
     @property
     def experiment(self) -> SummaryWriter:
@@ -67,6 +68,12 @@ class TensorBoardLogger(VersionedLogger):
         """Add one scalar per metric at `step`."""
         writer = self._open_writer(purge_step=step)
         for name, value in metrics.items():
+            if name == "epoch":
+                # The Trainer adds the epoch to every group of metrics; a step that logs several groups
+                # (training, validation, epoch aggregates) gets one event, not one per group.
+                if self._epoch_step == step:
+                    continue
+                self._epoch_step = step
             writer.add_scalar(name, value, step)
 
     @rank_zero_only

@@ -52,7 +52,6 @@ class FitLoop:
             state.current_epoch += 1
             state.batch_idx, state.epoch_finished = 0, False
         self.fire(Callback.on_train_end)
-        trainer.flush_step_logs(force=True)
 
     def _done(self) -> bool:
         trainer, state = self.trainer, self.state
@@ -82,6 +81,8 @@ class FitLoop:
         # events, and a resume with a larger max_steps continues it with its remaining batches, as an
         # uninterrupted run would. A stop request (early stopping) ends the epoch.
         state.epoch_finished = exhausted or state.should_stop
+        # The epoch's last step is logged whatever log_every_n_steps says, and under this epoch's number.
+        trainer.flush_step_logs(force=True)
         last = state.batch_idx - 1
         if last != validated_after and trainer.validation_due(last, is_last=True):
             trainer.run_validation()

@@ -44,7 +44,8 @@ def test_plain_lines_every_n_steps_when_not_a_terminal(tmp_path, capsys):
     lines = captured.err.splitlines()
     epoch_0 = [line for line in lines if line.startswith("Epoch 0")]
     assert [re.search(r"\[(\d+)/20\]", line).group(1) for line in epoch_0] == ["5", "10", "15", "20"]
-    assert all("loss=" in line and "train_loss=" in line and "it/s" in line for line in epoch_0)
+    # The loss once: the task shows it as train_loss, so the bar adds no loss= of its own.
+    assert all(" train_loss=" in line and " loss=" not in line and "it/s" in line for line in epoch_0)
     # The epoch's last line comes after its validation and shows the validation metric.
     validation = [i for i, line in enumerate(lines) if line.startswith("Validation [2 batches] val_loss=")]
     assert len(validation) == 2
@@ -88,7 +89,15 @@ def test_terminal_bar_is_redrawn_only_when_due(tmp_path, monkeypatch):
     assert 9 <= CountingBar.formatted <= 14
     output = terminal.getvalue()
     assert "Epoch 0" in output and "40/40" in output
-    assert re.search(r"loss=[\d.]+ train_loss=[\d.]+", output)
+    assert re.search(r"it/s, train_loss=[\d.]+\]", output) and " loss=" not in output
+
+
+def test_step_loss_is_shown_when_the_task_shows_nothing_of_its_own(tmp_path, capsys):
+    bar = ProgressBar(print_every_n_steps=5)
+    trainer = make_trainer(tmp_path, max_epochs=1, callbacks=[bar], enable_progress_bar=True)
+    trainer.fit(Scripted(prog_bar=False), make_loader(10))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(re.search(r"\] loss=[\d.]+ \(", line) for line in lines), lines
 
 
 def test_refresh_rate_zero_disables_output(tmp_path, capsys):
