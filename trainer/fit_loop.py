@@ -40,7 +40,7 @@ class FitLoop:
     # ------------------------------------------------------------------ epochs
     def run(self) -> None:
         """Train until max_epochs, max_steps or a stop request."""
-        trainer, state = self.trainer, self.state
+        state = self.state
         if state.epoch_finished:
             state.current_epoch += 1
             state.batch_idx, state.epoch_finished = 0, False
