@@ -7,11 +7,17 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from syncline.trainer.rank_zero import rank_zero_warn
 
-__all__ = ["epoch_batches", "limit_batches", "with_distributed_sampler"]
+__all__ = [
+    "UnpaddedShardSampler",
+    "epoch_batches",
+    "limit_batches",
+    "with_distributed_sampler",
+    "with_evaluation_sampler",
+]
 
 
 def with_distributed_sampler(loader: DataLoader, sampler_kwargs: dict[str, int] | None, seed: int = 0) -> DataLoader:
@@ -20,31 +26,78 @@ def with_distributed_sampler(loader: DataLoader, sampler_kwargs: dict[str, int] 
     The loader's shuffle setting and `drop_last` are kept. A loader with a sampler of the user's own
     is returned unchanged, with a warning, since syncline cannot know how to shard it.
     """
+    if not _can_shard(loader, sampler_kwargs):
+        return loader
+    distributed = DistributedSampler(
+        loader.dataset,
+        shuffle=isinstance(loader.sampler, RandomSampler),
+        drop_last=loader.drop_last,
+        seed=seed,
+        **sampler_kwargs,  # type: ignore[arg-type]
+    )
+    return _with_sampler(loader, distributed)
+
+
+def with_evaluation_sampler(loader: DataLoader, sampler_kwargs: dict[str, int] | None) -> DataLoader:
+    """Return `loader` rebuilt so that several processes evaluate every sample exactly once.
+
+    `DistributedSampler` pads the data with duplicates until it divides by the number of processes, which
+    makes a validation metric differ from the one-process value. Here each rank takes every
+    ``num_replicas``-th sample instead, so the shards differ in size by at most one and none repeats; the
+    epoch means that `self.log(..., sync_dist=True)` and torchmetrics reduce are then the exact global ones.
+    """
+    if not _can_shard(loader, sampler_kwargs):
+        return loader
+    assert sampler_kwargs is not None
+    replicas = sampler_kwargs["num_replicas"]
+    if len(loader.dataset) < replicas:  # type: ignore[arg-type]
+        # A rank without a single batch would skip the epoch-end reductions the others wait in.
+        rank_zero_warn(
+            f"The evaluation set has {len(loader.dataset)} samples for {replicas} processes; it is padded "  # type: ignore[arg-type]
+            "with repeated samples so that every process has one, which weights those samples twice."
+        )
+        return with_distributed_sampler(loader, sampler_kwargs)
+    return _with_sampler(loader, UnpaddedShardSampler(len(loader.dataset), **sampler_kwargs))  # type: ignore[arg-type]
+
+
+class UnpaddedShardSampler(Sampler[int]):
+    """Indices ``rank, rank + num_replicas, ...`` of a data set of `size` samples, in order, unpadded."""
+
+    def __init__(self, size: int, num_replicas: int, rank: int) -> None:
+        self.size, self.num_replicas, self.rank = size, num_replicas, rank
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.size, self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.size, self.num_replicas))
+
+
+def _can_shard(loader: Any, sampler_kwargs: dict[str, int] | None) -> bool:
+    """Whether syncline may replace `loader`'s sampler by a sharding one (warns where it may not)."""
     if sampler_kwargs is None or not isinstance(loader, DataLoader):
-        return loader
+        return False
     sampler = loader.sampler
-    if isinstance(sampler, DistributedSampler):
-        return loader
+    if isinstance(sampler, (DistributedSampler, UnpaddedShardSampler)):
+        return False
     if not isinstance(sampler, (RandomSampler, SequentialSampler)) or loader.batch_sampler is None:
         rank_zero_warn(
             f"The DataLoader uses its own sampler ({type(sampler).__name__}); syncline leaves it alone, so "
             "make sure it gives each process a different shard, or pass use_distributed_sampler=False."
         )
-        return loader
+        return False
     if type(loader.batch_sampler).__name__ != "BatchSampler":
         rank_zero_warn("The DataLoader has a custom batch_sampler; syncline leaves it alone.")
-        return loader
-    distributed = DistributedSampler(
-        loader.dataset,
-        shuffle=isinstance(sampler, RandomSampler),
-        drop_last=loader.drop_last,
-        seed=seed,
-        **sampler_kwargs,
-    )
+        return False
+    return True
+
+
+def _with_sampler(loader: DataLoader, sampler: Sampler[int]) -> DataLoader:
+    """Return a DataLoader like `loader` in every setting but its sampler."""
     return DataLoader(
         loader.dataset,
         batch_size=loader.batch_size,
-        sampler=distributed,
+        sampler=sampler,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,

@@ -19,7 +19,7 @@ from syncline.strategies.registry import resolve_strategy
 from syncline.strategies.strategy import Strategy
 from syncline.trainer import persistence
 from syncline.trainer.checkpoint import save_checkpoint, to_primitive
-from syncline.trainer.data import limit_batches, with_distributed_sampler
+from syncline.trainer.data import limit_batches, with_distributed_sampler, with_evaluation_sampler
 from syncline.trainer.evaluation import run_evaluation
 from syncline.trainer.fit_loop import FitLoop
 from syncline.trainer.optim import OptimizerSetup, parse_optimizers
@@ -442,7 +442,7 @@ class Trainer:
                 f"Trainer.{stage} has no data: pass `dataloaders=` or override "
                 f"{type(task).__name__}.{_LOADER_METHODS[stage]}()."
             )
-        loaders = [self._prepare_loader(d) for d in _as_list(dataloaders)]
+        loaders = [self._prepare_loader(d, evaluation=True) for d in _as_list(dataloaders)]
         limit = self.limit_val_batches if stage == "validate" else None
         num_batches = [limit_batches(d, limit, "limit_val_batches") for d in loaders]
         self.strategy.setup(task)
@@ -468,7 +468,9 @@ class Trainer:
 
     # -------------------------------------------------------------- validation
     def _set_val_loaders(self, loaders: Any) -> None:
-        self.val_dataloaders = [self._prepare_loader(d) for d in _as_list(loaders)] if loaders is not None else []
+        self.val_dataloaders = (
+            [self._prepare_loader(d, evaluation=True) for d in _as_list(loaders)] if loaders is not None else []
+        )
         self.num_val_batches = [
             limit_batches(d, self.limit_val_batches, "limit_val_batches") for d in self.val_dataloaders
         ]
@@ -555,10 +557,13 @@ class Trainer:
         self.strategy.barrier()
 
     # -------------------------------------------------------------------- data
-    def _prepare_loader(self, loader: Any) -> Any:
-        if self.use_distributed_sampler and isinstance(loader, DataLoader):
-            return with_distributed_sampler(loader, self.strategy.distributed_sampler_kwargs, seed=self.seed or 0)
-        return loader
+    def _prepare_loader(self, loader: Any, evaluation: bool = False) -> Any:
+        if not (self.use_distributed_sampler and isinstance(loader, DataLoader)):
+            return loader
+        if evaluation:
+            # Every sample exactly once, so metrics over several processes equal the one-process values.
+            return with_evaluation_sampler(loader, self.strategy.distributed_sampler_kwargs)
+        return with_distributed_sampler(loader, self.strategy.distributed_sampler_kwargs, seed=self.seed or 0)
 
 
 def _task_argument(stage: str, task: Task | None, model: Task | None) -> Task:
