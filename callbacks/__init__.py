@@ -4,6 +4,7 @@ from syncline.callbacks.callback import Callback, CallbackDispatcher
 from syncline.callbacks.checkpoint import ModelCheckpoint
 from syncline.callbacks.csv_logger import CSVLogger
 from syncline.callbacks.early_stopping import EarlyStopping
+from syncline.callbacks.equivalence import EquivalenceCheck, EquivalenceError
 from syncline.callbacks.logger import Logger
 from syncline.callbacks.lr_monitor import LearningRateMonitor
 from syncline.callbacks.progress import ProgressBar
@@ -15,6 +16,8 @@ __all__ = [
     "Callback",
     "CallbackDispatcher",
     "EarlyStopping",
+    "EquivalenceCheck",
+    "EquivalenceError",
     "LearningRateMonitor",
     "Logger",
     "ModelCheckpoint",
