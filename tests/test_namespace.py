@@ -1,6 +1,7 @@
 """One import namespace: syncline installs under `syncline` only, and a user's own files cannot shadow it."""
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -56,8 +57,11 @@ def test_user_files_named_like_the_folders_do_not_shadow_the_cli(shadowing_folde
 
 def test_the_wheel_puts_only_syncline_at_the_top_level(tmp_path):
     """Build the wheel (no isolation, no download) and list what it would put in site-packages."""
+    # From a copy: setuptools writes build/ and *.egg-info/ into the tree it builds.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "runs"))
     result = _run(
-        "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT), cwd=tmp_path
+        "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source), cwd=tmp_path
     )
     if result.returncode != 0 and "No module named" in result.stderr:
         pytest.skip(f"cannot build a wheel here: {result.stderr.strip().splitlines()[-1]}")
