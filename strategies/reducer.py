@@ -16,9 +16,11 @@ The reducer averages those gradients across ranks while the backward pass is sti
    (the exposed, non-overlapped part of communication) and writes the averages back.
 5. **Skip sync.** A backward that does not synchronize leaves gradients to accumulate locally; the
    next synchronizing backward communicates the sum.
-6. **Unused parameters.** With `find_unused_parameters`, the autograd graph of the forward's outputs is
-   walked before the backward, and parameters it does not reach are marked ready up front so that no
-   bucket waits for a gradient that will never come. Without it, such a parameter is an error.
+6. **Unused parameters.** With `find_unused_parameters`, the autograd graph of the loss about to be
+   back-propagated is walked before the backward, and parameters it does not reach are marked ready
+   up front so that no bucket waits for a gradient that will never come. Without it, such a parameter
+   is an error. A parameter no rank used in a step ends it with `.grad` None, as in torch, so that
+   weight decay and momentum leave it alone.
 
 The reducer's public surface is `prepare_for_backward` (before `loss.backward()`) and
 `finalize_backward` (after it); `BucketedDDP` calls both.
@@ -153,11 +155,11 @@ class Reducer:
 
     Args:
         named_parameters: (qualified name, parameter) pairs in registration order; parameters that
-            do not require grad are ignored.
+            do not require grad are ignored (and must not start requiring it later).
         process_group: the group to average over; None means the default group.
         bucket_cap_mb: the most megabytes (MiB) of gradients in one bucket.
         first_bucket_mb: the cap of the first bucket, small so that communication starts early.
-        find_unused_parameters: walk the forward's autograd graph and do not wait for parameters it
+        find_unused_parameters: walk the loss's autograd graph and do not wait for parameters it
             does not reach.
         gradient_as_bucket_view: make each `param.grad` a view into its bucket.
         comm_hook: the per-bucket communication; defaults to `allreduce_hook`.
@@ -184,6 +186,8 @@ class Reducer:
         named = [(name, p) for name, p in named_parameters if p.requires_grad]
         if not named:
             raise ValueError("The reducer needs at least one parameter that requires grad.")
+        # Never reduced: a parameter that starts requiring grad later would silently differ across ranks.
+        self._frozen_at_setup = [(name, p) for name, p in named_parameters if not p.requires_grad]
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
@@ -201,10 +205,14 @@ class Reducer:
 
         self._buckets: list[_Bucket] = []
         self._slots: list[_Slot] = []
+        # Whether .grad holds a value (a gradient, or the user's) since the last `zero_grad`; a zero
+        # bucket view attached for speed does not count.
+        self._has_grad = [p.grad is not None for p in self._params]
         self._build_buckets(list(reversed(range(len(self._params)))), attach_missing=True)
         self._rebuilt = False
 
         # Per-backward state, reset by `prepare_for_backward`.
+        self._armed = False  # between prepare_for_backward and finalize_backward
         self._sync = False
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
@@ -213,6 +221,9 @@ class Reducer:
         self._used_map: Tensor | None = None
         # Parameters that received a gradient since the last synchronized backward.
         self._locally_used = [False] * len(self._params)
+        # Parameters that received a gradient outside prepare/finalize (a bare `loss.backward()`)
+        # since the last synchronized backward: never averaged unless a synchronized backward follows.
+        self._unsynced: list[int] = []
 
         self._stats = CommStats()
         self._step_stats = CommStats()
@@ -246,18 +257,24 @@ class Reducer:
         """Return the communication counters of the last synchronized backward."""
         return self._stats
 
-    def prepare_for_backward(self, *, sync: bool, outputs: Any = None) -> None:
+    def prepare_for_backward(self, *, sync: bool, loss: Any = None) -> None:
         """Arm the reducer for the coming `loss.backward()`.
 
         Args:
             sync: whether this backward averages gradients; False lets them accumulate locally.
-            outputs: what the forward returned (tensors in any nesting of lists, tuples, dicts and
-                dataclasses); required with `find_unused_parameters` when `sync` is true.
+            loss: the tensor about to be back-propagated (or tensors in any nesting of lists, tuples,
+                dicts and dataclasses); required with `find_unused_parameters` when `sync` is true.
+                Parameters its graph does not reach are unused in this backward.
+
+        Raises:
+            RuntimeError: a parameter that did not require grad at construction requires it now.
         """
+        self._armed = True
         self._sync = sync
         if not sync:
             self._skipped_backwards += 1
             return
+        self._check_frozen_at_setup()
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
         self._used_work = None
@@ -267,9 +284,9 @@ class Reducer:
         self._ready_order = []
         self._step_stats = CommStats(buckets=len(self._buckets), skipped_backwards=self._skipped_backwards)
         if self._find_unused:
-            if outputs is None:
-                raise ValueError("find_unused_parameters=True needs the forward's outputs to walk the graph.")
-            reached = self._parameters_reached(outputs)
+            if loss is None:
+                raise ValueError("find_unused_parameters=True needs the loss to walk its graph.")
+            reached = self._parameters_reached(loss)
             for index in range(len(self._params)):
                 if index not in reached:
                     self._mark_ready(index)
@@ -281,18 +298,14 @@ class Reducer:
             UnusedParametersError: a parameter received no gradient and `find_unused_parameters` is off.
             CollectiveError: a bucket's collective failed or timed out.
         """
+        self._armed = False
         if not self._sync:
             return
         self._sync = False
         self._skipped_backwards = 0
+        self._unsynced = []
         if not all(self._ready):
-            not_ready = [self._names[i] for i, ready in enumerate(self._ready) if not ready]
-            raise UnusedParametersError(
-                f"Rank {self._rank}: {len(not_ready)} parameter(s) received no gradient in this backward, "
-                f"so their buckets could not be reduced: {', '.join(not_ready)}. If the model does not "
-                "use every parameter in every forward, pass find_unused_parameters=True; otherwise make "
-                "sure the loss depends on every parameter that requires grad."
-            )
+            raise UnusedParametersError(self._unused_message())
         if not self._overlap:
             self._launch_ready_buckets()
         start = time.perf_counter()
@@ -302,7 +315,9 @@ class Reducer:
             if result.data_ptr() != buffer.data_ptr():
                 buffer.copy_(result)
         if self._find_unused:
-            self._write_back(self._wait_used_map())
+            globally_used = self._wait_used_map()
+            self._write_back(globally_used)
+            self._drop_unused_zero_grads(globally_used)
         elif not self._as_view:
             self._write_back(None)
         self._step_stats.exposed_ms = (time.perf_counter() - start) * 1e3
@@ -311,6 +326,60 @@ class Reducer:
             self._locally_used = [False] * len(self._params)
         if not self._rebuilt:
             self._rebuild_buckets()
+
+    def zero_grad(self, params: Sequence[Tensor]) -> None:
+        """Reset the gradients of `params` as `optimizer.zero_grad()` (set to None) would, but cheaply.
+
+        Bucket views are zeroed in place and stay attached, so the next backward accumulates into them
+        without a copy; a parameter that then receives no gradient on any rank ends the next
+        synchronized backward with `.grad` None, exactly as if it had been set to None here.
+        Parameters outside the buckets, and gradients that are not views, are set to None.
+        """
+        if not self._as_view:
+            for param in params:
+                param.grad = None
+            return
+        indices = [self._index_of.get(id(param)) for param in params]
+        whole = len(set(indices) - {None}) == len(self._params)
+        if whole:
+            # Every bucketed parameter is reset: one memset per bucket instead of one per parameter.
+            for bucket in self._buckets:
+                bucket.grad.buffer.zero_()
+        for param, index in zip(params, indices):
+            if index is None:
+                param.grad = None
+                continue
+            self._has_grad[index] = False
+            view = self._slots[index].view
+            if param.grad is not view:
+                param.grad = None  # a gradient the user put there: the next backward copies into the view
+            elif not whole:
+                view.zero_()
+
+    @property
+    def has_unsynced_gradients(self) -> bool:
+        """Whether a backward the reducer did not prepare accumulated gradients since the last sync."""
+        return bool(self._unsynced)
+
+    def check_synchronized(self, params: Sequence[Tensor]) -> None:
+        """Raise if any of `params` holds a gradient that a bare `loss.backward()` left unaveraged.
+
+        Raises:
+            RuntimeError: naming the parameters and the call to use instead.
+        """
+        if not self._unsynced:
+            return
+        wanted = {id(param) for param in params}
+        names = sorted({self._names[i] for i in self._unsynced if id(self._params[i]) in wanted})
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise RuntimeError(
+                f"Rank {self._rank}: the optimizer is about to step with gradients that were never averaged "
+                f"across ranks ({shown}): they came from a backward that the strategy did not run, so the "
+                "replicas would drift apart. Call strategy.backward(loss, sync=True) instead of "
+                "loss.backward(); to accumulate locally, use strategy.backward(loss, sync=False) or "
+                "`with strategy.no_sync():`."
+            )
 
     def remove_hooks(self) -> None:
         """Detach the reducer from the parameters; gradients stay where they are."""
@@ -321,16 +390,20 @@ class Reducer:
     # ------------------------------------------------------------- the hooks
     def _on_grad_ready(self, index: int, _param: Tensor) -> None:
         """Record that autograd has accumulated parameter `index`'s gradient (a post-accumulate hook)."""
+        self._has_grad[index] = True
         if self._find_unused:
             self._locally_used[index] = True
         if not self._sync:
+            if not self._armed:
+                self._unsynced.append(index)
             return
         if self._ready[index]:
             raise RuntimeError(
                 f"Rank {self._rank}: parameter {self._names[index]} became ready twice in one backward. "
-                "Either it received a gradient although the forward's graph did not reach it (was the "
-                "loss computed from tensors other than training_step's outputs?), or it took part in "
-                "several backward passes (reentrant checkpointing), which the reducer does not support."
+                "Either it received a gradient although the loss's graph did not reach it (was a "
+                "different tensor back-propagated than the one passed to strategy.backward?), or it took "
+                "part in several backward passes (reentrant checkpointing), which the reducer does not "
+                "support."
             )
         if not self._rebuilt:
             self._ready_order.append(index)
@@ -408,6 +481,44 @@ class Reducer:
         # Host sync: read the counts back to the CPU.
         return [count > 0 for count in self._used_map.tolist()]
 
+    def _unused_message(self) -> str:
+        """Explain which parameters got no gradient, why that is an error, and where the fix goes."""
+        not_ready = [i for i, ready in enumerate(self._ready) if not ready]
+        frozen = [self._names[i] for i in not_ready if not self._params[i].requires_grad]
+        unused = [self._names[i] for i in not_ready if self._params[i].requires_grad]
+        parts = [
+            f"Rank {self._rank}: {len(not_ready)} parameter(s) received no gradient in this backward, so "
+            "their buckets could not be reduced."
+        ]
+        if unused:
+            parts.append(f"Not used by the loss: {', '.join(unused)}.")
+        if frozen:
+            parts.append(f"Frozen (requires_grad=False) after the strategy was set up: {', '.join(frozen)}.")
+        parts.append(
+            "If the model does not use every parameter in every step, or layers are frozen during "
+            "training, turn on unused-parameter detection: strategy=BucketedDDP(find_unused_parameters=True) "
+            "in code, strategy.find_unused_parameters=true on the command line. Otherwise make sure the loss "
+            "depends on every parameter that requires grad."
+        )
+        return " ".join(parts)
+
+    def _check_frozen_at_setup(self) -> None:
+        """Raise if a parameter left out of the buckets at construction now requires grad."""
+        thawed = [name for name, param in self._frozen_at_setup if param.requires_grad]
+        if thawed:
+            raise RuntimeError(
+                f"Rank {self._rank}: parameter(s) {', '.join(thawed)} did not require grad when the strategy "
+                "was set up, so their gradients are not averaged across ranks and the replicas would drift "
+                "apart. Make them require grad before the strategy is set up (before trainer.fit) and freeze "
+                "layers after it instead, which find_unused_parameters=True supports, or keep them frozen."
+            )
+
+    def _drop_unused_zero_grads(self, globally_used: list[bool]) -> None:
+        """Set `.grad` to None for parameters no rank used and that held no gradient, as torch leaves them."""
+        for index, used in enumerate(globally_used):
+            if not used and not self._has_grad[index]:
+                self._params[index].grad = None
+
     def _write_back(self, globally_used: list[bool] | None) -> None:
         """Make every used parameter's `.grad` hold its bucket's average; leave unused ones untouched."""
         for index, param in enumerate(self._params):
@@ -415,6 +526,7 @@ class Reducer:
                 continue
             view = self._slots[index].view
             grad = param.grad
+            self._has_grad[index] = True
             if self._as_view:
                 if grad is None:
                     param.grad = view
@@ -474,11 +586,11 @@ class Reducer:
         if new != current:
             self._build_buckets(order, attach_missing=False)
 
-    def _parameters_reached(self, outputs: Any) -> set[int]:
-        """Return the indices of the parameters the autograd graph of `outputs` reaches."""
+    def _parameters_reached(self, loss: Any) -> set[int]:
+        """Return the indices of the parameters the autograd graph of `loss` reaches."""
         reached: set[int] = set()
         stack = []
-        for tensor in _iter_tensors(outputs):
+        for tensor in _iter_tensors(loss):
             if tensor.grad_fn is not None:
                 stack.append(tensor.grad_fn)
             elif id(tensor) in self._index_of:

@@ -63,7 +63,7 @@ class Chain(nn.Module):
 
 
 def _backward(reducer: Reducer, loss: torch.Tensor, sync: bool = True) -> None:
-    reducer.prepare_for_backward(sync=sync, outputs=loss)
+    reducer.prepare_for_backward(sync=sync, loss=loss)
     loss.backward()
     reducer.finalize_backward()
 

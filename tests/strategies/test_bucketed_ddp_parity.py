@@ -1,0 +1,200 @@
+"""BucketedDDP on the cases real models hit, against torch's DDP and single-process training.
+
+Each test names the difference it closes (issue 9). Every run starts real processes (gloo on
+127.0.0.1, see `_dist.py`) and compares parameters or gradients with a stated tolerance.
+"""
+
+from __future__ import annotations
+
+import torch
+from _dist import run_distributed, run_ranks
+from torch import nn
+from torch.nn import functional as F
+
+from syncline.strategies import BucketedDDP, NativeDDP
+from syncline.strategies.process_group import init_process_group_from_env
+
+GLOBAL_BATCH = 8
+STEPS = 4
+FREEZE_AT = 2  # the step at which a "callback" freezes the first layer
+
+
+class Net(nn.Module):
+    """Three layers; the first can be frozen, the auxiliary head's output never enters the loss."""
+
+    def __init__(self, return_aux: bool = False) -> None:
+        super().__init__()
+        self.return_aux = return_aux
+        self.l1 = nn.Linear(4, 8)
+        self.l2 = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+        self.aux = nn.Linear(8, 3)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict:
+        x, y = batch
+        hidden = torch.tanh(self.l2(torch.tanh(self.l1(x))))
+        loss = F.mse_loss(self.head(hidden), y)
+        if not self.return_aux:
+            return {"loss": loss}  # `aux` is never used
+        # A tensor the task returns for logging: computed from parameters, but not part of the loss.
+        return {"loss": loss, "aux": self.aux(hidden)}
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(500 + step)
+    return torch.randn(GLOBAL_BATCH, 4, generator=generator), torch.randn(GLOBAL_BATCH, 2, generator=generator)
+
+
+def shard(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
+    return tuple(t.chunk(world_size)[rank] for t in batch)
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name.removeprefix("task."): p.detach().clone() for name, p in model.named_parameters()}
+
+
+def make_strategy(kind: str, **kwargs):
+    return BucketedDDP(**kwargs) if kind == "bucketed" else NativeDDP(**kwargs)
+
+
+# -------------------------------------------------- 1. frozen parameters stay put
+def _freeze_during_training(rank: int, world_size: int) -> dict:
+    init_process_group_from_env()
+    results = {}
+    for kind in ("bucketed", "native"):
+        for as_view in (True, False):
+            torch.manual_seed(0)
+            model = Net()
+            strategy = make_strategy(kind, find_unused_parameters=True, gradient_as_bucket_view=as_view)
+            strategy.setup_environment()
+            strategy.setup(model)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+            frozen_grad_is_none = []
+            for step in range(STEPS):
+                if step == FREEZE_AT:
+                    model.l1.requires_grad_(False)  # what a fine-tuning callback does
+                output = strategy.training_step(model, shard(global_batch(step), rank, world_size), step)
+                strategy.backward(output["loss"], sync=True)
+                if step >= FREEZE_AT:
+                    frozen_grad_is_none.append(model.l1.weight.grad is None and model.l1.bias.grad is None)
+                optimizer.step()
+                strategy.zero_grad(optimizer)
+            strategy.teardown()
+            results[(kind, as_view)] = {"params": params_of(model), "frozen_grad_is_none": frozen_grad_is_none}
+    return results
+
+
+def _reference_freeze() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(STEPS):
+        if step == FREEZE_AT:
+            model.l1.requires_grad_(False)
+        model.training_step(global_batch(step), step)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return params_of(model)
+
+
+def test_a_layer_frozen_during_training_stays_put_under_adamw() -> None:
+    per_rank = run_distributed(_freeze_during_training, 2, timeout=90)
+    expected = _reference_freeze()
+    for results in per_rank:
+        for key, result in results.items():
+            # As in torch, a parameter no rank used in a step ends it with .grad None ...
+            assert result["frozen_grad_is_none"] == [True] * (STEPS - FREEZE_AT), key
+            # ... so AdamW's weight decay and momentum leave it where single-process training does.
+            for name, value in expected.items():
+                torch.testing.assert_close(result["params"][name], value, atol=1e-6, rtol=0, msg=f"{key} {name}")
+
+
+# ------------------------------------- 3. an output that does not enter the loss
+def _aux_output(rank: int, world_size: int) -> dict:
+    init_process_group_from_env()
+    results = {}
+    for kind in ("native", "bucketed"):
+        torch.manual_seed(0)
+        model = Net(return_aux=True)
+        strategy = make_strategy(kind, find_unused_parameters=True)
+        strategy.setup_environment()
+        strategy.setup(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        aux_grad_is_none = []
+        for step in range(STEPS):
+            output = strategy.training_step(model, shard(global_batch(step), rank, world_size), step)
+            strategy.backward(output["loss"], sync=True)
+            aux_grad_is_none.append(model.aux.weight.grad is None)
+            optimizer.step()
+            strategy.zero_grad(optimizer)
+        strategy.teardown()
+        results[kind] = {"params": params_of(model), "aux_grad_is_none": aux_grad_is_none}
+    return results
+
+
+def _reference_aux() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net(return_aux=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        model.training_step(global_batch(step), step)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return params_of(model)
+
+
+def test_an_output_outside_the_loss_is_not_mistaken_for_a_used_parameter() -> None:
+    per_rank = run_distributed(_aux_output, 2, timeout=60)
+    expected = _reference_aux()
+    for results in per_rank:
+        for kind, result in results.items():
+            assert result["aux_grad_is_none"] == [True] * STEPS, kind
+            for name, value in expected.items():
+                torch.testing.assert_close(result["params"][name], value, atol=1e-6, rtol=0, msg=f"{kind} {name}")
+
+
+# ------------------------------------------- 6. a bare loss.backward() is caught
+def _hand_written_loop(rank: int, world_size: int, bare: bool) -> dict:
+    strategy = BucketedDDP(find_unused_parameters=True)  # `aux` is never used
+    strategy.setup_environment()
+    torch.manual_seed(0)
+    model = Net()
+    strategy.setup(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first, second = (shard(global_batch(step), rank, world_size) for step in (0, 1))
+    if bare:
+        model.training_step(first, 0)["loss"].backward()  # the mistake: the strategy never sees it
+        optimizer.step()
+        return {}
+    # Local accumulation with a bare backward inside no_sync, then a synchronized one: allowed.
+    with strategy.no_sync():
+        (model.training_step(first, 0)["loss"] / 2).backward()
+    strategy.backward(model.training_step(second, 1)["loss"] / 2, sync=True)
+    optimizer.step()
+    strategy.zero_grad(optimizer)
+    # A deliberate local step inside no_sync is allowed too (and changes nothing here: lr 0).
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    with strategy.no_sync():
+        model.training_step(first, 0)["loss"].backward()
+        optimizer.step()
+    strategy.teardown()
+    return params_of(model)
+
+
+def test_an_optimizer_step_after_a_bare_loss_backward_raises() -> None:
+    outcomes = run_ranks(_hand_written_loop, 2, args=(True,), timeout=60)
+    for outcome in outcomes:
+        assert outcome.error is not None and "never averaged" in outcome.error, outcome.error
+        assert "l1.weight" in outcome.error and "strategy.backward(loss, sync=True)" in outcome.error
+    # The same loop through strategy.backward, with local accumulation, trains as one process does.
+    per_rank = run_distributed(_hand_written_loop, 2, args=(False,), timeout=60)
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = (torch.cat(parts) for parts in zip(global_batch(0), global_batch(1)))
+    model.training_step((x, y), 0)["loss"].backward()
+    optimizer.step()
+    for params in per_rank:
+        for name, value in params_of(model).items():
+            torch.testing.assert_close(params[name], value, atol=1e-6, rtol=0, msg=name)
