@@ -466,7 +466,10 @@ class Reducer:
                     "another rank is probably stuck or launched different collectives."
                 )
         try:
-            return future.value()
+            # Not value(): on NCCL a future can be done once the collective is enqueued; wait() also
+            # makes the current CUDA stream wait for it, so the optimizer never reads a half-reduced
+            # bucket (as torch's reducer does). On CPU it returns at once.
+            return future.wait()
         except RuntimeError as error:
             raise CollectiveError(f"{what} ({bucket.nbytes} bytes) failed: {error}") from error
 
@@ -496,9 +499,9 @@ class Reducer:
             parts.append(f"Frozen (requires_grad=False) after the strategy was set up: {', '.join(frozen)}.")
         parts.append(
             "If the model does not use every parameter in every step, or layers are frozen during "
-            "training, turn on unused-parameter detection: strategy=BucketedDDP(find_unused_parameters=True) "
-            "in code, strategy.find_unused_parameters=true on the command line. Otherwise make sure the loss "
-            "depends on every parameter that requires grad."
+            "training, turn on unused-parameter detection: Trainer(strategy=BucketedDDP(find_unused_parameters=True)) "
+            "in code, or `strategy=bucketed_ddp strategy.find_unused_parameters=true` on the command line. "
+            "Otherwise make sure the loss depends on every parameter that requires grad."
         )
         return " ".join(parts)
 

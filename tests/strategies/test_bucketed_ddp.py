@@ -298,7 +298,9 @@ def test_unused_parameter_without_detection_names_it() -> None:
         assert outcome.error is not None
         assert UnusedParametersError.__name__ in outcome.error
         assert "never.weight" in outcome.error and "never.bias" in outcome.error
-        assert "find_unused_parameters=True" in outcome.error
+        # Where the fix goes: the strategy's argument in code, its config key on the command line.
+        assert "strategy=BucketedDDP(find_unused_parameters=True)" in outcome.error
+        assert "strategy=bucketed_ddp strategy.find_unused_parameters=true" in outcome.error
     assert time.monotonic() - start < 30
 
 

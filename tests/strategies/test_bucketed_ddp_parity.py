@@ -198,3 +198,78 @@ def test_an_optimizer_step_after_a_bare_loss_backward_raises() -> None:
     for params in per_rank:
         for name, value in params_of(model).items():
             torch.testing.assert_close(params[name], value, atol=1e-6, rtol=0, msg=name)
+
+
+# ------------------------------------------------------------- 7. smaller ones
+def _retain_graph(rank: int, world_size: int) -> dict:
+    strategy = BucketedDDP()
+    strategy.setup_environment()
+    torch.manual_seed(0)
+    model = Net()
+    model.aux.requires_grad_(False)
+    strategy.setup(model)
+    loss = strategy.training_step(model, shard(global_batch(0), rank, world_size), 0)["loss"]
+    strategy.backward(loss, sync=True, retain_graph=True)
+    strategy.backward(loss, sync=True)  # the graph is still there, and this backward is averaged too
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def test_backward_takes_retain_graph() -> None:
+    per_rank = run_distributed(_retain_graph, 2, timeout=60)
+    torch.manual_seed(0)
+    model = Net()
+    loss = model.training_step(global_batch(0), 0)["loss"]
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for grads in per_rank:
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-6, rtol=0)
+
+
+class LazyNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.LazyLinear(8)
+
+
+def _setup_lazy(rank: int, world_size: int) -> None:
+    strategy = BucketedDDP()
+    strategy.setup_environment()
+    strategy.setup(LazyNet())
+
+
+def test_uninitialized_lazy_parameters_fail_at_setup_saying_so() -> None:
+    for outcome in run_ranks(_setup_lazy, 2, timeout=60):
+        assert outcome.error is not None and "ValueError" in outcome.error
+        assert "l1.weight, l1.bias are not initialized yet" in outcome.error
+        assert "Run one forward on a sample batch" in outcome.error
+
+
+def _thaw_or_freeze(rank: int, world_size: int, change: str) -> None:
+    strategy = BucketedDDP()
+    strategy.setup_environment()
+    torch.manual_seed(0)
+    model = Net()
+    model.aux.requires_grad_(False)
+    if change == "thaw":
+        model.l1.requires_grad_(False)  # frozen at setup: left out of the buckets
+    strategy.setup(model)
+    for step in range(2):
+        if step == 1:
+            model.l1.requires_grad_(change == "thaw")
+        loss = strategy.training_step(model, shard(global_batch(step), rank, world_size), step)["loss"]
+        strategy.backward(loss, sync=True)
+
+
+def test_a_parameter_frozen_at_setup_and_thawed_later_raises() -> None:
+    # torch's DDP silently stops averaging such a parameter, and the replicas drift apart.
+    for outcome in run_ranks(_thaw_or_freeze, 2, args=("thaw",), timeout=60):
+        assert outcome.error is not None and "l1.weight, l1.bias did not require grad when" in outcome.error
+        assert "replicas would drift apart" in outcome.error
+
+
+def test_a_layer_frozen_after_setup_without_detection_is_named_as_frozen() -> None:
+    for outcome in run_ranks(_thaw_or_freeze, 2, args=("freeze",), timeout=60):
+        assert outcome.error is not None and "UnusedParametersError" in outcome.error
+        assert "Frozen (requires_grad=False) after the strategy was set up: l1.weight, l1.bias" in outcome.error
+        assert "strategy.find_unused_parameters=true" in outcome.error
