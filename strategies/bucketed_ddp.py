@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -119,6 +119,7 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
             comm_state=self.comm_state,
             overlap=self.overlap,
             timeout=self.timeout,
+            sparse_gradients=_sparse_gradient_parameters(task),
         )
         if self._step_check is None:
             # Every optimizer's step, including one in a hand-written loop, first checks that the
@@ -186,3 +187,14 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
             f"find_unused_parameters={self.find_unused_parameters}, "
             f"gradient_as_bucket_view={self.gradient_as_bucket_view}, overlap={self.overlap})"
         )
+
+
+def _sparse_gradient_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Return the parameters whose gradients are sparse: those of embeddings built with `sparse=True`."""
+    return [
+        param
+        for sub in module.modules()
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
+        for param in sub.parameters(recurse=False)
+        if param.requires_grad
+    ]

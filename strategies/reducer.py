@@ -21,6 +21,8 @@ The reducer averages those gradients across ranks while the backward pass is sti
    up front so that no bucket waits for a gradient that will never come. Without it, such a parameter
    is an error. A parameter no rank used in a step ends it with `.grad` None, as in torch, so that
    weight decay and momentum leave it alone.
+7. **Sparse gradients** (`nn.Embedding(sparse=True)`) stay out of the buckets: after the dense buckets,
+   each is averaged with its own sparse all-reduce, as torch's reducer does, and stays sparse.
 
 The reducer's public surface is `prepare_for_backward` (before `loss.backward()`) and
 `finalize_backward` (after it); `BucketedDDP` calls both.
@@ -167,6 +169,8 @@ class Reducer:
         overlap: launch a bucket as soon as it is ready; False launches every bucket only after the
             backward, which is useful to measure what overlap buys.
         timeout: seconds to wait for one bucket's collective before raising.
+        sparse_gradients: the parameters whose gradients are sparse (those of `nn.Embedding` and
+            `nn.EmbeddingBag` with `sparse=True`); each is reduced by a sparse all-reduce of its own.
     """
 
     def __init__(
@@ -182,6 +186,7 @@ class Reducer:
         comm_state: Any = None,
         overlap: bool = True,
         timeout: float = 1800.0,
+        sparse_gradients: Sequence[Tensor] = (),
     ) -> None:
         named = [(name, p) for name, p in named_parameters if p.requires_grad]
         if not named:
@@ -191,6 +196,10 @@ class Reducer:
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        sparse_ids = {id(p) for p in sparse_gradients}
+        self._sparse = [i for i, p in enumerate(self._params) if id(p) in sparse_ids]
+        self._is_sparse = [id(p) in sparse_ids for p in self._params]
+        self._device = self._params[0].device
         self._group = process_group
         self._rank = dist.get_rank(process_group)
         self._bucket_cap_bytes = int(bucket_cap_mb * _MB)
@@ -204,7 +213,7 @@ class Reducer:
         self._timeout = timeout
 
         self._buckets: list[_Bucket] = []
-        self._slots: list[_Slot] = []
+        self._slots: list[_Slot | None] = []  # None for sparse gradients
         # Whether .grad holds a value (a gradient, or the user's) since the last `zero_grad`; a zero
         # bucket view attached for speed does not count.
         self._has_grad = [p.grad is not None for p in self._params]
@@ -282,7 +291,9 @@ class Reducer:
             bucket.pending = len(bucket.param_indices)
             bucket.future = None
         self._ready_order = []
-        self._step_stats = CommStats(buckets=len(self._buckets), skipped_backwards=self._skipped_backwards)
+        self._step_stats = CommStats(
+            buckets=len(self._buckets) + len(self._sparse), skipped_backwards=self._skipped_backwards
+        )
         if self._find_unused:
             if loss is None:
                 raise ValueError("find_unused_parameters=True needs the loss to walk its graph.")
@@ -306,16 +317,19 @@ class Reducer:
         self._unsynced = []
         if not all(self._ready):
             raise UnusedParametersError(self._unused_message())
-        if not self._overlap:
-            self._launch_ready_buckets()
+        # Without overlap, everything launches now; with it, only the used-parameter map can be left
+        # (when there is no dense bucket).
+        self._launch_ready_buckets()
         start = time.perf_counter()
         for bucket in self._buckets:
             result = self._wait(bucket)
             buffer = bucket.grad.buffer
             if result.data_ptr() != buffer.data_ptr():
                 buffer.copy_(result)
-        if self._find_unused:
-            globally_used = self._wait_used_map()
+        globally_used = self._wait_used_map() if self._find_unused else None
+        if self._sparse:
+            self._reduce_sparse(globally_used)
+        if globally_used is not None:
             self._write_back(globally_used)
             self._drop_unused_zero_grads(globally_used)
         elif not self._as_view:
@@ -350,11 +364,11 @@ class Reducer:
                 param.grad = None
                 continue
             self._has_grad[index] = False
-            view = self._slots[index].view
-            if param.grad is not view:
+            slot = self._slots[index]
+            if slot is None or param.grad is not slot.view:
                 param.grad = None  # a gradient the user put there: the next backward copies into the view
             elif not whole:
-                view.zero_()
+                slot.view.zero_()
 
     @property
     def has_unsynced_gradients(self) -> bool:
@@ -413,12 +427,24 @@ class Reducer:
         """Put parameter `index`'s gradient in its bucket and launch every bucket that became ready."""
         self._ready[index] = True
         slot = self._slots[index]
+        if slot is None:
+            # A sparse gradient, reduced on its own after the buckets; the used-parameter map may
+            # have been waiting for it.
+            if self._overlap:
+                self._launch_ready_buckets()
+            return
         param = self._params[index]
         grad = param.grad
         if grad is None:
             # Unused so far: contribute zeros, and leave .grad alone unless some rank used it.
             slot.view.zero_()
         elif grad is not slot.view:
+            if grad.layout != torch.strided:
+                raise TypeError(
+                    f"Rank {self._rank}: parameter {self._names[index]} received a {grad.layout} gradient, "
+                    "but only the parameters of nn.Embedding and nn.EmbeddingBag with sparse=True are "
+                    "reduced as sparse. Compute it with one of those modules, or with sparse=False."
+                )
             slot.view.copy_(grad)
             if self._as_view:
                 # The user replaced .grad (e.g. set it to None); point it back into the bucket.
@@ -437,10 +463,13 @@ class Reducer:
             bucket.future = self._hook(self._state, bucket.grad)
             self._count_collective(bucket.nbytes)
             self._next_bucket += 1
-        if self._next_bucket == len(buckets) and self._find_unused and self._used_work is None:
-            self._used_map = torch.tensor(
-                self._locally_used, dtype=torch.int32, device=self._buckets[0].grad.buffer.device
-            )
+        if (
+            self._next_bucket == len(buckets)
+            and self._find_unused
+            and self._used_work is None
+            and all(self._ready[index] for index in self._sparse)
+        ):
+            self._used_map = torch.tensor(self._locally_used, dtype=torch.int32, device=self._device)
             # Collective: count, per parameter, the ranks that used it since the last sync.
             self._used_work = dist.all_reduce(self._used_map, group=self._group, async_op=True)
             self._count_collective(self._used_map.numel() * self._used_map.element_size())
@@ -522,12 +551,50 @@ class Reducer:
             if not used and not self._has_grad[index]:
                 self._params[index].grad = None
 
+    def _reduce_sparse(self, globally_used: list[bool] | None) -> None:
+        """Average each sparse gradient with a sparse all-reduce of its own, in the same order on every rank.
+
+        A rank that did not use the parameter contributes an empty sparse tensor; a parameter no rank
+        used keeps its `.grad`, as the dense ones do.
+        """
+        works = []
+        world_size = dist.get_world_size(self._group)
+        for index in self._sparse:
+            param = self._params[index]
+            grad = param.grad
+            if grad is None:
+                contribution = _empty_sparse_like(param)
+            elif not grad.is_sparse:
+                raise TypeError(
+                    f"Rank {self._rank}: parameter {self._names[index]} belongs to a module with sparse=True "
+                    "but received a dense gradient (is it also used by another module, e.g. a tied output "
+                    "layer?). Use sparse=False for it."
+                )
+            else:
+                contribution = grad.coalesce() / world_size
+            # Collective: sparse all-reduce of one parameter's gradient (indices and values are gathered).
+            works.append(dist.all_reduce(contribution, group=self._group, async_op=True))
+            self._count_collective(contribution.values().numel() * contribution.element_size())
+        for index, work in zip(self._sparse, works):
+            name = self._names[index]
+            try:
+                # Host sync: wait for the sparse all-reduce.
+                work.wait(timedelta(seconds=self._timeout))
+            except RuntimeError as error:
+                raise CollectiveError(
+                    f"Rank {self._rank}: sparse all-reduce of {name}'s gradient failed: {error}"
+                ) from error
+            if globally_used is None or globally_used[index]:
+                self._params[index].grad = work.get_future().value()[0].coalesce()
+                self._has_grad[index] = True
+
     def _write_back(self, globally_used: list[bool] | None) -> None:
         """Make every used parameter's `.grad` hold its bucket's average; leave unused ones untouched."""
         for index, param in enumerate(self._params):
-            if globally_used is not None and not globally_used[index]:
+            slot = self._slots[index]
+            if slot is None or (globally_used is not None and not globally_used[index]):
                 continue
-            view = self._slots[index].view
+            view = slot.view
             grad = param.grad
             self._has_grad[index] = True
             if self._as_view:
@@ -548,7 +615,7 @@ class Reducer:
                 construction that saves a copy on the first step, while at a rebuild a missing
                 gradient must stay missing.
         """
-        layout = assign_buckets(self._params, order, self._bucket_cap_bytes, self._first_bucket_cap_bytes)
+        layout = self._assign(order)
         slots: list[_Slot | None] = [None] * len(self._params)
         buckets = []
         for bucket_index, indices in enumerate(layout):
@@ -570,22 +637,29 @@ class Reducer:
                     param.grad = view
             params = [self._params[i] for i in indices]
             buckets.append(_Bucket(GradBucket(bucket_index, buffer, params, offsets), list(indices)))
-        assert all(slot is not None for slot in slots), "every parameter belongs to exactly one bucket"
+        assert all((slot is None) == sparse for slot, sparse in zip(slots, self._is_sparse)), (
+            "every dense parameter belongs to exactly one bucket"
+        )
         self._buckets = buckets
-        self._slots = slots  # type: ignore[assignment]
+        self._slots = slots
+
+    def _assign(self, order: list[int]) -> list[list[int]]:
+        """Lay out the buckets of the dense parameters in `order`."""
+        dense = [index for index in order if not self._is_sparse[index]]
+        return assign_buckets(self._params, dense, self._bucket_cap_bytes, self._first_bucket_cap_bytes)
 
     def _rebuild_buckets(self) -> None:
         """Rebuild the buckets once, in the gradient order rank 0 observed, identically on every rank."""
         self._rebuilt = True
         seen = set(self._ready_order)
         order = self._ready_order + [i for i in reversed(range(len(self._params))) if i not in seen]
-        order_tensor = torch.tensor(order, dtype=torch.int64, device=self._buckets[0].grad.buffer.device)
+        order_tensor = torch.tensor(order, dtype=torch.int64, device=self._device)
         # Collective: every rank adopts rank 0's order, so bucket i holds the same parameters everywhere.
         dist.broadcast(order_tensor, group=self._group, group_src=0)
         # Host sync: the order is needed on the CPU to lay out the buffers.
         order = order_tensor.tolist()
         current = [bucket.param_indices for bucket in self._buckets]
-        new = assign_buckets(self._params, order, self._bucket_cap_bytes, self._first_bucket_cap_bytes)
+        new = self._assign(order)
         if new != current:
             self._build_buckets(order, attach_missing=False)
 
@@ -609,6 +683,13 @@ class Reducer:
                     seen.add(next_node)
                     stack.append(next_node)
         return reached
+
+
+def _empty_sparse_like(param: Tensor) -> Tensor:
+    """Return an all-zero sparse gradient of `param`'s shape, laid out as an embedding's (one sparse dim)."""
+    indices = torch.empty(1, 0, dtype=torch.int64, device=param.device)
+    values = torch.empty(0, *param.shape[1:], dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=True)
 
 
 def _iter_tensors(obj: Any) -> Iterator[Tensor]:

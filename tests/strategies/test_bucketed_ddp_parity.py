@@ -273,3 +273,77 @@ def test_a_layer_frozen_after_setup_without_detection_is_named_as_frozen() -> No
         assert outcome.error is not None and "UnusedParametersError" in outcome.error
         assert "Frozen (requires_grad=False) after the strategy was set up: l1.weight, l1.bias" in outcome.error
         assert "strategy.find_unused_parameters=true" in outcome.error
+
+
+# ------------------------------------------------------------ 2. sparse gradients
+class Bag(nn.Module):
+    """A sparse embedding (trained by SparseAdam) under a dense head (trained by SGD with momentum)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(20, 4, sparse=True)
+        self.head = nn.Linear(4, 2)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict:
+        tokens, y = batch
+        return {"loss": F.mse_loss(self.head(self.embedding(tokens).mean(1)), y)}
+
+
+def token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(700 + step)
+    # Ranks see different rows of the table; some rows no rank sees.
+    tokens = torch.randint(0, 16, (GLOBAL_BATCH, 3), generator=generator)
+    return tokens, torch.randn(GLOBAL_BATCH, 2, generator=generator)
+
+
+def bag_optimizers(model: Bag) -> list[torch.optim.Optimizer]:
+    return [
+        torch.optim.SparseAdam(list(model.embedding.parameters()), lr=0.05),
+        torch.optim.SGD(model.head.parameters(), lr=0.1, momentum=0.9),
+    ]
+
+
+def _sparse(rank: int, world_size: int) -> dict:
+    init_process_group_from_env()
+    results = {}
+    for kind, as_view, find_unused in [
+        ("native", False, False),
+        ("bucketed", True, False),
+        ("bucketed", False, False),
+        ("bucketed", True, True),
+    ]:
+        torch.manual_seed(0)
+        model = Bag()
+        strategy = make_strategy(kind, gradient_as_bucket_view=as_view, find_unused_parameters=find_unused)
+        strategy.setup_environment()
+        strategy.setup(model)
+        optimizers = bag_optimizers(model)
+        stays_sparse = []
+        for step in range(STEPS):
+            output = strategy.training_step(model, shard(token_batch(step), rank, world_size), step)
+            strategy.backward(output["loss"], sync=True)
+            stays_sparse.append(model.embedding.weight.grad.is_sparse)
+            for optimizer in optimizers:
+                optimizer.step()
+                strategy.zero_grad(optimizer)
+        strategy.teardown()
+        results[(kind, as_view, find_unused)] = {"params": params_of(model), "stays_sparse": stays_sparse}
+    return results
+
+
+def test_sparse_gradients_are_reduced_sparse_and_train_like_one_process() -> None:
+    per_rank = run_distributed(_sparse, 2, timeout=90)
+    torch.manual_seed(0)
+    model = Bag()
+    optimizers = bag_optimizers(model)
+    for step in range(STEPS):
+        model.training_step(token_batch(step), step)["loss"].backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    expected = params_of(model)
+    for results in per_rank:
+        for key, result in results.items():
+            assert result["stays_sparse"] == [True] * STEPS, key
+            for name, value in expected.items():
+                torch.testing.assert_close(result["params"][name], value, atol=1e-6, rtol=0, msg=f"{key} {name}")
