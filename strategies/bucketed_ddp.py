@@ -54,6 +54,9 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
             the backward (to measure what overlap buys).
         comm_state: the state object passed to a custom `comm_hook`; None gives the default hooks'
             `AllreduceState`.
+        static_graph: promise that every step uses the same parameters, as torch's DDP option of that
+            name: unused parameters are then found once, in the first synchronized step, instead of
+            walking the graph and all-reducing a used-parameter map every step.
     """
 
     name = "bucketed_ddp"
@@ -70,6 +73,7 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         timeout: float = 1800.0,
         overlap: bool = True,
         comm_state: Any = None,
+        static_graph: bool = False,
     ) -> None:
         super().__init__(backend=backend, timeout=timeout)
         if isinstance(comm_hook, str):
@@ -84,6 +88,7 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         self.comm_hook = comm_hook
         self.comm_state = comm_state
         self.overlap = overlap
+        self.static_graph = static_graph
         self._reducer: Reducer | None = None
         self._step_check: RemovableHandle | None = None
         self._buffers: list[Tensor] = []
@@ -120,6 +125,7 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
             overlap=self.overlap,
             timeout=self.timeout,
             sparse_gradients=_sparse_gradient_parameters(task),
+            static_graph=self.static_graph,
         )
         if self._step_check is None:
             # Every optimizer's step, including one in a hand-written loop, first checks that the
@@ -153,7 +159,8 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         """
         reducer = self.reducer
         sync = self._backward_syncs(sync)
-        reducer.prepare_for_backward(sync=sync, loss=loss if self.find_unused_parameters else None)
+        walk = self.find_unused_parameters or self.static_graph
+        reducer.prepare_for_backward(sync=sync, loss=loss if walk else None)
         loss.backward(retain_graph=retain_graph)
         reducer.finalize_backward()
         if sync:
@@ -185,7 +192,8 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         return (
             f"BucketedDDP(bucket_cap_mb={self.bucket_cap_mb}, first_bucket_mb={self.first_bucket_mb}, "
             f"find_unused_parameters={self.find_unused_parameters}, "
-            f"gradient_as_bucket_view={self.gradient_as_bucket_view}, overlap={self.overlap})"
+            f"gradient_as_bucket_view={self.gradient_as_bucket_view}, overlap={self.overlap}, "
+            f"static_graph={self.static_graph})"
         )
 
 

@@ -30,10 +30,9 @@ The reducer's public surface is `prepare_for_backward` (before `loss.backward()`
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import timedelta
 from typing import Any
@@ -43,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 from torch.nn import Parameter
+from torch.utils.hooks import RemovableHandle
 
 from syncline.strategies.comm_hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
 
@@ -94,8 +94,6 @@ class _Bucket:
 
     grad: GradBucket
     param_indices: list[int]
-    #: Parameters of this bucket not yet ready in the current backward.
-    pending: int = 0
     future: Future[Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -171,6 +169,9 @@ class Reducer:
         timeout: seconds to wait for one bucket's collective before raising.
         sparse_gradients: the parameters whose gradients are sparse (those of `nn.Embedding` and
             `nn.EmbeddingBag` with `sparse=True`); each is reduced by a sparse all-reduce of its own.
+        static_graph: promise that every step uses the same parameters: unused parameters are found
+            (graph walk and used-parameter all-reduce) in the first synchronized backward only, and
+            that answer is reused; implies `find_unused_parameters`.
     """
 
     def __init__(
@@ -187,6 +188,7 @@ class Reducer:
         overlap: bool = True,
         timeout: float = 1800.0,
         sparse_gradients: Sequence[Tensor] = (),
+        static_graph: bool = False,
     ) -> None:
         named = [(name, p) for name, p in named_parameters if p.requires_grad]
         if not named:
@@ -204,7 +206,7 @@ class Reducer:
         self._rank = dist.get_rank(process_group)
         self._bucket_cap_bytes = int(bucket_cap_mb * _MB)
         self._first_bucket_cap_bytes = int(first_bucket_mb * _MB)
-        self._find_unused = find_unused_parameters
+        self._find_unused = find_unused_parameters or static_graph
         self._as_view = gradient_as_bucket_view
         self._hook = comm_hook if comm_hook is not None else allreduce_hook
         self._hook_name = getattr(self._hook, "__name__", type(self._hook).__name__)
@@ -226,13 +228,20 @@ class Reducer:
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
         self._ready_order: list[int] = []
+        #: Per bucket, its parameters not yet ready in the current backward.
+        self._pending = [0] * len(self._buckets)
         self._used_work: dist.Work | None = None
         self._used_map: Tensor | None = None
         # Parameters that received a gradient since the last synchronized backward.
         self._locally_used = [False] * len(self._params)
         # Parameters that received a gradient outside prepare/finalize (a bare `loss.backward()`)
         # since the last synchronized backward: never averaged unless a synchronized backward follows.
-        self._unsynced: list[int] = []
+        self._unsynced: set[int] = set()
+        # With a static graph: what the first synchronized backward found, reused ever after.
+        self._static_graph = static_graph
+        self._static_unreached: list[int] | None = None
+        self._unreached: list[int] = []  # parameters the current backward's graph does not reach
+        self._static_used: list[bool] | None = None
 
         self._stats = CommStats()
         self._step_stats = CommStats()
@@ -240,11 +249,16 @@ class Reducer:
         #: Collectives launched over the reducer's lifetime.
         self.collectives_launched = 0
 
-        # functools.partial calls from C: one Python frame per gradient instead of two.
-        self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
-            for i, p in enumerate(self._params)
-        ]
+        # Each parameter's AccumulateGrad node, held so that it stays the node every graph ends in:
+        # the graph walk then recognizes a parameter by a dictionary look-up (as torch's DDP holds them).
+        with torch.enable_grad():
+            self._accumulators = {
+                param.view_as(param).grad_fn.next_functions[0][0]: index for index, param in enumerate(self._params)
+            }
+        # Parameters whose gradients autograd has accumulated and the reducer has not yet processed.
+        self._arrivals: list[Tensor] = []
+        self._handles: list[RemovableHandle] = []
+        self._install_hooks(list(reversed(range(len(self._params)))))
 
     # ------------------------------------------------------------ public API
     @property
@@ -278,6 +292,8 @@ class Reducer:
         Raises:
             RuntimeError: a parameter that did not require grad at construction requires it now.
         """
+        # Gradients that arrived while nothing was armed came from a bare `loss.backward()`.
+        self._absorb_arrivals(unsynced=True)
         self._armed = True
         self._sync = sync
         if not sync:
@@ -287,20 +303,28 @@ class Reducer:
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
         self._used_work = None
+        self._pending = [len(bucket.param_indices) for bucket in self._buckets]
         for bucket in self._buckets:
-            bucket.pending = len(bucket.param_indices)
             bucket.future = None
         self._ready_order = []
         self._step_stats = CommStats(
             buckets=len(self._buckets) + len(self._sparse), skipped_backwards=self._skipped_backwards
         )
         if self._find_unused:
-            if loss is None:
-                raise ValueError("find_unused_parameters=True needs the loss to walk its graph.")
-            reached = self._parameters_reached(loss)
-            for index in range(len(self._params)):
-                if index not in reached:
-                    self._mark_ready(index)
+            if self._static_unreached is not None:
+                unreached = self._static_unreached
+            else:
+                if loss is None:
+                    raise ValueError("find_unused_parameters=True needs the loss to walk its graph.")
+                reached = self._parameters_reached(loss)
+                unreached = [index for index in range(len(self._params)) if index not in reached]
+                if self._static_graph:
+                    self._static_unreached = unreached
+            self._unreached = unreached
+            for index in unreached:
+                self._mark_ready(index)
+            if unreached and self._overlap:
+                self._launch_ready_buckets()
 
     def finalize_backward(self) -> None:
         """Wait for the backward's collectives and write the averaged gradients back.
@@ -311,10 +335,12 @@ class Reducer:
         """
         self._armed = False
         if not self._sync:
+            self._absorb_arrivals(unsynced=False)
             return
         self._sync = False
         self._skipped_backwards = 0
-        self._unsynced = []
+        self._unsynced.clear()
+        self._process_arrivals()
         if not all(self._ready):
             raise UnusedParametersError(self._unused_message())
         # Without overlap, everything launches now; with it, only the used-parameter map can be left
@@ -326,14 +352,21 @@ class Reducer:
             buffer = bucket.grad.buffer
             if result.data_ptr() != buffer.data_ptr():
                 buffer.copy_(result)
-        globally_used = self._wait_used_map() if self._find_unused else None
+        globally_used = self._static_used
+        if self._find_unused and globally_used is None:
+            globally_used = self._wait_used_map()
+            if self._static_graph:
+                self._static_used = globally_used
         if self._sparse:
             self._reduce_sparse(globally_used)
+        every = range(len(self._params))
         if globally_used is not None:
-            self._write_back(globally_used)
-            self._drop_unused_zero_grads(globally_used)
+            # With views, a parameter that got its gradient here already points into its bucket; only
+            # the ones the graph did not reach may need the average attached, or None.
+            self._write_back(globally_used, self._unreached if self._as_view else every)
+            self._drop_unused_zero_grads(globally_used, self._unreached)
         elif not self._as_view:
-            self._write_back(None)
+            self._write_back(None, every)
         self._step_stats.exposed_ms = (time.perf_counter() - start) * 1e3
         self._stats = self._step_stats
         if self._find_unused:
@@ -353,13 +386,23 @@ class Reducer:
             for param in params:
                 param.grad = None
             return
-        indices = [self._index_of.get(id(param)) for param in params]
-        whole = len(set(indices) - {None}) == len(self._params)
-        if whole:
-            # Every bucketed parameter is reset: one memset per bucket instead of one per parameter.
+        wanted = {id(param) for param in params}
+        if wanted.issuperset(self._index_of):
+            # Every parameter of the reducer is reset (the usual case): one memset per bucket instead
+            # of one per parameter, and one pass that only detaches what is not a view.
             for bucket in self._buckets:
                 bucket.grad.buffer.zero_()
-        for param, index in zip(params, indices):
+            self._has_grad = [False] * len(self._params)
+            for param, view in zip(self._params, self._views):
+                if param.grad is not view:
+                    param.grad = None  # a gradient the user put there, or a sparse one
+            if len(wanted) > len(self._params):
+                for param in params:
+                    if id(param) not in self._index_of:
+                        param.grad = None
+            return
+        for param in params:
+            index = self._index_of.get(id(param))
             if index is None:
                 param.grad = None
                 continue
@@ -367,13 +410,13 @@ class Reducer:
             slot = self._slots[index]
             if slot is None or param.grad is not slot.view:
                 param.grad = None  # a gradient the user put there: the next backward copies into the view
-            elif not whole:
+            else:
                 slot.view.zero_()
 
     @property
     def has_unsynced_gradients(self) -> bool:
         """Whether a backward the reducer did not prepare accumulated gradients since the last sync."""
-        return bool(self._unsynced)
+        return bool(self._unsynced) or (not self._armed and bool(self._arrivals))
 
     def check_synchronized(self, params: Sequence[Tensor]) -> None:
         """Raise if any of `params` holds a gradient that a bare `loss.backward()` left unaveraged.
@@ -381,6 +424,8 @@ class Reducer:
         Raises:
             RuntimeError: naming the parameters and the call to use instead.
         """
+        if not self._armed:
+            self._absorb_arrivals(unsynced=True)
         if not self._unsynced:
             return
         wanted = {id(param) for param in params}
@@ -402,62 +447,118 @@ class Reducer:
         self._handles = []
 
     # ------------------------------------------------------------- the hooks
-    def _on_grad_ready(self, index: int, _param: Tensor) -> None:
-        """Record that autograd has accumulated parameter `index`'s gradient (a post-accumulate hook)."""
-        self._has_grad[index] = True
-        if self._find_unused:
-            self._locally_used[index] = True
-        if not self._sync:
-            if not self._armed:
-                self._unsynced.append(index)
-            return
-        if self._ready[index]:
-            raise RuntimeError(
-                f"Rank {self._rank}: parameter {self._names[index]} became ready twice in one backward. "
-                "Either it received a gradient although the loss's graph did not reach it (was a "
-                "different tensor back-propagated than the one passed to strategy.backward?), or it took "
-                "part in several backward passes (reentrant checkpointing), which the reducer does not "
-                "support."
-            )
-        if not self._rebuilt:
-            self._ready_order.append(index)
-        self._mark_ready(index)
+    # Autograd runs a hook per parameter once its gradient is accumulated. A Python function there
+    # costs microseconds per parameter, torch's C++ hooks a fraction of one; so most parameters' hook
+    # is `self._arrivals.append`, a C function that only records the parameter. The parameter expected
+    # to arrive last in each bucket (its "trigger") runs Python: it processes every arrival so far in
+    # one loop and launches the buckets that are complete. If gradients arrive in another order than
+    # expected, a complete bucket waits for a later trigger or for `finalize_backward`, never longer.
+    def _install_hooks(self, order: list[int]) -> None:
+        """Hook every parameter; the last of each bucket in `order`, and sparse ones, as triggers."""
+        for handle in self._handles:
+            handle.remove()
+        position = {index: pos for pos, index in enumerate(order)}
+        triggers = set(self._sparse)
+        for bucket in self._buckets:
+            triggers.add(max(bucket.param_indices, key=position.__getitem__))
+        self._handles = [
+            param.register_post_accumulate_grad_hook(self._on_trigger if index in triggers else self._arrivals.append)
+            for index, param in enumerate(self._params)
+        ]
 
-    def _mark_ready(self, index: int) -> None:
-        """Put parameter `index`'s gradient in its bucket and launch every bucket that became ready."""
-        self._ready[index] = True
-        slot = self._slots[index]
-        if slot is None:
-            # A sparse gradient, reduced on its own after the buckets; the used-parameter map may
-            # have been waiting for it.
+    def _on_trigger(self, param: Tensor) -> None:
+        """Record `param`'s arrival, then process all arrivals and launch the buckets that are complete."""
+        self._arrivals.append(param)
+        if self._sync:
+            self._process_arrivals()
             if self._overlap:
                 self._launch_ready_buckets()
+        elif not self._armed:
+            self._absorb_arrivals(unsynced=True)  # keeps the list short in a loop that never syncs
+
+    def _process_arrivals(self) -> None:
+        """Mark every parameter that arrived since the last call ready and count it off its bucket."""
+        arrivals = self._arrivals
+        if not arrivals:
             return
+        index_of, ready, views, pending = self._index_of, self._ready, self._views, self._pending
+        bucket_of = self._bucket_of
+        # With a static graph, the used map is known after the first synchronized backward.
+        locally_used = self._locally_used if self._find_unused and self._static_used is None else None
+        indices = [index_of[id(param)] for param in arrivals]
+        for param, index in zip(arrivals, indices):
+            if ready[index]:
+                self._raise_ready_twice(index)
+            ready[index] = True
+            view = views[index]
+            if view is None:
+                continue  # a sparse gradient: reduced on its own after the buckets
+            if param.grad is not view:
+                self._fill_slot(index)
+            pending[bucket_of[index]] -= 1
+        if locally_used is not None:
+            for index in indices:
+                locally_used[index] = True
+        if not self._rebuilt:
+            self._ready_order.extend(indices)
+        arrivals.clear()
+
+    def _absorb_arrivals(self, *, unsynced: bool) -> None:
+        """Take note of gradients accumulated outside a synchronized backward, and forget the arrivals."""
+        arrivals = self._arrivals
+        if not arrivals:
+            return
+        indices = [self._index_of[id(param)] for param in arrivals]
+        arrivals.clear()
+        if self._find_unused:
+            for index in indices:
+                self._locally_used[index] = True
+        if unsynced:
+            self._unsynced.update(indices)
+
+    def _raise_ready_twice(self, index: int) -> None:
+        raise RuntimeError(
+            f"Rank {self._rank}: parameter {self._names[index]} became ready twice in one backward. "
+            "Either it received a gradient although the loss's graph did not reach it (was a "
+            "different tensor back-propagated than the one passed to strategy.backward?), or it took "
+            "part in several backward passes (reentrant checkpointing), which the reducer does not "
+            "support."
+        )
+
+    def _mark_ready(self, index: int) -> None:
+        """Mark parameter `index` ready before its gradient arrives (it will not: it is unused)."""
+        self._ready[index] = True
+        slot = self._slots[index]
+        if slot is not None:
+            if self._params[index].grad is not slot.view:
+                self._fill_slot(index)
+            self._pending[slot.bucket] -= 1
+
+    def _fill_slot(self, index: int) -> None:
+        """Put a gradient that is not (yet) a bucket view into its slot: copy it, or zeros for None."""
+        slot = self._slots[index]
+        assert slot is not None
         param = self._params[index]
         grad = param.grad
         if grad is None:
             # Unused so far: contribute zeros, and leave .grad alone unless some rank used it.
             slot.view.zero_()
-        elif grad is not slot.view:
-            if grad.layout != torch.strided:
-                raise TypeError(
-                    f"Rank {self._rank}: parameter {self._names[index]} received a {grad.layout} gradient, "
-                    "but only the parameters of nn.Embedding and nn.EmbeddingBag with sparse=True are "
-                    "reduced as sparse. Compute it with one of those modules, or with sparse=False."
-                )
-            slot.view.copy_(grad)
-            if self._as_view:
-                # The user replaced .grad (e.g. set it to None); point it back into the bucket.
-                param.grad = slot.view
-        bucket = self._buckets[slot.bucket]
-        bucket.pending -= 1
-        if bucket.pending == 0 and self._overlap:
-            self._launch_ready_buckets()
+            return
+        if grad.layout != torch.strided:
+            raise TypeError(
+                f"Rank {self._rank}: parameter {self._names[index]} received a {grad.layout} gradient, "
+                "but only the parameters of nn.Embedding and nn.EmbeddingBag with sparse=True are "
+                "reduced as sparse. Compute it with one of those modules, or with sparse=False."
+            )
+        slot.view.copy_(grad)
+        if self._as_view:
+            # The user replaced .grad (e.g. set it to None); point it back into the bucket.
+            param.grad = slot.view
 
     def _launch_ready_buckets(self) -> None:
         """Launch, in bucket order, every bucket from the next unlaunched one that is ready."""
-        buckets = self._buckets
-        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
+        buckets, pending = self._buckets, self._pending
+        while self._next_bucket < len(buckets) and pending[self._next_bucket] == 0:
             bucket = buckets[self._next_bucket]
             # Collective: the comm hook starts the bucket's asynchronous all-reduce.
             bucket.future = self._hook(self._state, bucket.grad)
@@ -466,6 +567,7 @@ class Reducer:
         if (
             self._next_bucket == len(buckets)
             and self._find_unused
+            and self._static_used is None
             and self._used_work is None
             and all(self._ready[index] for index in self._sparse)
         ):
@@ -545,10 +647,10 @@ class Reducer:
                 "layers after it instead, which find_unused_parameters=True supports, or keep them frozen."
             )
 
-    def _drop_unused_zero_grads(self, globally_used: list[bool]) -> None:
+    def _drop_unused_zero_grads(self, globally_used: list[bool], candidates: Iterable[int]) -> None:
         """Set `.grad` to None for parameters no rank used and that held no gradient, as torch leaves them."""
-        for index, used in enumerate(globally_used):
-            if not used and not self._has_grad[index]:
+        for index in candidates:
+            if not globally_used[index] and not self._has_grad[index]:
                 self._params[index].grad = None
 
     def _reduce_sparse(self, globally_used: list[bool] | None) -> None:
@@ -588,9 +690,10 @@ class Reducer:
                 self._params[index].grad = work.get_future().value()[0].coalesce()
                 self._has_grad[index] = True
 
-    def _write_back(self, globally_used: list[bool] | None) -> None:
-        """Make every used parameter's `.grad` hold its bucket's average; leave unused ones untouched."""
-        for index, param in enumerate(self._params):
+    def _write_back(self, globally_used: list[bool] | None, candidates: Iterable[int]) -> None:
+        """Make each used parameter of `candidates` hold its bucket's average; leave unused ones untouched."""
+        for index in candidates:
+            param = self._params[index]
             slot = self._slots[index]
             if slot is None or (globally_used is not None and not globally_used[index]):
                 continue
@@ -642,6 +745,9 @@ class Reducer:
         )
         self._buckets = buckets
         self._slots = slots
+        # The same as flat lists (None for sparse gradients), for the per-step loops.
+        self._views = [None if slot is None else slot.view for slot in slots]
+        self._bucket_of = [-1 if slot is None else slot.bucket for slot in slots]
 
     def _assign(self, order: list[int]) -> list[list[int]]:
         """Lay out the buckets of the dense parameters in `order`."""
@@ -652,8 +758,8 @@ class Reducer:
         """Rebuild the buckets once, in the gradient order rank 0 observed, identically on every rank."""
         self._rebuilt = True
         seen = set(self._ready_order)
-        order = self._ready_order + [i for i in reversed(range(len(self._params))) if i not in seen]
-        order_tensor = torch.tensor(order, dtype=torch.int64, device=self._device)
+        local_order = self._ready_order + [i for i in reversed(range(len(self._params))) if i not in seen]
+        order_tensor = torch.tensor(local_order, dtype=torch.int64, device=self._device)
         # Collective: every rank adopts rank 0's order, so bucket i holds the same parameters everywhere.
         dist.broadcast(order_tensor, group=self._group, group_src=0)
         # Host sync: the order is needed on the CPU to lay out the buffers.
@@ -662,6 +768,8 @@ class Reducer:
         new = self._assign(order)
         if new != current:
             self._build_buckets(order, attach_missing=False)
+        # Triggers follow this rank's own order: they decide only when, not what, this rank launches.
+        self._install_hooks(local_order)
 
     def _parameters_reached(self, loss: Any) -> set[int]:
         """Return the indices of the parameters the autograd graph of `loss` reaches."""
@@ -673,11 +781,13 @@ class Reducer:
             elif id(tensor) in self._index_of:
                 reached.add(self._index_of[id(tensor)])
         seen = set(stack)
+        accumulators = self._accumulators
         while stack:
             node = stack.pop()
-            variable = getattr(node, "variable", None)  # set on AccumulateGrad nodes only
-            if variable is not None and id(variable) in self._index_of:
-                reached.add(self._index_of[id(variable)])
+            index = accumulators.get(node)
+            if index is not None:
+                reached.add(index)
+                continue  # an AccumulateGrad node: a leaf of the graph
             for next_node, _ in node.next_functions:
                 if next_node is not None and next_node not in seen:
                     seen.add(next_node)

@@ -347,3 +347,45 @@ def test_sparse_gradients_are_reduced_sparse_and_train_like_one_process() -> Non
             assert result["stays_sparse"] == [True] * STEPS, key
             for name, value in expected.items():
                 torch.testing.assert_close(result["params"][name], value, atol=1e-6, rtol=0, msg=f"{key} {name}")
+
+
+# ------------------------------------------------------------------ static_graph
+def _static_graph(rank: int, world_size: int) -> dict:
+    init_process_group_from_env()
+    results = {}
+    for kind in ("bucketed", "native"):
+        torch.manual_seed(0)
+        model = Net()  # `aux` is never used: the static graph has an unused layer
+        strategy = make_strategy(kind, static_graph=True)
+        strategy.setup_environment()
+        strategy.setup(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        collectives = []
+        for step in range(STEPS):
+            output = strategy.training_step(model, shard(global_batch(step), rank, world_size), step)
+            strategy.backward(output["loss"], sync=True)
+            collectives.append(strategy.communication_stats().get("comm/collectives"))
+            optimizer.step()
+            strategy.zero_grad(optimizer)
+        strategy.teardown()
+        results[kind] = {"params": params_of(model), "collectives": collectives}
+    return results
+
+
+def test_static_graph_finds_unused_parameters_once_and_trains_like_torch() -> None:
+    per_rank = run_distributed(_static_graph, 2, timeout=60)
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(STEPS):
+        model.training_step(global_batch(step), step)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    expected = params_of(model)
+    for results in per_rank:
+        for kind, result in results.items():
+            for name, value in expected.items():
+                torch.testing.assert_close(result["params"][name], value, atol=1e-6, rtol=0, msg=f"{kind} {name}")
+        # The used-parameter map is all-reduced in the first step only; then one collective per bucket.
+        first, *rest = results["bucketed"]["collectives"]
+        assert first == rest[0] + 1 and len(set(rest)) == 1
