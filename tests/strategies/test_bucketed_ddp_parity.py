@@ -389,3 +389,59 @@ def test_static_graph_finds_unused_parameters_once_and_trains_like_torch() -> No
         # The used-parameter map is all-reduced in the first step only; then one collective per bucket.
         first, *rest = results["bucketed"]["collectives"]
         assert first == rest[0] + 1 and len(set(rest)) == 1
+
+
+# ------------------------- checkpointing, gradient penalty, rank-dependent gradient order
+class Tricky(nn.Module):
+    """Activation checkpointing, a gradient penalty, and layers used in a rank-dependent order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict:
+        x, y = batch
+        x = x.clone().requires_grad_(True)
+        hidden = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=False)
+        first, second = (self.b, self.c) if torch.distributed.get_rank() == 0 else (self.c, self.b)
+        out = self.head(torch.tanh(second(torch.tanh(first(hidden)))))
+        loss = F.mse_loss(out, y)
+        (grad_x,) = torch.autograd.grad(loss, x, create_graph=True)
+        return {"loss": loss + 0.1 * grad_x.square().sum()}
+
+
+def _tricky(rank: int, world_size: int) -> dict:
+    init_process_group_from_env()
+    results = {}
+    for kind, kwargs in [
+        ("native", {}),
+        ("bucketed", {}),
+        ("bucketed", {"bucket_cap_mb": 1e-9, "first_bucket_mb": 1e-9}),
+    ]:
+        torch.manual_seed(0)
+        model = Tricky()
+        strategy = make_strategy(kind, **kwargs)
+        strategy.setup_environment()
+        strategy.setup(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(STEPS):
+            output = strategy.training_step(model, shard(global_batch(step), rank, world_size), step)
+            strategy.backward(output["loss"], sync=True)
+            optimizer.step()
+            strategy.zero_grad(optimizer)
+        strategy.teardown()
+        results[(kind, bool(kwargs))] = params_of(model)
+    return results
+
+
+def test_checkpointing_gradient_penalty_and_rank_dependent_order_match_torch_ddp() -> None:
+    per_rank = run_distributed(_tricky, 2, timeout=90)
+    for results in per_rank:
+        native = results[("native", False)]
+        for key in [("bucketed", False), ("bucketed", True)]:
+            for name, value in native.items():
+                torch.testing.assert_close(results[key][name], value, atol=1e-6, rtol=0, msg=f"{key} {name}")
+    assert all(torch.equal(per_rank[0][key][n], per_rank[1][key][n]) for key in per_rank[0] for n in per_rank[0][key])
