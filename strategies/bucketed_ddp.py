@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -28,6 +28,7 @@ from syncline.strategies.backward_sync import BackwardSyncControl
 from syncline.strategies.comm_hooks import COMM_HOOKS, CommHook
 from syncline.strategies.process_group import ProcessGroupStrategy, broadcast_coalesced
 from syncline.strategies.reducer import Reducer
+from syncline.strategies.sparse_gradients import sparse_gradient_parameters
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -124,7 +125,7 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
             comm_state=self.comm_state,
             overlap=self.overlap,
             timeout=self.timeout,
-            sparse_gradients=_sparse_gradient_parameters(task),
+            sparse_gradients=sparse_gradient_parameters(task),
             static_graph=self.static_graph,
         )
         if self._step_check is None:
@@ -195,14 +196,3 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
             f"gradient_as_bucket_view={self.gradient_as_bucket_view}, overlap={self.overlap}, "
             f"static_graph={self.static_graph})"
         )
-
-
-def _sparse_gradient_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """Return the parameters whose gradients are sparse: those of embeddings built with `sparse=True`."""
-    return [
-        param
-        for sub in module.modules()
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
-        for param in sub.parameters(recurse=False)
-        if param.requires_grad
-    ]

@@ -9,7 +9,8 @@ The reducer averages those gradients across ranks while the backward pass is sti
    in the order rank 0 actually observed.
 2. **Views.** With `gradient_as_bucket_view`, each `param.grad` *is* a view into its bucket, so
    autograd accumulates straight into the buffer and no copy is made per step.
-3. **Overlap.** A post-accumulate-grad hook marks a parameter ready; when the last parameter of a
+3. **Overlap.** A post-accumulate-grad hook records each parameter as it arrives (a C `list.append`
+   for most; one Python "trigger" per bucket processes the arrivals); when the last parameter of a
    bucket is ready and every earlier bucket has been launched, the bucket's comm hook starts an
    asynchronous all-reduce. Buckets launch in the same order on every rank.
 4. **Finalize.** After `loss.backward()` returns, the reducer waits for the outstanding collectives
@@ -32,19 +33,30 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.futures import Future
 from torch.nn import Parameter
 from torch.utils.hooks import RemovableHandle
 
+from syncline.strategies.autograd_graph import grad_accumulators, parameters_reached
+from syncline.strategies.buckets import Bucket, Slot, assign_buckets
 from syncline.strategies.comm_hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
+from syncline.strategies.reducer_errors import (
+    CollectiveError,
+    UnusedParametersError,
+    ready_twice_message,
+    sparse_gradient_message,
+    thawed_message,
+    unsynced_message,
+    unused_message,
+)
+from syncline.strategies.sparse_gradients import average_sparse_gradients
 
 __all__ = [
     "CollectiveError",
@@ -55,14 +67,6 @@ __all__ = [
 ]
 
 _MB = 1024 * 1024
-
-
-class UnusedParametersError(RuntimeError):
-    """A synchronizing backward ended with parameters that never received a gradient."""
-
-
-class CollectiveError(RuntimeError):
-    """A bucket's collective failed or did not complete within the timeout."""
 
 
 @dataclass
@@ -86,68 +90,6 @@ class CommStats:
     def as_dict(self) -> dict[str, float]:
         """Return the counters under `comm/<name>` keys, as the loop logs them."""
         return {f"comm/{f.name}": float(getattr(self, f.name)) for f in fields(self)}
-
-
-@dataclass(eq=False)
-class _Bucket:
-    """A bucket and its per-step state."""
-
-    grad: GradBucket
-    param_indices: list[int]
-    future: Future[Tensor] | None = field(default=None, repr=False)
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the flat buffer in bytes."""
-        return self.grad.buffer.numel() * self.grad.buffer.element_size()
-
-
-@dataclass(eq=False)
-class _Slot:
-    """Where one parameter's gradient lives: its bucket and its view into the bucket's buffer."""
-
-    bucket: int
-    view: Tensor
-
-
-def assign_buckets(
-    params: Sequence[Tensor],
-    order: Sequence[int],
-    bucket_cap_bytes: int,
-    first_bucket_cap_bytes: int,
-) -> list[list[int]]:
-    """Group parameter indices into buckets, walking `order` and never splitting a parameter.
-
-    Parameters of different dtype or device go to different buckets. A bucket closes before it would
-    exceed its cap, so it holds at most `bucket_cap_bytes` unless a single parameter is larger, in
-    which case that parameter gets a bucket of its own. The first bucket of each dtype and device is
-    capped at `first_bucket_cap_bytes`.
-
-    Returns:
-        Lists of indices into `params`, ordered by when their first parameter appears in `order`.
-    """
-    open_buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
-    closed_count: dict[tuple[torch.dtype, torch.device], int] = {}
-    buckets: list[list[int]] = []
-    for index in order:
-        param = params[index]
-        key = (param.dtype, param.device)
-        nbytes = param.numel() * param.element_size()
-        cap = first_bucket_cap_bytes if closed_count.get(key, 0) == 0 else bucket_cap_bytes
-        bucket = open_buckets.setdefault(key, [])
-        if bucket and open_bytes[key] + nbytes > cap:
-            buckets.append(bucket)
-            closed_count[key] = closed_count.get(key, 0) + 1
-            bucket = open_buckets[key] = []
-        if not bucket:
-            open_bytes[key] = 0
-        bucket.append(index)
-        open_bytes[key] += nbytes
-    buckets.extend(bucket for bucket in open_buckets.values() if bucket)
-    position = {index: pos for pos, index in enumerate(order)}
-    buckets.sort(key=lambda bucket: position[bucket[0]])
-    return buckets
 
 
 class Reducer:
@@ -214,8 +156,8 @@ class Reducer:
         self._overlap = overlap
         self._timeout = timeout
 
-        self._buckets: list[_Bucket] = []
-        self._slots: list[_Slot | None] = []  # None for sparse gradients
+        self._buckets: list[Bucket] = []
+        self._slots: list[Slot | None] = []  # None for sparse gradients
         # Whether .grad holds a value (a gradient, or the user's) since the last `zero_grad`; a zero
         # bucket view attached for speed does not count.
         self._has_grad = [p.grad is not None for p in self._params]
@@ -251,10 +193,7 @@ class Reducer:
 
         # Each parameter's AccumulateGrad node, held so that it stays the node every graph ends in:
         # the graph walk then recognizes a parameter by a dictionary look-up (as torch's DDP holds them).
-        with torch.enable_grad():
-            self._accumulators = {
-                param.view_as(param).grad_fn.next_functions[0][0]: index for index, param in enumerate(self._params)
-            }
+        self._accumulators = grad_accumulators(self._params)
         # Parameters whose gradients autograd has accumulated and the reducer has not yet processed.
         self._arrivals: list[Tensor] = []
         self._handles: list[RemovableHandle] = []
@@ -316,7 +255,7 @@ class Reducer:
             else:
                 if loss is None:
                     raise ValueError("find_unused_parameters=True needs the loss to walk its graph.")
-                reached = self._parameters_reached(loss)
+                reached = parameters_reached(loss, self._accumulators, self._index_of)
                 unreached = [index for index in range(len(self._params)) if index not in reached]
                 if self._static_graph:
                     self._static_unreached = unreached
@@ -431,14 +370,7 @@ class Reducer:
         wanted = {id(param) for param in params}
         names = sorted({self._names[i] for i in self._unsynced if id(self._params[i]) in wanted})
         if names:
-            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            raise RuntimeError(
-                f"Rank {self._rank}: the optimizer is about to step with gradients that were never averaged "
-                f"across ranks ({shown}): they came from a backward that the strategy did not run, so the "
-                "replicas would drift apart. Call strategy.backward(loss, sync=True) instead of "
-                "loss.backward(); to accumulate locally, use strategy.backward(loss, sync=False) or "
-                "`with strategy.no_sync():`."
-            )
+            raise RuntimeError(unsynced_message(self._rank, names))
 
     def remove_hooks(self) -> None:
         """Detach the reducer from the parameters; gradients stay where they are."""
@@ -517,13 +449,7 @@ class Reducer:
             self._unsynced.update(indices)
 
     def _raise_ready_twice(self, index: int) -> None:
-        raise RuntimeError(
-            f"Rank {self._rank}: parameter {self._names[index]} became ready twice in one backward. "
-            "Either it received a gradient although the loss's graph did not reach it (was a "
-            "different tensor back-propagated than the one passed to strategy.backward?), or it took "
-            "part in several backward passes (reentrant checkpointing), which the reducer does not "
-            "support."
-        )
+        raise RuntimeError(ready_twice_message(self._rank, self._names[index]))
 
     def _mark_ready(self, index: int) -> None:
         """Mark parameter `index` ready before its gradient arrives (it will not: it is unused)."""
@@ -545,11 +471,7 @@ class Reducer:
             slot.view.zero_()
             return
         if grad.layout != torch.strided:
-            raise TypeError(
-                f"Rank {self._rank}: parameter {self._names[index]} received a {grad.layout} gradient, "
-                "but only the parameters of nn.Embedding and nn.EmbeddingBag with sparse=True are "
-                "reduced as sparse. Compute it with one of those modules, or with sparse=False."
-            )
+            raise TypeError(sparse_gradient_message(self._rank, self._names[index], grad.layout))
         slot.view.copy_(grad)
         if self._as_view:
             # The user replaced .grad (e.g. set it to None); point it back into the bucket.
@@ -582,7 +504,7 @@ class Reducer:
         self.collectives_launched += 1
 
     # ----------------------------------------------------------- end of step
-    def _wait(self, bucket: _Bucket) -> Tensor:
+    def _wait(self, bucket: Bucket) -> Tensor:
         """Return the bucket's reduced buffer, waiting at most `timeout` seconds for it."""
         future = bucket.future
         assert future is not None, "finalize_backward waits only on launched buckets"
@@ -616,36 +538,16 @@ class Reducer:
         return [count > 0 for count in self._used_map.tolist()]
 
     def _unused_message(self) -> str:
-        """Explain which parameters got no gradient, why that is an error, and where the fix goes."""
         not_ready = [i for i, ready in enumerate(self._ready) if not ready]
-        frozen = [self._names[i] for i in not_ready if not self._params[i].requires_grad]
         unused = [self._names[i] for i in not_ready if self._params[i].requires_grad]
-        parts = [
-            f"Rank {self._rank}: {len(not_ready)} parameter(s) received no gradient in this backward, so "
-            "their buckets could not be reduced."
-        ]
-        if unused:
-            parts.append(f"Not used by the loss: {', '.join(unused)}.")
-        if frozen:
-            parts.append(f"Frozen (requires_grad=False) after the strategy was set up: {', '.join(frozen)}.")
-        parts.append(
-            "If the model does not use every parameter in every step, or layers are frozen during "
-            "training, turn on unused-parameter detection: Trainer(strategy=BucketedDDP(find_unused_parameters=True)) "
-            "in code, or `strategy=bucketed_ddp strategy.find_unused_parameters=true` on the command line. "
-            "Otherwise make sure the loss depends on every parameter that requires grad."
-        )
-        return " ".join(parts)
+        frozen = [self._names[i] for i in not_ready if not self._params[i].requires_grad]
+        return unused_message(self._rank, unused, frozen)
 
     def _check_frozen_at_setup(self) -> None:
         """Raise if a parameter left out of the buckets at construction now requires grad."""
         thawed = [name for name, param in self._frozen_at_setup if param.requires_grad]
         if thawed:
-            raise RuntimeError(
-                f"Rank {self._rank}: parameter(s) {', '.join(thawed)} did not require grad when the strategy "
-                "was set up, so their gradients are not averaged across ranks and the replicas would drift "
-                "apart. Make them require grad before the strategy is set up (before trainer.fit) and freeze "
-                "layers after it instead, which find_unused_parameters=True supports, or keep them frozen."
-            )
+            raise RuntimeError(thawed_message(self._rank, thawed))
 
     def _drop_unused_zero_grads(self, globally_used: list[bool], candidates: Iterable[int]) -> None:
         """Set `.grad` to None for parameters no rank used and that held no gradient, as torch leaves them."""
@@ -654,40 +556,14 @@ class Reducer:
                 self._params[index].grad = None
 
     def _reduce_sparse(self, globally_used: list[bool] | None) -> None:
-        """Average each sparse gradient with a sparse all-reduce of its own, in the same order on every rank.
-
-        A rank that did not use the parameter contributes an empty sparse tensor; a parameter no rank
-        used keeps its `.grad`, as the dense ones do.
-        """
-        works = []
-        world_size = dist.get_world_size(self._group)
-        for index in self._sparse:
-            param = self._params[index]
-            grad = param.grad
-            if grad is None:
-                contribution = _empty_sparse_like(param)
-            elif not grad.is_sparse:
-                raise TypeError(
-                    f"Rank {self._rank}: parameter {self._names[index]} belongs to a module with sparse=True "
-                    "but received a dense gradient (is it also used by another module, e.g. a tied output "
-                    "layer?). Use sparse=False for it."
-                )
-            else:
-                contribution = grad.coalesce() / world_size
-            # Collective: sparse all-reduce of one parameter's gradient (indices and values are gathered).
-            works.append(dist.all_reduce(contribution, group=self._group, async_op=True))
-            self._count_collective(contribution.values().numel() * contribution.element_size())
-        for index, work in zip(self._sparse, works):
-            name = self._names[index]
-            try:
-                # Host sync: wait for the sparse all-reduce.
-                work.wait(timedelta(seconds=self._timeout))
-            except RuntimeError as error:
-                raise CollectiveError(
-                    f"Rank {self._rank}: sparse all-reduce of {name}'s gradient failed: {error}"
-                ) from error
+        """Average the sparse gradients; a parameter no rank used keeps its `.grad`, as dense ones do."""
+        params = [self._params[index] for index in self._sparse]
+        names = [self._names[index] for index in self._sparse]
+        averaged = average_sparse_gradients(params, names, self._group, self._timeout)
+        for index, param, grad in zip(self._sparse, params, averaged):
+            self._count_collective(grad.values().numel() * grad.element_size())
             if globally_used is None or globally_used[index]:
-                self._params[index].grad = work.get_future().value()[0].coalesce()
+                param.grad = grad
                 self._has_grad[index] = True
 
     def _write_back(self, globally_used: list[bool] | None, candidates: Iterable[int]) -> None:
@@ -719,7 +595,7 @@ class Reducer:
                 gradient must stay missing.
         """
         layout = self._assign(order)
-        slots: list[_Slot | None] = [None] * len(self._params)
+        slots: list[Slot | None] = [None] * len(self._params)
         buckets = []
         for bucket_index, indices in enumerate(layout):
             first = self._params[indices[0]]
@@ -732,14 +608,14 @@ class Reducer:
             for index, offset in zip(indices, offsets):
                 param = self._params[index]
                 view = buffer[offset : offset + param.numel()].view(param.shape)
-                slots[index] = _Slot(bucket=bucket_index, view=view)
+                slots[index] = Slot(bucket=bucket_index, view=view)
                 with torch.no_grad():
                     if param.grad is not None:
                         view.copy_(param.grad)
                 if self._as_view and (param.grad is not None or attach_missing):
                     param.grad = view
             params = [self._params[i] for i in indices]
-            buckets.append(_Bucket(GradBucket(bucket_index, buffer, params, offsets), list(indices)))
+            buckets.append(Bucket(GradBucket(bucket_index, buffer, params, offsets), list(indices)))
         assert all((slot is None) == sparse for slot, sparse in zip(slots, self._is_sparse)), (
             "every dense parameter belongs to exactly one bucket"
         )
@@ -770,48 +646,3 @@ class Reducer:
             self._build_buckets(order, attach_missing=False)
         # Triggers follow this rank's own order: they decide only when, not what, this rank launches.
         self._install_hooks(local_order)
-
-    def _parameters_reached(self, loss: Any) -> set[int]:
-        """Return the indices of the parameters the autograd graph of `loss` reaches."""
-        reached: set[int] = set()
-        stack = []
-        for tensor in _iter_tensors(loss):
-            if tensor.grad_fn is not None:
-                stack.append(tensor.grad_fn)
-            elif id(tensor) in self._index_of:
-                reached.add(self._index_of[id(tensor)])
-        seen = set(stack)
-        accumulators = self._accumulators
-        while stack:
-            node = stack.pop()
-            index = accumulators.get(node)
-            if index is not None:
-                reached.add(index)
-                continue  # an AccumulateGrad node: a leaf of the graph
-            for next_node, _ in node.next_functions:
-                if next_node is not None and next_node not in seen:
-                    seen.add(next_node)
-                    stack.append(next_node)
-        return reached
-
-
-def _empty_sparse_like(param: Tensor) -> Tensor:
-    """Return an all-zero sparse gradient of `param`'s shape, laid out as an embedding's (one sparse dim)."""
-    indices = torch.empty(1, 0, dtype=torch.int64, device=param.device)
-    values = torch.empty(0, *param.shape[1:], dtype=param.dtype, device=param.device)
-    return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=True)
-
-
-def _iter_tensors(obj: Any) -> Iterator[Tensor]:
-    """Yield every tensor inside lists, tuples, dicts and dataclasses of `obj`."""
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _iter_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _iter_tensors(item)
-    elif is_dataclass(obj) and not isinstance(obj, type):
-        for f in fields(obj):
-            yield from _iter_tensors(getattr(obj, f.name))
