@@ -11,7 +11,13 @@ median step over all timed steps (p25-p75), and the BucketedDDP/NativeDDP ratio 
 per-repeat paired block medians, for the default options, `find_unused_parameters=True`, and
 BucketedDDP's `static_graph=True` against torch's.
 
-Results go to a table on stdout and to `benchmarks/results/many_params.json`.
+`--one-process` measures instead, in one process (a gloo group of one, so no peer and no wait), the
+backward of each strategy against a plain `loss.backward()` without any reducer: (median backward -
+plain median backward) / parameter tensors is the reducer's own cost per parameter during the
+backward, and `prepare_for_backward` alone times the unused-parameter graph walk.
+
+Results go to a table on stdout and to `benchmarks/results/many_params.json` (`--one-process`:
+`many_params_one_process.json`).
 """
 
 from __future__ import annotations
@@ -189,6 +195,73 @@ def print_table(summary: dict) -> None:
         )
 
 
+def one_process(args: argparse.Namespace) -> dict:
+    """Time forward, backward and zero_grad of each strategy against plain training, in this process."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.set_num_threads(1)
+    init_process_group_from_env(backend="gloo")
+    names = ["plain", "native_ddp", "bucketed_ddp", "native_ddp_unused", "bucketed_ddp_unused", "bucketed_ddp_static"]
+    makers = {
+        "plain": lambda: None,
+        "native_ddp": NativeDDP,
+        "bucketed_ddp": BucketedDDP,
+        "native_ddp_unused": lambda: NativeDDP(find_unused_parameters=True),
+        "bucketed_ddp_unused": lambda: BucketedDDP(find_unused_parameters=True),
+        "bucketed_ddp_static": lambda: BucketedDDP(static_graph=True),
+    }
+    batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for name in names:
+        torch.manual_seed(0)
+        model, strategy = Net(args.depth), makers[name]()
+        if strategy is not None:
+            strategy.setup(model)
+        runs[name] = (model, strategy, torch.optim.SGD(model.parameters(), lr=1e-3))
+    times: dict[str, dict[str, list[float]]] = {n: {"backward": [], "prepare": []} for n in names}
+    for repeat in range(args.repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            model, strategy, optimizer = runs[name]
+            for i in range(args.warmup + args.steps):
+                loss = model.training_step(batch, i) if strategy is None else strategy.training_step(model, batch, i)
+                start = time.perf_counter()
+                if isinstance(strategy, BucketedDDP):
+                    # The walk alone: what prepare_for_backward costs before the backward starts.
+                    walk = strategy.find_unused_parameters or strategy.static_graph
+                    strategy.reducer.prepare_for_backward(sync=True, loss=loss if walk else None)
+                    prepared = time.perf_counter()
+                    loss.backward()
+                    strategy.reducer.finalize_backward()
+                elif strategy is not None:
+                    prepared = start
+                    strategy.backward(loss, sync=True)
+                else:
+                    prepared = start
+                    loss.backward()
+                end = time.perf_counter()
+                if i >= args.warmup:
+                    times[name]["backward"].append(end - start)
+                    times[name]["prepare"].append(prepared - start)
+                optimizer.step()
+                if strategy is None:
+                    optimizer.zero_grad()
+                else:
+                    strategy.zero_grad(optimizer)
+    dist.destroy_process_group()
+    tensors = len(list(Net(args.depth).parameters()))
+    plain = statistics.median(times["plain"]["backward"])
+    result = {"parameter_tensors": tensors, "repeats": args.repeats, "steps_per_block": args.steps, "variants": {}}
+    for name in names:
+        backward = statistics.median(times[name]["backward"])
+        result["variants"][name] = {
+            "backward_median_ms": round(1e3 * backward, 3),
+            "backward_min_ms": round(1e3 * min(times[name]["backward"]), 3),
+            "prepare_median_ms": round(1e3 * statistics.median(times[name]["prepare"]), 3),
+            "overhead_per_parameter_us": round(1e6 * (backward - plain) / tensors, 3),
+        }
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
@@ -196,8 +269,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per repeat")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each block")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "many_params.json")
+    parser.add_argument("--one-process", action="store_true", help="the reducer's own per-parameter cost")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    results_dir = Path(__file__).parent / "results"
+    if args.one_process:
+        result = one_process(args)
+        for name, v in result["variants"].items():
+            print(
+                f"{name:22} backward {v['backward_median_ms']:8.2f} ms (min {v['backward_min_ms']:8.2f})  "
+                f"prepare {v['prepare_median_ms']:6.3f} ms  over plain {v['overhead_per_parameter_us']:6.2f} us/param"
+            )
+        out = args.out or results_dir / "many_params_one_process.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {out}")
+        return
+    args.out = args.out or results_dir / "many_params.json"
 
     port = free_port()
     context = multiprocessing.get_context("spawn")

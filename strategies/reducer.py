@@ -243,8 +243,6 @@ class Reducer:
         self._next_bucket = 0
         self._used_work = None
         self._pending = [len(bucket.param_indices) for bucket in self._buckets]
-        for bucket in self._buckets:
-            bucket.future = None
         self._ready_order = []
         self._step_stats = CommStats(
             buckets=len(self._buckets) + len(self._sparse), skipped_backwards=self._skipped_backwards
@@ -288,6 +286,7 @@ class Reducer:
         start = time.perf_counter()
         for bucket in self._buckets:
             result = self._wait(bucket)
+            bucket.future = None  # done with it: its collective's resources go now, not next step
             buffer = bucket.grad.buffer
             if result.data_ptr() != buffer.data_ptr():
                 buffer.copy_(result)
