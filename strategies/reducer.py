@@ -413,7 +413,7 @@ class Reducer:
         if not arrivals:
             return
         index_of, ready, views, pending = self._index_of, self._ready, self._views, self._pending
-        bucket_of = self._bucket_of
+        bucket_of, has_grad = self._bucket_of, self._has_grad
         # With a static graph, the used map is known after the first synchronized backward.
         locally_used = self._locally_used if self._find_unused and self._static_used is None else None
         indices = [index_of[id(param)] for param in arrivals]
@@ -421,6 +421,7 @@ class Reducer:
             if ready[index]:
                 self._raise_ready_twice(index)
             ready[index] = True
+            has_grad[index] = True
             view = views[index]
             if view is None:
                 continue  # a sparse gradient: reduced on its own after the buckets
@@ -441,6 +442,8 @@ class Reducer:
             return
         indices = [self._index_of[id(param)] for param in arrivals]
         arrivals.clear()
+        for index in indices:
+            self._has_grad[index] = True
         if self._find_unused:
             for index in indices:
                 self._locally_used[index] = True

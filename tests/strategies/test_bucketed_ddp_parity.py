@@ -445,3 +445,44 @@ def test_checkpointing_gradient_penalty_and_rank_dependent_order_match_torch_ddp
             for name, value in native.items():
                 torch.testing.assert_close(results[key][name], value, atol=1e-6, rtol=0, msg=f"{key} {name}")
     assert all(torch.equal(per_rank[0][key][n], per_rank[1][key][n]) for key in per_rank[0] for n in per_rank[0][key])
+
+
+# --------------------- a gradient the user keeps (no zero_grad) survives a step that does not use it
+class Switch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(4, 8)
+        self.branch = nn.Linear(8, 2)
+        self.head = nn.Linear(8, 2)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict:
+        x, y = batch
+        hidden = torch.tanh(self.trunk(x))
+        out = self.branch(hidden) if batch_idx == 0 else self.head(hidden)
+        return {"loss": F.mse_loss(out, y)}
+
+
+def _kept_gradients(rank: int, world_size: int) -> dict:
+    init_process_group_from_env()
+    results = {}
+    for kind in ("bucketed", "native"):
+        for as_view in (True, False):
+            torch.manual_seed(0)
+            model = Switch()
+            strategy = make_strategy(kind, find_unused_parameters=True, gradient_as_bucket_view=as_view)
+            strategy.setup_environment()
+            strategy.setup(model)
+            for step in range(2):  # the user accumulates across synchronized steps: no zero_grad
+                output = strategy.training_step(model, shard(global_batch(step), rank, world_size), step)
+                strategy.backward(output["loss"], sync=True)
+            strategy.teardown()
+            results[(kind, as_view)] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return results
+
+
+def test_a_kept_gradient_survives_a_step_that_does_not_use_it() -> None:
+    for results in run_distributed(_kept_gradients, 2, timeout=60):
+        for as_view in (True, False):
+            native = {n.removeprefix("task."): g for n, g in results[("native", as_view)].items()}
+            for name, grad in results[("bucketed", as_view)].items():
+                torch.testing.assert_close(grad, native[name], atol=1e-6, rtol=0, msg=f"{as_view} {name}")
