@@ -107,7 +107,8 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         """Move `task` to the device, check all ranks agree on it, copy rank 0's state, build the reducer.
 
         Raises:
-            ValueError: the ranks' models differ in parameter names, shapes or dtypes.
+            ValueError: the ranks' models differ in parameter names, shapes or dtypes, or a lazy module
+                has not been initialized by a forward yet.
         """
         task.to(self.root_device)
         self.check_same_parameters(task)
