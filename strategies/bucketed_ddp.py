@@ -21,11 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from syncline.strategies.backward_sync import BackwardSyncControl
 from syncline.strategies.comm_hooks import COMM_HOOKS, CommHook
 from syncline.strategies.process_group import ProcessGroupStrategy, broadcast_coalesced
 from syncline.strategies.reducer import Reducer
+from syncline.strategies.sparse_gradients import sparse_gradient_parameters
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -52,6 +55,9 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
             the backward (to measure what overlap buys).
         comm_state: the state object passed to a custom `comm_hook`; None gives the default hooks'
             `AllreduceState`.
+        static_graph: promise that every step uses the same parameters, as torch's DDP option of that
+            name: unused parameters are then found once, in the first synchronized step, instead of
+            walking the graph and all-reducing a used-parameter map every step.
     """
 
     name = "bucketed_ddp"
@@ -68,6 +74,7 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         timeout: float = 1800.0,
         overlap: bool = True,
         comm_state: Any = None,
+        static_graph: bool = False,
     ) -> None:
         super().__init__(backend=backend, timeout=timeout)
         if isinstance(comm_hook, str):
@@ -82,10 +89,11 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         self.comm_hook = comm_hook
         self.comm_state = comm_state
         self.overlap = overlap
+        self.static_graph = static_graph
         self._reducer: Reducer | None = None
+        self._step_check: RemovableHandle | None = None
         self._buffers: list[Tensor] = []
         self._buffers_stale = True
-        self._outputs: list[Any] = []
 
     @property
     def reducer(self) -> Reducer:
@@ -99,7 +107,8 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         """Move `task` to the device, check all ranks agree on it, copy rank 0's state, build the reducer.
 
         Raises:
-            ValueError: the ranks' models differ in parameter names, shapes or dtypes.
+            ValueError: the ranks' models differ in parameter names, shapes or dtypes, or a lazy module
+                has not been initialized by a forward yet.
         """
         task.to(self.root_device)
         self.check_same_parameters(task)
@@ -117,14 +126,22 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
             comm_state=self.comm_state,
             overlap=self.overlap,
             timeout=self.timeout,
+            sparse_gradients=sparse_gradient_parameters(task),
+            static_graph=self.static_graph,
         )
+        if self._step_check is None:
+            # Every optimizer's step, including one in a hand-written loop, first checks that the
+            # gradients it is about to apply were averaged.
+            self._step_check = register_optimizer_step_pre_hook(self._check_before_step)
 
     def teardown(self) -> None:
         """Remove the reducer's hooks; the process group stays for later stages."""
         if self._reducer is not None:
             self._reducer.remove_hooks()
             self._reducer = None
-        self._outputs = []
+        if self._step_check is not None:
+            self._step_check.remove()
+            self._step_check = None
         super().teardown()
 
     # -------------------------------------------------------------- train step
@@ -134,26 +151,37 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
             # Collective: every rank's forward sees rank 0's buffers, as torch's DDP does.
             broadcast_coalesced(self._buffers)
             self._buffers_stale = False
-        output = task.training_step(batch, batch_idx)
-        if self.find_unused_parameters:
-            # Kept until `backward`, whose reducer walks their graph if that backward synchronizes.
-            self._outputs.append(output)
-        return output
+        return task.training_step(batch, batch_idx)
 
-    def backward(self, loss: Tensor, *, sync: bool) -> None:
-        """Back-propagate `loss`; average gradients across ranks only when `sync` is true."""
+    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
+        """Back-propagate `loss`; average gradients across ranks only when `sync` is true.
+
+        With `find_unused_parameters`, a parameter is unused when the graph of `loss` does not reach
+        it, whatever else the forward computed from it.
+        """
         reducer = self.reducer
         sync = self._backward_syncs(sync)
-        outputs, self._outputs = [*self._outputs, loss], []
-        reducer.prepare_for_backward(sync=sync, outputs=outputs if self.find_unused_parameters else None)
-        loss.backward()
+        walk = self.find_unused_parameters or self.static_graph
+        reducer.prepare_for_backward(sync=sync, loss=loss if walk else None)
+        loss.backward(retain_graph=retain_graph)
         reducer.finalize_backward()
         if sync:
             self._buffers_stale = True
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """Zero gradients; in place when they are bucket views, so the views stay attached."""
-        optimizer.zero_grad(set_to_none=not self.gradient_as_bucket_view)
+        """Reset gradients as `optimizer.zero_grad()` does (to None), keeping bucket views attached.
+
+        A parameter that the next step does not use on any rank ends it with `.grad` None, so weight
+        decay and momentum leave frozen and unused parameters where they are, as in one process.
+        """
+        self.reducer.zero_grad([p for group in optimizer.param_groups for p in group["params"]])
+
+    def _check_before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Refuse a step on gradients that a bare `loss.backward()` left unaveraged (a global pre-hook)."""
+        reducer = self._reducer
+        # Inside `no_sync` a local step is deliberate.
+        if reducer is not None and reducer.has_unsynced_gradients and not self._sync_disabled:
+            reducer.check_synchronized([p for group in optimizer.param_groups for p in group["params"]])
 
     # -------------------------------------------------------------- reporting
     def communication_stats(self) -> dict[str, float]:
@@ -166,5 +194,6 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         return (
             f"BucketedDDP(bucket_cap_mb={self.bucket_cap_mb}, first_bucket_mb={self.first_bucket_mb}, "
             f"find_unused_parameters={self.find_unused_parameters}, "
-            f"gradient_as_bucket_view={self.gradient_as_bucket_view}, overlap={self.overlap})"
+            f"gradient_as_bucket_view={self.gradient_as_bucket_view}, overlap={self.overlap}, "
+            f"static_graph={self.static_graph})"
         )

@@ -89,29 +89,37 @@ def fp16_compress_wrapper(hook: CommHook) -> CommHook:
     """Wrap `hook` so that it communicates the bucket in float16 and returns it in the original dtype.
 
     The wrapped hook sees a copy of the bucket whose buffer is float16; its result is cast back into
-    the original buffer. This halves the bytes sent for fp32 gradients at a loss of precision.
+    the original buffer. This halves the bytes sent for fp32 gradients at a loss of precision. The cast
+    comes before `hook` runs, so a local gradient beyond float16's range (65504) becomes inf whatever
+    `hook` does; `fp16_compress_hook` divides by the world size before its cast instead.
     """
 
     def fp16_hook(state: Any, bucket: GradBucket) -> Future[Tensor]:
         original = bucket.buffer
         compressed = replace(bucket, buffer=original.to(torch.float16))
-
-        def decompress(fut: Future[Tensor]) -> Tensor:
-            original.copy_(fut.value())
-            return original
-
-        return hook(state, compressed).then(decompress)
+        return hook(state, compressed).then(_cast_back_into(original))
 
     fp16_hook.__name__ = f"fp16_compress_wrapper({getattr(hook, '__name__', 'hook')})"
     return fp16_hook
 
 
-_fp16_allreduce = fp16_compress_wrapper(allreduce_hook)
-
-
 def fp16_compress_hook(state: AllreduceState, bucket: GradBucket) -> Future[Tensor]:
-    """Average the bucket across the group in float16: `allreduce_hook` under `fp16_compress_wrapper`."""
-    return _fp16_allreduce(state, bucket)
+    """Average the bucket across the group, communicating it in float16.
+
+    Unlike `fp16_compress_wrapper(allreduce_hook)` (and torch's hook of the same name, which casts
+    first), the division by the world size happens in the bucket's own dtype before the cast, so a local
+    gradient up to 65504 times the world size survives the cast, and the all-reduced sum, being the
+    average, overflows only if the average itself exceeds 65504.
+
+    Returns:
+        A future whose value is `bucket.buffer`, holding the average.
+    """
+    original = bucket.buffer
+    # Divide before the cast so local gradients above float16's range do not become inf.
+    compressed = original.div_(state.world_size).to(torch.float16)
+    # Collective: asynchronous all-reduce of the float16 copy; the reducer waits on the future.
+    work = dist.all_reduce(compressed, group=state.process_group, async_op=True)
+    return work.get_future().then(_first_tensor).then(_cast_back_into(original))
 
 
 #: The built-in hooks by the names a config may use.
@@ -121,3 +129,20 @@ COMM_HOOKS: dict[str, CommHook] = {"allreduce": allreduce_hook, "fp16": fp16_com
 def _first_tensor(fut: Future[list[Tensor]]) -> Tensor:
     """Unwrap the single tensor of an all-reduce future."""
     return fut.value()[0]
+
+
+def _cast_back_into(original: Tensor) -> Callable[[Future[Tensor]], Tensor]:
+    """Return a `then` callback that copies a future's (compressed) tensor into `original`."""
+
+    def cast_back(fut: Future[Tensor]) -> Tensor:
+        # On CUDA, `then` runs this on a stream that already waits for the collective, so value() is
+        # safe here; the copy is queued on that stream, and the returned future records it.
+        compressed = fut.value()
+        original.copy_(compressed)
+        if compressed.is_cuda:
+            # The compressed copy dies with this callback: keep its memory from being reused by
+            # another stream before this stream's copy has read it.
+            compressed.record_stream(torch.cuda.current_stream(compressed.device))
+        return original
+
+    return cast_back

@@ -96,7 +96,7 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
         self._forward_synced = sync
         return output
 
-    def backward(self, loss: Tensor, *, sync: bool) -> None:
+    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
         """Back-propagate `loss`; torch's reducer all-reduces if the forward was prepared to.
 
         Raises:
@@ -110,11 +110,16 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
                 "strategy.sync_next_backward to the same value before training_step."
             )
         self._forward_synced = None
-        loss.backward()
+        loss.backward(retain_graph=retain_graph)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """Zero gradients; in place when they are bucket views, as torch recommends for that mode."""
-        optimizer.zero_grad(set_to_none=not self.gradient_as_bucket_view)
+        """Set gradients to None, as a single process does.
+
+        Zeroing in place would keep a zero gradient on parameters that the next step does not use
+        (frozen or unused layers), which weight decay and momentum then move; torch's DDP re-attaches
+        its bucket views on the next backward, so None costs a copy and nothing else.
+        """
+        optimizer.zero_grad(set_to_none=True)
 
     def communication_stats(self) -> dict[str, float]:
         """Return nothing: torch's DDP keeps its own counters private."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parameter import UninitializedParameter
 
 from syncline.strategies.strategy import ReduceOp, Strategy
 
@@ -244,8 +245,16 @@ class ProcessGroupStrategy(Strategy):
         """Raise on every rank if two ranks' parameters differ in name, shape, dtype or requires_grad.
 
         Raises:
-            ValueError: naming the first differing parameter and the two ranks.
+            ValueError: naming the first differing parameter and the two ranks, or the parameters of a
+                lazy module that no forward has initialized yet.
         """
+        lazy = [name for name, p in task.named_parameters() if isinstance(p, UninitializedParameter)]
+        if lazy:
+            raise ValueError(
+                f"Parameter(s) {', '.join(lazy)} are not initialized yet (a lazy module such as nn.LazyLinear), "
+                f"so {type(self).__name__} cannot copy rank 0's values or size its buckets. Run one forward on "
+                "a sample batch before training (before trainer.fit), or give the layer its input size."
+            )
         mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in task.named_parameters()]
         # Collective: every rank sees every rank's list, so every rank raises the same error.
         everyone = self.all_gather_object(mine)

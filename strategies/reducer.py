@@ -9,16 +9,21 @@ The reducer averages those gradients across ranks while the backward pass is sti
    in the order rank 0 actually observed.
 2. **Views.** With `gradient_as_bucket_view`, each `param.grad` *is* a view into its bucket, so
    autograd accumulates straight into the buffer and no copy is made per step.
-3. **Overlap.** A post-accumulate-grad hook marks a parameter ready; when the last parameter of a
+3. **Overlap.** A post-accumulate-grad hook records each parameter as it arrives (a C `list.append`
+   for most; one Python "trigger" per bucket processes the arrivals); when the last parameter of a
    bucket is ready and every earlier bucket has been launched, the bucket's comm hook starts an
    asynchronous all-reduce. Buckets launch in the same order on every rank.
 4. **Finalize.** After `loss.backward()` returns, the reducer waits for the outstanding collectives
    (the exposed, non-overlapped part of communication) and writes the averages back.
 5. **Skip sync.** A backward that does not synchronize leaves gradients to accumulate locally; the
    next synchronizing backward communicates the sum.
-6. **Unused parameters.** With `find_unused_parameters`, the autograd graph of the forward's outputs is
-   walked before the backward, and parameters it does not reach are marked ready up front so that no
-   bucket waits for a gradient that will never come. Without it, such a parameter is an error.
+6. **Unused parameters.** With `find_unused_parameters`, the autograd graph of the loss about to be
+   back-propagated is walked before the backward, and parameters it does not reach are marked ready
+   up front so that no bucket waits for a gradient that will never come. Without it, such a parameter
+   is an error. A parameter no rank used in a step ends it with `.grad` None, as in torch, so that
+   weight decay and momentum leave it alone.
+7. **Sparse gradients** (`nn.Embedding(sparse=True)`) stay out of the buckets: after the dense buckets,
+   each is averaged with its own sparse all-reduce, as torch's reducer does, and stays sparse.
 
 The reducer's public surface is `prepare_for_backward` (before `loss.backward()`) and
 `finalize_backward` (after it); `BucketedDDP` calls both.
@@ -26,21 +31,32 @@ The reducer's public surface is `prepare_for_backward` (before `loss.backward()`
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.futures import Future
 from torch.nn import Parameter
+from torch.utils.hooks import RemovableHandle
 
+from syncline.strategies.autograd_graph import grad_accumulators, parameters_reached
+from syncline.strategies.buckets import Bucket, Slot, assign_buckets
 from syncline.strategies.comm_hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
+from syncline.strategies.reducer_errors import (
+    CollectiveError,
+    UnusedParametersError,
+    ready_twice_message,
+    sparse_gradient_message,
+    thawed_message,
+    unsynced_message,
+    unused_message,
+)
+from syncline.strategies.sparse_gradients import average_sparse_gradients
 
 __all__ = [
     "CollectiveError",
@@ -51,14 +67,6 @@ __all__ = [
 ]
 
 _MB = 1024 * 1024
-
-
-class UnusedParametersError(RuntimeError):
-    """A synchronizing backward ended with parameters that never received a gradient."""
-
-
-class CollectiveError(RuntimeError):
-    """A bucket's collective failed or did not complete within the timeout."""
 
 
 @dataclass
@@ -84,80 +92,16 @@ class CommStats:
         return {f"comm/{f.name}": float(getattr(self, f.name)) for f in fields(self)}
 
 
-@dataclass(eq=False)
-class _Bucket:
-    """A bucket and its per-step state."""
-
-    grad: GradBucket
-    param_indices: list[int]
-    #: Parameters of this bucket not yet ready in the current backward.
-    pending: int = 0
-    future: Future[Tensor] | None = field(default=None, repr=False)
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the flat buffer in bytes."""
-        return self.grad.buffer.numel() * self.grad.buffer.element_size()
-
-
-@dataclass(eq=False)
-class _Slot:
-    """Where one parameter's gradient lives: its bucket and its view into the bucket's buffer."""
-
-    bucket: int
-    view: Tensor
-
-
-def assign_buckets(
-    params: Sequence[Tensor],
-    order: Sequence[int],
-    bucket_cap_bytes: int,
-    first_bucket_cap_bytes: int,
-) -> list[list[int]]:
-    """Group parameter indices into buckets, walking `order` and never splitting a parameter.
-
-    Parameters of different dtype or device go to different buckets. A bucket closes before it would
-    exceed its cap, so it holds at most `bucket_cap_bytes` unless a single parameter is larger, in
-    which case that parameter gets a bucket of its own. The first bucket of each dtype and device is
-    capped at `first_bucket_cap_bytes`.
-
-    Returns:
-        Lists of indices into `params`, ordered by when their first parameter appears in `order`.
-    """
-    open_buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
-    closed_count: dict[tuple[torch.dtype, torch.device], int] = {}
-    buckets: list[list[int]] = []
-    for index in order:
-        param = params[index]
-        key = (param.dtype, param.device)
-        nbytes = param.numel() * param.element_size()
-        cap = first_bucket_cap_bytes if closed_count.get(key, 0) == 0 else bucket_cap_bytes
-        bucket = open_buckets.setdefault(key, [])
-        if bucket and open_bytes[key] + nbytes > cap:
-            buckets.append(bucket)
-            closed_count[key] = closed_count.get(key, 0) + 1
-            bucket = open_buckets[key] = []
-        if not bucket:
-            open_bytes[key] = 0
-        bucket.append(index)
-        open_bytes[key] += nbytes
-    buckets.extend(bucket for bucket in open_buckets.values() if bucket)
-    position = {index: pos for pos, index in enumerate(order)}
-    buckets.sort(key=lambda bucket: position[bucket[0]])
-    return buckets
-
-
 class Reducer:
     """Average the gradients of `named_parameters` across a process group, bucket by bucket.
 
     Args:
         named_parameters: (qualified name, parameter) pairs in registration order; parameters that
-            do not require grad are ignored.
+            do not require grad are ignored (and must not start requiring it later).
         process_group: the group to average over; None means the default group.
         bucket_cap_mb: the most megabytes (MiB) of gradients in one bucket.
         first_bucket_mb: the cap of the first bucket, small so that communication starts early.
-        find_unused_parameters: walk the forward's autograd graph and do not wait for parameters it
+        find_unused_parameters: walk the loss's autograd graph and do not wait for parameters it
             does not reach.
         gradient_as_bucket_view: make each `param.grad` a view into its bucket.
         comm_hook: the per-bucket communication; defaults to `allreduce_hook`.
@@ -165,6 +109,11 @@ class Reducer:
         overlap: launch a bucket as soon as it is ready; False launches every bucket only after the
             backward, which is useful to measure what overlap buys.
         timeout: seconds to wait for one bucket's collective before raising.
+        sparse_gradients: the parameters whose gradients are sparse (those of `nn.Embedding` and
+            `nn.EmbeddingBag` with `sparse=True`); each is reduced by a sparse all-reduce of its own.
+        static_graph: promise that every step uses the same parameters: unused parameters are found
+            (graph walk and used-parameter all-reduce) in the first synchronized backward only, and
+            that answer is reused; implies `find_unused_parameters`.
     """
 
     def __init__(
@@ -180,18 +129,26 @@ class Reducer:
         comm_state: Any = None,
         overlap: bool = True,
         timeout: float = 1800.0,
+        sparse_gradients: Sequence[Tensor] = (),
+        static_graph: bool = False,
     ) -> None:
         named = [(name, p) for name, p in named_parameters if p.requires_grad]
         if not named:
             raise ValueError("The reducer needs at least one parameter that requires grad.")
+        # Never reduced: a parameter that starts requiring grad later would silently differ across ranks.
+        self._frozen_at_setup = [(name, p) for name, p in named_parameters if not p.requires_grad]
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        sparse_ids = {id(p) for p in sparse_gradients}
+        self._sparse = [i for i, p in enumerate(self._params) if id(p) in sparse_ids]
+        self._is_sparse = [id(p) in sparse_ids for p in self._params]
+        self._device = self._params[0].device
         self._group = process_group
         self._rank = dist.get_rank(process_group)
         self._bucket_cap_bytes = int(bucket_cap_mb * _MB)
         self._first_bucket_cap_bytes = int(first_bucket_mb * _MB)
-        self._find_unused = find_unused_parameters
+        self._find_unused = find_unused_parameters or static_graph
         self._as_view = gradient_as_bucket_view
         self._hook = comm_hook if comm_hook is not None else allreduce_hook
         self._hook_name = getattr(self._hook, "__name__", type(self._hook).__name__)
@@ -199,20 +156,34 @@ class Reducer:
         self._overlap = overlap
         self._timeout = timeout
 
-        self._buckets: list[_Bucket] = []
-        self._slots: list[_Slot] = []
+        self._buckets: list[Bucket] = []
+        self._slots: list[Slot | None] = []  # None for sparse gradients
+        # Whether .grad holds a value (a gradient, or the user's) since the last `zero_grad`; a zero
+        # bucket view attached for speed does not count.
+        self._has_grad = [p.grad is not None for p in self._params]
         self._build_buckets(list(reversed(range(len(self._params)))), attach_missing=True)
         self._rebuilt = False
 
         # Per-backward state, reset by `prepare_for_backward`.
+        self._armed = False  # between prepare_for_backward and finalize_backward
         self._sync = False
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
         self._ready_order: list[int] = []
+        #: Per bucket, its parameters not yet ready in the current backward.
+        self._pending = [0] * len(self._buckets)
         self._used_work: dist.Work | None = None
         self._used_map: Tensor | None = None
         # Parameters that received a gradient since the last synchronized backward.
         self._locally_used = [False] * len(self._params)
+        # Parameters that received a gradient outside prepare/finalize (a bare `loss.backward()`)
+        # since the last synchronized backward: never averaged unless a synchronized backward follows.
+        self._unsynced: set[int] = set()
+        # With a static graph: what the first synchronized backward found, reused ever after.
+        self._static_graph = static_graph
+        self._static_unreached: list[int] | None = None
+        self._unreached: list[int] = []  # parameters the current backward's graph does not reach
+        self._static_used: list[bool] | None = None
 
         self._stats = CommStats()
         self._step_stats = CommStats()
@@ -220,11 +191,13 @@ class Reducer:
         #: Collectives launched over the reducer's lifetime.
         self.collectives_launched = 0
 
-        # functools.partial calls from C: one Python frame per gradient instead of two.
-        self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
-            for i, p in enumerate(self._params)
-        ]
+        # Each parameter's AccumulateGrad node, held so that it stays the node every graph ends in:
+        # the graph walk then recognizes a parameter by a dictionary look-up (as torch's DDP holds them).
+        self._accumulators = grad_accumulators(self._params)
+        # Parameters whose gradients autograd has accumulated and the reducer has not yet processed.
+        self._arrivals: list[Tensor] = []
+        self._handles: list[RemovableHandle] = []
+        self._install_hooks(list(reversed(range(len(self._params)))))
 
     # ------------------------------------------------------------ public API
     @property
@@ -246,33 +219,49 @@ class Reducer:
         """Return the communication counters of the last synchronized backward."""
         return self._stats
 
-    def prepare_for_backward(self, *, sync: bool, outputs: Any = None) -> None:
+    def prepare_for_backward(self, *, sync: bool, loss: Any = None) -> None:
         """Arm the reducer for the coming `loss.backward()`.
 
         Args:
             sync: whether this backward averages gradients; False lets them accumulate locally.
-            outputs: what the forward returned (tensors in any nesting of lists, tuples, dicts and
-                dataclasses); required with `find_unused_parameters` when `sync` is true.
+            loss: the tensor about to be back-propagated (or tensors in any nesting of lists, tuples,
+                dicts and dataclasses); required with `find_unused_parameters` when `sync` is true.
+                Parameters its graph does not reach are unused in this backward.
+
+        Raises:
+            RuntimeError: a parameter that did not require grad at construction requires it now.
         """
+        # Gradients that arrived while nothing was armed came from a bare `loss.backward()`.
+        self._absorb_arrivals(unsynced=True)
+        self._armed = True
         self._sync = sync
         if not sync:
             self._skipped_backwards += 1
             return
+        self._check_frozen_at_setup()
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
         self._used_work = None
-        for bucket in self._buckets:
-            bucket.pending = len(bucket.param_indices)
-            bucket.future = None
+        self._pending = [len(bucket.param_indices) for bucket in self._buckets]
         self._ready_order = []
-        self._step_stats = CommStats(buckets=len(self._buckets), skipped_backwards=self._skipped_backwards)
+        self._step_stats = CommStats(
+            buckets=len(self._buckets) + len(self._sparse), skipped_backwards=self._skipped_backwards
+        )
         if self._find_unused:
-            if outputs is None:
-                raise ValueError("find_unused_parameters=True needs the forward's outputs to walk the graph.")
-            reached = self._parameters_reached(outputs)
-            for index in range(len(self._params)):
-                if index not in reached:
-                    self._mark_ready(index)
+            if self._static_unreached is not None:
+                unreached = self._static_unreached
+            else:
+                if loss is None:
+                    raise ValueError("find_unused_parameters=True needs the loss to walk its graph.")
+                reached = parameters_reached(loss, self._accumulators, self._index_of)
+                unreached = [index for index in range(len(self._params)) if index not in reached]
+                if self._static_graph:
+                    self._static_unreached = unreached
+            self._unreached = unreached
+            for index in unreached:
+                self._mark_ready(index)
+            if unreached and self._overlap:
+                self._launch_ready_buckets()
 
     def finalize_backward(self) -> None:
         """Wait for the backward's collectives and write the averaged gradients back.
@@ -281,36 +270,106 @@ class Reducer:
             UnusedParametersError: a parameter received no gradient and `find_unused_parameters` is off.
             CollectiveError: a bucket's collective failed or timed out.
         """
+        self._armed = False
         if not self._sync:
+            self._absorb_arrivals(unsynced=False)
             return
         self._sync = False
         self._skipped_backwards = 0
+        self._unsynced.clear()
+        self._process_arrivals()
         if not all(self._ready):
-            not_ready = [self._names[i] for i, ready in enumerate(self._ready) if not ready]
-            raise UnusedParametersError(
-                f"Rank {self._rank}: {len(not_ready)} parameter(s) received no gradient in this backward, "
-                f"so their buckets could not be reduced: {', '.join(not_ready)}. If the model does not "
-                "use every parameter in every forward, pass find_unused_parameters=True; otherwise make "
-                "sure the loss depends on every parameter that requires grad."
-            )
-        if not self._overlap:
-            self._launch_ready_buckets()
+            raise UnusedParametersError(self._unused_message())
+        # Without overlap, everything launches now; with it, only the used-parameter map can be left
+        # (when there is no dense bucket).
+        self._launch_ready_buckets()
         start = time.perf_counter()
         for bucket in self._buckets:
             result = self._wait(bucket)
+            bucket.future = None  # done with it: its collective's resources go now, not next step
             buffer = bucket.grad.buffer
             if result.data_ptr() != buffer.data_ptr():
                 buffer.copy_(result)
-        if self._find_unused:
-            self._write_back(self._wait_used_map())
+        globally_used = self._static_used
+        if self._find_unused and globally_used is None:
+            globally_used = self._wait_used_map()
+            if self._static_graph:
+                self._static_used = globally_used
+        if self._sparse:
+            self._reduce_sparse(globally_used)
+        every = range(len(self._params))
+        if globally_used is not None:
+            # With views, a parameter that got its gradient here already points into its bucket; only
+            # the ones the graph did not reach may need the average attached, or None.
+            self._write_back(globally_used, self._unreached if self._as_view else every)
+            self._drop_unused_zero_grads(globally_used, self._unreached)
         elif not self._as_view:
-            self._write_back(None)
+            self._write_back(None, every)
         self._step_stats.exposed_ms = (time.perf_counter() - start) * 1e3
         self._stats = self._step_stats
         if self._find_unused:
             self._locally_used = [False] * len(self._params)
         if not self._rebuilt:
             self._rebuild_buckets()
+
+    def zero_grad(self, params: Sequence[Tensor]) -> None:
+        """Reset the gradients of `params` as `optimizer.zero_grad()` (set to None) would, but cheaply.
+
+        Bucket views are zeroed in place and stay attached, so the next backward accumulates into them
+        without a copy; a parameter that then receives no gradient on any rank ends the next
+        synchronized backward with `.grad` None, exactly as if it had been set to None here.
+        Parameters outside the buckets, and gradients that are not views, are set to None.
+        """
+        if not self._as_view:
+            for param in params:
+                param.grad = None
+            return
+        wanted = {id(param) for param in params}
+        if wanted.issuperset(self._index_of):
+            # Every parameter of the reducer is reset (the usual case): one memset per bucket instead
+            # of one per parameter, and one pass that only detaches what is not a view.
+            for bucket in self._buckets:
+                bucket.grad.buffer.zero_()
+            self._has_grad = [False] * len(self._params)
+            for param, view in zip(self._params, self._views):
+                if param.grad is not view:
+                    param.grad = None  # a gradient the user put there, or a sparse one
+            if len(wanted) > len(self._params):
+                for param in params:
+                    if id(param) not in self._index_of:
+                        param.grad = None
+            return
+        for param in params:
+            index = self._index_of.get(id(param))
+            if index is None:
+                param.grad = None
+                continue
+            self._has_grad[index] = False
+            slot = self._slots[index]
+            if slot is None or param.grad is not slot.view:
+                param.grad = None  # a gradient the user put there: the next backward copies into the view
+            else:
+                slot.view.zero_()
+
+    @property
+    def has_unsynced_gradients(self) -> bool:
+        """Whether a backward the reducer did not prepare accumulated gradients since the last sync."""
+        return bool(self._unsynced) or (not self._armed and bool(self._arrivals))
+
+    def check_synchronized(self, params: Sequence[Tensor]) -> None:
+        """Raise if any of `params` holds a gradient that a bare `loss.backward()` left unaveraged.
+
+        Raises:
+            RuntimeError: naming the parameters and the call to use instead.
+        """
+        if not self._armed:
+            self._absorb_arrivals(unsynced=True)
+        if not self._unsynced:
+            return
+        wanted = {id(param) for param in params}
+        names = sorted({self._names[i] for i in self._unsynced if id(self._params[i]) in wanted})
+        if names:
+            raise RuntimeError(unsynced_message(self._rank, names))
 
     def remove_hooks(self) -> None:
         """Detach the reducer from the parameters; gradients stay where they are."""
@@ -319,55 +378,124 @@ class Reducer:
         self._handles = []
 
     # ------------------------------------------------------------- the hooks
-    def _on_grad_ready(self, index: int, _param: Tensor) -> None:
-        """Record that autograd has accumulated parameter `index`'s gradient (a post-accumulate hook)."""
-        if self._find_unused:
-            self._locally_used[index] = True
-        if not self._sync:
+    # Autograd runs a hook per parameter once its gradient is accumulated. A Python function there
+    # costs microseconds per parameter, torch's C++ hooks a fraction of one; so most parameters' hook
+    # is `self._arrivals.append`, a C function that only records the parameter. The parameter expected
+    # to arrive last in each bucket (its "trigger") runs Python: it processes every arrival so far in
+    # one loop and launches the buckets that are complete. If gradients arrive in another order than
+    # expected, a complete bucket waits for a later trigger or for `finalize_backward`, never longer.
+    def _install_hooks(self, order: list[int]) -> None:
+        """Hook every parameter; the last of each bucket in `order`, and sparse ones, as triggers."""
+        for handle in self._handles:
+            handle.remove()
+        position = {index: pos for pos, index in enumerate(order)}
+        triggers = set(self._sparse)
+        for bucket in self._buckets:
+            triggers.add(max(bucket.param_indices, key=position.__getitem__))
+        self._handles = [
+            param.register_post_accumulate_grad_hook(self._on_trigger if index in triggers else self._arrivals.append)
+            for index, param in enumerate(self._params)
+        ]
+
+    def _on_trigger(self, param: Tensor) -> None:
+        """Record `param`'s arrival, then process all arrivals and launch the buckets that are complete."""
+        self._arrivals.append(param)
+        if self._sync:
+            self._process_arrivals()
+            if self._overlap:
+                self._launch_ready_buckets()
+        elif not self._armed:
+            self._absorb_arrivals(unsynced=True)  # keeps the list short in a loop that never syncs
+
+    def _process_arrivals(self) -> None:
+        """Mark every parameter that arrived since the last call ready and count it off its bucket."""
+        arrivals = self._arrivals
+        if not arrivals:
             return
-        if self._ready[index]:
-            raise RuntimeError(
-                f"Rank {self._rank}: parameter {self._names[index]} became ready twice in one backward. "
-                "Either it received a gradient although the forward's graph did not reach it (was the "
-                "loss computed from tensors other than training_step's outputs?), or it took part in "
-                "several backward passes (reentrant checkpointing), which the reducer does not support."
-            )
+        index_of, ready, views, pending = self._index_of, self._ready, self._views, self._pending
+        bucket_of, has_grad = self._bucket_of, self._has_grad
+        # With a static graph, the used map is known after the first synchronized backward.
+        locally_used = self._locally_used if self._find_unused and self._static_used is None else None
+        indices = [index_of[id(param)] for param in arrivals]
+        for param, index in zip(arrivals, indices):
+            if ready[index]:
+                self._raise_ready_twice(index)
+            ready[index] = True
+            has_grad[index] = True
+            view = views[index]
+            if view is None:
+                continue  # a sparse gradient: reduced on its own after the buckets
+            if param.grad is not view:
+                self._fill_slot(index)
+            pending[bucket_of[index]] -= 1
+        if locally_used is not None:
+            for index in indices:
+                locally_used[index] = True
         if not self._rebuilt:
-            self._ready_order.append(index)
-        self._mark_ready(index)
+            self._ready_order.extend(indices)
+        arrivals.clear()
+
+    def _absorb_arrivals(self, *, unsynced: bool) -> None:
+        """Take note of gradients accumulated outside a synchronized backward, and forget the arrivals."""
+        arrivals = self._arrivals
+        if not arrivals:
+            return
+        indices = [self._index_of[id(param)] for param in arrivals]
+        arrivals.clear()
+        for index in indices:
+            self._has_grad[index] = True
+        if self._find_unused:
+            for index in indices:
+                self._locally_used[index] = True
+        if unsynced:
+            self._unsynced.update(indices)
+
+    def _raise_ready_twice(self, index: int) -> None:
+        raise RuntimeError(ready_twice_message(self._rank, self._names[index]))
 
     def _mark_ready(self, index: int) -> None:
-        """Put parameter `index`'s gradient in its bucket and launch every bucket that became ready."""
+        """Mark parameter `index` ready before its gradient arrives (it will not: it is unused)."""
         self._ready[index] = True
         slot = self._slots[index]
+        if slot is not None:
+            if self._params[index].grad is not slot.view:
+                self._fill_slot(index)
+            self._pending[slot.bucket] -= 1
+
+    def _fill_slot(self, index: int) -> None:
+        """Put a gradient that is not (yet) a bucket view into its slot: copy it, or zeros for None."""
+        slot = self._slots[index]
+        assert slot is not None
         param = self._params[index]
         grad = param.grad
         if grad is None:
             # Unused so far: contribute zeros, and leave .grad alone unless some rank used it.
             slot.view.zero_()
-        elif grad is not slot.view:
-            slot.view.copy_(grad)
-            if self._as_view:
-                # The user replaced .grad (e.g. set it to None); point it back into the bucket.
-                param.grad = slot.view
-        bucket = self._buckets[slot.bucket]
-        bucket.pending -= 1
-        if bucket.pending == 0 and self._overlap:
-            self._launch_ready_buckets()
+            return
+        if grad.layout != torch.strided:
+            raise TypeError(sparse_gradient_message(self._rank, self._names[index], grad.layout))
+        slot.view.copy_(grad)
+        if self._as_view:
+            # The user replaced .grad (e.g. set it to None); point it back into the bucket.
+            param.grad = slot.view
 
     def _launch_ready_buckets(self) -> None:
         """Launch, in bucket order, every bucket from the next unlaunched one that is ready."""
-        buckets = self._buckets
-        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
+        buckets, pending = self._buckets, self._pending
+        while self._next_bucket < len(buckets) and pending[self._next_bucket] == 0:
             bucket = buckets[self._next_bucket]
             # Collective: the comm hook starts the bucket's asynchronous all-reduce.
             bucket.future = self._hook(self._state, bucket.grad)
             self._count_collective(bucket.nbytes)
             self._next_bucket += 1
-        if self._next_bucket == len(buckets) and self._find_unused and self._used_work is None:
-            self._used_map = torch.tensor(
-                self._locally_used, dtype=torch.int32, device=self._buckets[0].grad.buffer.device
-            )
+        if (
+            self._next_bucket == len(buckets)
+            and self._find_unused
+            and self._static_used is None
+            and self._used_work is None
+            and all(self._ready[index] for index in self._sparse)
+        ):
+            self._used_map = torch.tensor(self._locally_used, dtype=torch.int32, device=self._device)
             # Collective: count, per parameter, the ranks that used it since the last sync.
             self._used_work = dist.all_reduce(self._used_map, group=self._group, async_op=True)
             self._count_collective(self._used_map.numel() * self._used_map.element_size())
@@ -378,7 +506,7 @@ class Reducer:
         self.collectives_launched += 1
 
     # ----------------------------------------------------------- end of step
-    def _wait(self, bucket: _Bucket) -> Tensor:
+    def _wait(self, bucket: Bucket) -> Tensor:
         """Return the bucket's reduced buffer, waiting at most `timeout` seconds for it."""
         future = bucket.future
         assert future is not None, "finalize_backward waits only on launched buckets"
@@ -393,7 +521,10 @@ class Reducer:
                     "another rank is probably stuck or launched different collectives."
                 )
         try:
-            return future.value()
+            # Not value(): on NCCL a future can be done once the collective is enqueued; wait() also
+            # makes the current CUDA stream wait for it, so the optimizer never reads a half-reduced
+            # bucket (as torch's reducer does). On CPU it returns at once.
+            return future.wait()
         except RuntimeError as error:
             raise CollectiveError(f"{what} ({bucket.nbytes} bytes) failed: {error}") from error
 
@@ -408,13 +539,45 @@ class Reducer:
         # Host sync: read the counts back to the CPU.
         return [count > 0 for count in self._used_map.tolist()]
 
-    def _write_back(self, globally_used: list[bool] | None) -> None:
-        """Make every used parameter's `.grad` hold its bucket's average; leave unused ones untouched."""
-        for index, param in enumerate(self._params):
-            if globally_used is not None and not globally_used[index]:
+    def _unused_message(self) -> str:
+        not_ready = [i for i, ready in enumerate(self._ready) if not ready]
+        unused = [self._names[i] for i in not_ready if self._params[i].requires_grad]
+        frozen = [self._names[i] for i in not_ready if not self._params[i].requires_grad]
+        return unused_message(self._rank, unused, frozen)
+
+    def _check_frozen_at_setup(self) -> None:
+        """Raise if a parameter left out of the buckets at construction now requires grad."""
+        thawed = [name for name, param in self._frozen_at_setup if param.requires_grad]
+        if thawed:
+            raise RuntimeError(thawed_message(self._rank, thawed))
+
+    def _drop_unused_zero_grads(self, globally_used: list[bool], candidates: Iterable[int]) -> None:
+        """Set `.grad` to None for parameters no rank used and that held no gradient, as torch leaves them."""
+        for index in candidates:
+            if not globally_used[index] and not self._has_grad[index]:
+                self._params[index].grad = None
+
+    def _reduce_sparse(self, globally_used: list[bool] | None) -> None:
+        """Average the sparse gradients; a parameter no rank used keeps its `.grad`, as dense ones do."""
+        params = [self._params[index] for index in self._sparse]
+        names = [self._names[index] for index in self._sparse]
+        averaged = average_sparse_gradients(params, names, self._group, self._timeout)
+        for index, param, grad in zip(self._sparse, params, averaged):
+            self._count_collective(grad.values().numel() * grad.element_size())
+            if globally_used is None or globally_used[index]:
+                param.grad = grad
+                self._has_grad[index] = True
+
+    def _write_back(self, globally_used: list[bool] | None, candidates: Iterable[int]) -> None:
+        """Make each used parameter of `candidates` hold its bucket's average; leave unused ones untouched."""
+        for index in candidates:
+            param = self._params[index]
+            slot = self._slots[index]
+            if slot is None or (globally_used is not None and not globally_used[index]):
                 continue
-            view = self._slots[index].view
+            view = slot.view
             grad = param.grad
+            self._has_grad[index] = True
             if self._as_view:
                 if grad is None:
                     param.grad = view
@@ -433,8 +596,8 @@ class Reducer:
                 construction that saves a copy on the first step, while at a rebuild a missing
                 gradient must stay missing.
         """
-        layout = assign_buckets(self._params, order, self._bucket_cap_bytes, self._first_bucket_cap_bytes)
-        slots: list[_Slot | None] = [None] * len(self._params)
+        layout = self._assign(order)
+        slots: list[Slot | None] = [None] * len(self._params)
         buckets = []
         for bucket_index, indices in enumerate(layout):
             first = self._params[indices[0]]
@@ -447,65 +610,41 @@ class Reducer:
             for index, offset in zip(indices, offsets):
                 param = self._params[index]
                 view = buffer[offset : offset + param.numel()].view(param.shape)
-                slots[index] = _Slot(bucket=bucket_index, view=view)
+                slots[index] = Slot(bucket=bucket_index, view=view)
                 with torch.no_grad():
                     if param.grad is not None:
                         view.copy_(param.grad)
                 if self._as_view and (param.grad is not None or attach_missing):
                     param.grad = view
             params = [self._params[i] for i in indices]
-            buckets.append(_Bucket(GradBucket(bucket_index, buffer, params, offsets), list(indices)))
-        assert all(slot is not None for slot in slots), "every parameter belongs to exactly one bucket"
+            buckets.append(Bucket(GradBucket(bucket_index, buffer, params, offsets), list(indices)))
+        assert all((slot is None) == sparse for slot, sparse in zip(slots, self._is_sparse)), (
+            "every dense parameter belongs to exactly one bucket"
+        )
         self._buckets = buckets
-        self._slots = slots  # type: ignore[assignment]
+        self._slots = slots
+        # The same as flat lists (None for sparse gradients), for the per-step loops.
+        self._views = [None if slot is None else slot.view for slot in slots]
+        self._bucket_of = [-1 if slot is None else slot.bucket for slot in slots]
+
+    def _assign(self, order: list[int]) -> list[list[int]]:
+        """Lay out the buckets of the dense parameters in `order`."""
+        dense = [index for index in order if not self._is_sparse[index]]
+        return assign_buckets(self._params, dense, self._bucket_cap_bytes, self._first_bucket_cap_bytes)
 
     def _rebuild_buckets(self) -> None:
         """Rebuild the buckets once, in the gradient order rank 0 observed, identically on every rank."""
         self._rebuilt = True
         seen = set(self._ready_order)
-        order = self._ready_order + [i for i in reversed(range(len(self._params))) if i not in seen]
-        order_tensor = torch.tensor(order, dtype=torch.int64, device=self._buckets[0].grad.buffer.device)
+        local_order = self._ready_order + [i for i in reversed(range(len(self._params))) if i not in seen]
+        order_tensor = torch.tensor(local_order, dtype=torch.int64, device=self._device)
         # Collective: every rank adopts rank 0's order, so bucket i holds the same parameters everywhere.
         dist.broadcast(order_tensor, group=self._group, group_src=0)
         # Host sync: the order is needed on the CPU to lay out the buffers.
         order = order_tensor.tolist()
         current = [bucket.param_indices for bucket in self._buckets]
-        new = assign_buckets(self._params, order, self._bucket_cap_bytes, self._first_bucket_cap_bytes)
+        new = self._assign(order)
         if new != current:
             self._build_buckets(order, attach_missing=False)
-
-    def _parameters_reached(self, outputs: Any) -> set[int]:
-        """Return the indices of the parameters the autograd graph of `outputs` reaches."""
-        reached: set[int] = set()
-        stack = []
-        for tensor in _iter_tensors(outputs):
-            if tensor.grad_fn is not None:
-                stack.append(tensor.grad_fn)
-            elif id(tensor) in self._index_of:
-                reached.add(self._index_of[id(tensor)])
-        seen = set(stack)
-        while stack:
-            node = stack.pop()
-            variable = getattr(node, "variable", None)  # set on AccumulateGrad nodes only
-            if variable is not None and id(variable) in self._index_of:
-                reached.add(self._index_of[id(variable)])
-            for next_node, _ in node.next_functions:
-                if next_node is not None and next_node not in seen:
-                    seen.add(next_node)
-                    stack.append(next_node)
-        return reached
-
-
-def _iter_tensors(obj: Any) -> Iterator[Tensor]:
-    """Yield every tensor inside lists, tuples, dicts and dataclasses of `obj`."""
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _iter_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _iter_tensors(item)
-    elif is_dataclass(obj) and not isinstance(obj, type):
-        for f in fields(obj):
-            yield from _iter_tensors(getattr(obj, f.name))
+        # Triggers follow this rank's own order: they decide only when, not what, this rank launches.
+        self._install_hooks(local_order)

@@ -95,13 +95,14 @@ class Strategy(ABC):
         """Run the task's forward for one micro-batch and return what `training_step` returned."""
         return task.training_step(batch, batch_idx)
 
-    def backward(self, loss: Tensor, *, sync: bool) -> None:
+    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
         """Back-propagate `loss`; synchronize gradients across processes only when `sync` is true.
 
         The loop passes `sync=False` for every micro-batch but the last of an accumulation window.
         When this returns with `sync=True`, gradients are ready for clipping and the optimizer.
+        `retain_graph` keeps the graph for another backward, as in `Tensor.backward`.
         """
-        loss.backward()
+        loss.backward(retain_graph=retain_graph)
 
     def clip_gradients(self, parameters: list[Tensor], max_norm: float) -> Tensor:
         """Clip the gradients' global 2-norm to `max_norm` and return the norm before clipping.

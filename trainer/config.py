@@ -89,6 +89,7 @@ class BucketedDDPConf:
     backend: str | None = None
     timeout: float = 1800.0
     overlap: bool = True
+    static_graph: bool = False
 
 
 @dataclass
@@ -103,6 +104,7 @@ class NativeDDPConf:
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = False
     broadcast_buffers: bool = True
+    static_graph: bool = False
 
 
 #: The config of each strategy, by the name it has in `strategies.STRATEGIES` ("auto" is the Trainer's).

@@ -37,6 +37,8 @@ def _hooks(rank: int, world_size: int) -> dict:
 
     # Summing first would overflow float16 (max 65504); dividing before the all-reduce does not.
     large = fp16_compress_hook(state, _bucket(torch.full((4,), 40000.0))).wait()
+    # A local gradient beyond float16's range whose average is within it: dividing before the cast keeps it.
+    beyond_fp16 = fp16_compress_hook(state, _bucket(torch.full((4,), 70000.0 if rank == 0 else 0.0))).wait()
 
     seen_dtypes = []
 
@@ -52,6 +54,7 @@ def _hooks(rank: int, world_size: int) -> dict:
         "fp16": fp16_reduced,
         "fp16_dtype_and_place": (fp16_reduced.dtype, fp16_reduced.data_ptr() == fp16_bucket.buffer.data_ptr()),
         "large": large,
+        "beyond_fp16": beyond_fp16,
         "seen_dtypes": seen_dtypes,
         "composed": composed,
     }
@@ -68,6 +71,8 @@ def test_allreduce_averages_and_fp16_stays_close() -> None:
         assert not torch.equal(result["fp16"], average)  # it really went through float16
         assert result["fp16_dtype_and_place"] == (torch.float32, True)
         torch.testing.assert_close(result["large"], torch.full((4,), 40000.0))
+        beyond = torch.full((4,), 70000.0 / world_size)
+        torch.testing.assert_close(result["beyond_fp16"], beyond, rtol=FP16_RTOL, atol=0)
         assert result["seen_dtypes"] == [torch.float16]
         torch.testing.assert_close(result["composed"], average, atol=1e-4, rtol=FP16_RTOL)
 

@@ -63,7 +63,7 @@ class Chain(nn.Module):
 
 
 def _backward(reducer: Reducer, loss: torch.Tensor, sync: bool = True) -> None:
-    reducer.prepare_for_backward(sync=sync, outputs=loss)
+    reducer.prepare_for_backward(sync=sync, loss=loss)
     loss.backward()
     reducer.finalize_backward()
 
@@ -232,3 +232,12 @@ def test_buckets_are_rebuilt_once_in_rank_0s_observed_order() -> None:
     for result in (rank0, rank1):
         for name, value in reference.items():
             torch.testing.assert_close(result["params"][name], value, atol=1e-6, rtol=0)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_a_sparse_gradient_the_reducer_was_not_told_about_is_named() -> None:
+    # Declared sparse by BucketedDDP for nn.Embedding(sparse=True); a bare Reducer is not told.
+    embedding = nn.Embedding(10, 3, sparse=True)
+    reducer = Reducer(list(embedding.named_parameters()), gradient_as_bucket_view=False)
+    with pytest.raises(TypeError, match=r"weight received a torch.sparse_coo gradient.*sparse=True"):
+        _backward(reducer, embedding(torch.tensor([1, 2])).sum())

@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from syncline.callbacks import Callback
+from syncline.strategies import BucketedDDP, NativeDDP
 from syncline.trainer import Trainer
 from tests.strategies._dist import run_distributed
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
@@ -73,6 +75,40 @@ def test_ddp_trainer_equals_single_process_on_the_global_batch_and_reduces_metri
     assert (metrics0["rank_local"], metrics1["rank_local"]) == (0.0, 1.0)
     # rank 0 weighs 4 per step with value 0, rank 1 weighs 2 with value 1: (0*4 + 1*2) / 6
     assert abs(metrics0["weighted"] - 1 / 3) < 1e-6 and metrics0["weighted"] == metrics1["weighted"]
+
+
+class FreezeFirstLayer(Callback):
+    """Freeze the first layer after two optimizer steps, as a fine-tuning schedule does."""
+
+    def on_train_batch_start(self, trainer, task, batch, batch_idx):
+        if trainer.global_step == 2:
+            task.net[0].requires_grad_(False)
+
+
+class AdamWRegressor(Regressor):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.1)
+
+
+def _fit_freezing(rank, world_size, strategy):
+    torch.manual_seed(0)
+    task = AdamWRegressor()
+    strategy = {"bucketed_ddp": BucketedDDP, "native_ddp": NativeDDP}[strategy](find_unused_parameters=True)
+    trainer = Trainer(max_epochs=1, strategy=strategy, callbacks=[FreezeFirstLayer()], **quiet())
+    trainer.fit(task, loader(regression_data(32), 4))
+    return {k: v.clone() for k, v in task.state_dict().items()}
+
+
+@pytest.mark.parametrize("strategy", ["bucketed_ddp", "native_ddp"])
+def test_a_layer_frozen_by_a_callback_stays_where_one_process_leaves_it_under_adamw(strategy):
+    """Issue 9: a frozen layer must get .grad None, not a zero view that AdamW's decay keeps moving."""
+    results = run_distributed(_fit_freezing, world_size=2, args=(strategy,), timeout=120)
+    torch.manual_seed(0)
+    task = AdamWRegressor()
+    Trainer(max_epochs=1, callbacks=[FreezeFirstLayer()], **quiet()).fit(task, loader(regression_data(32), 8))
+    for state in results:
+        for name, value in task.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
 
 
 def _shards(rank, world_size):

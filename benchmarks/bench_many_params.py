@@ -1,0 +1,312 @@
+"""Per-parameter cost: BucketedDDP against torch's DDP on a model of thousands of small parameter tensors.
+
+    python benchmarks/bench_many_params.py          # world size 2, gloo, one thread per rank
+
+The model is `DEPTH` x (Linear(WIDTH, WIDTH) + LayerNorm(WIDTH)) with a small width, so that a step's
+compute is small and the reducer's per-parameter bookkeeping (one Python hook per gradient, the
+unused-parameter walk) is what differs between the two reducers: torch's hooks are C++. Variants run
+in the same two processes, interleaved in a rotated order per repeat (as in `bench_ddp.py`); a step is
+forward + backward + SGD step + the strategy's zero_grad, timed as the slower rank's. Reported: the
+median step over all timed steps (p25-p75), and the BucketedDDP/NativeDDP ratio of medians and of
+per-repeat paired block medians, for the default options, `find_unused_parameters=True`, and
+BucketedDDP's `static_graph=True` against torch's.
+
+`--one-process` measures instead, in one process (a gloo group of one, so no peer and no wait), the
+backward of each strategy against a plain `loss.backward()` without any reducer: (median backward -
+plain median backward) / parameter tensors is the reducer's own cost per parameter during the
+backward, and `prepare_for_backward` alone times the unused-parameter graph walk.
+
+Results go to a table on stdout and to `benchmarks/results/many_params.json` (`--one-process`:
+`many_params_one_process.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import cpu_model
+from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.launcher import free_port
+from syncline.strategies.native_ddp import NativeDDP
+from syncline.strategies.process_group import init_process_group_from_env
+
+WIDTH, BATCH = 16, 8
+
+#: (ours, torch's) pairs whose step-time ratio is reported.
+PAIRS = {
+    "default": ("bucketed_ddp", "native_ddp"),
+    "find_unused_parameters": ("bucketed_ddp_unused", "native_ddp_unused"),
+    "static_graph": ("bucketed_ddp_static", "native_ddp_static"),
+}
+
+
+class Net(nn.Module):
+    """`depth` x (Linear(16, 16) + LayerNorm(16)): four parameter tensors per block."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        blocks = (nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(depth))
+        self.layers = nn.Sequential(*blocks)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.layers(batch).square().mean()
+
+
+class Variant:
+    """One strategy training its own copy of the model."""
+
+    def __init__(self, name: str, strategy, depth: int) -> None:
+        self.name = name
+        self.strategy = strategy
+        torch.manual_seed(0)
+        self.model = Net(depth)
+        strategy.setup(self.model)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+
+    def step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        strategy = self.strategy
+        loss = strategy.training_step(self.model, batch, batch_idx)
+        strategy.backward(loss, sync=True)
+        self.optimizer.step()
+        strategy.zero_grad(self.optimizer)
+
+
+def build_variants(depth: int) -> list[Variant]:
+    # Each pair stays adjacent under rotation, except when the rotation splits it.
+    return [
+        Variant("native_ddp", NativeDDP(), depth),
+        Variant("bucketed_ddp", BucketedDDP(), depth),
+        Variant("native_ddp_unused", NativeDDP(find_unused_parameters=True), depth),
+        Variant("bucketed_ddp_unused", BucketedDDP(find_unused_parameters=True), depth),
+        Variant("native_ddp_static", NativeDDP(static_graph=True), depth),
+        Variant("bucketed_ddp_static", BucketedDDP(static_graph=True), depth),
+    ]
+
+
+def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    init_process_group_from_env(backend="gloo")
+    variants = build_variants(args.depth)
+    batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
+    timings: dict[str, dict[str, list[float]]] = {v.name: {"step": [], "block": []} for v in variants}
+    for repeat in range(args.repeats):
+        shift = repeat % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            for i in range(args.warmup):
+                variant.step(batch, i)
+            dist.barrier()
+            block = []
+            for i in range(args.steps):
+                start = time.perf_counter()
+                variant.step(batch, i)
+                block.append(time.perf_counter() - start)
+            timings[variant.name]["step"].extend(block)
+            timings[variant.name]["block"].append(statistics.median(block))
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, timings)
+    if rank == 0:
+        results.put(gathered)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
+    def ms(seconds: float) -> float:
+        return round(1e3 * seconds, 3)
+
+    variants = {}
+    for name in per_rank[0]:
+        # A synchronized step is as slow as its slowest rank.
+        step = [max(values) for values in zip(*(r[name]["step"] for r in per_rank))]
+        q = statistics.quantiles(step, n=4)
+        variants[name] = {
+            "median_ms": ms(statistics.median(step)),
+            "p25_ms": ms(q[0]),
+            "p75_ms": ms(q[2]),
+            "timed_steps": len(step),
+        }
+    ratios = {}
+    for label, (ours, native) in PAIRS.items():
+        paired = [
+            max(a) / max(b)
+            for a, b in zip(zip(*(r[ours]["block"] for r in per_rank)), zip(*(r[native]["block"] for r in per_rank)))
+        ]
+        ratios[label] = {
+            "ratio_of_medians": round(variants[ours]["median_ms"] / variants[native]["median_ms"], 4),
+            "paired_block_ratio": {
+                "median": round(statistics.median(paired), 4),
+                "min": round(min(paired), 4),
+                "max": round(max(paired), 4),
+            },
+        }
+    model = Net(args.depth)
+    return {
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "backend": "gloo",
+            "threads_per_rank": 1,
+        },
+        "setup": {
+            "world_size": args.world_size,
+            "model": f"{args.depth} x (Linear({WIDTH}, {WIDTH}) + LayerNorm({WIDTH}))",
+            "parameter_tensors": len(list(model.parameters())),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "batch_per_rank": BATCH,
+            "optimizer": "SGD(lr=1e-3)",
+            "repeats": args.repeats,
+            "steps_per_block": args.steps,
+            "warmup_per_block": args.warmup,
+        },
+        "variants": variants,
+        "bucketed_over_native": ratios,
+    }
+
+
+def print_table(summary: dict) -> None:
+    print(f"{'variant':22} {'median step ms (p25-p75)':>28}")
+    for name, v in summary["variants"].items():
+        print(f"{name:22} {v['median_ms']:10.2f} ({v['p25_ms']:7.2f}-{v['p75_ms']:7.2f})")
+    print()
+    for label, ratio in summary["bucketed_over_native"].items():
+        paired = ratio["paired_block_ratio"]
+        print(
+            f"BucketedDDP / NativeDDP, {label:24}: {ratio['ratio_of_medians']:.3f} "
+            f"(paired per repeat: median {paired['median']:.3f}, range {paired['min']:.3f}-{paired['max']:.3f})"
+        )
+
+
+def one_process(args: argparse.Namespace) -> dict:
+    """Time forward, backward and zero_grad of each strategy against plain training, in this process."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.set_num_threads(1)
+    init_process_group_from_env(backend="gloo")
+    names = ["plain", "native_ddp", "bucketed_ddp", "native_ddp_unused", "bucketed_ddp_unused", "bucketed_ddp_static"]
+    makers = {
+        "plain": lambda: None,
+        "native_ddp": NativeDDP,
+        "bucketed_ddp": BucketedDDP,
+        "native_ddp_unused": lambda: NativeDDP(find_unused_parameters=True),
+        "bucketed_ddp_unused": lambda: BucketedDDP(find_unused_parameters=True),
+        "bucketed_ddp_static": lambda: BucketedDDP(static_graph=True),
+    }
+    batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for name in names:
+        torch.manual_seed(0)
+        model, strategy = Net(args.depth), makers[name]()
+        if strategy is not None:
+            strategy.setup(model)
+        runs[name] = (model, strategy, torch.optim.SGD(model.parameters(), lr=1e-3))
+    times: dict[str, dict[str, list[float]]] = {n: {"backward": [], "prepare": []} for n in names}
+    for repeat in range(args.repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            model, strategy, optimizer = runs[name]
+            for i in range(args.warmup + args.steps):
+                loss = model.training_step(batch, i) if strategy is None else strategy.training_step(model, batch, i)
+                start = time.perf_counter()
+                if isinstance(strategy, BucketedDDP):
+                    # The walk alone: what prepare_for_backward costs before the backward starts.
+                    walk = strategy.find_unused_parameters or strategy.static_graph
+                    strategy.reducer.prepare_for_backward(sync=True, loss=loss if walk else None)
+                    prepared = time.perf_counter()
+                    loss.backward()
+                    strategy.reducer.finalize_backward()
+                elif strategy is not None:
+                    prepared = start
+                    strategy.backward(loss, sync=True)
+                else:
+                    prepared = start
+                    loss.backward()
+                end = time.perf_counter()
+                if i >= args.warmup:
+                    times[name]["backward"].append(end - start)
+                    times[name]["prepare"].append(prepared - start)
+                optimizer.step()
+                if strategy is None:
+                    optimizer.zero_grad()
+                else:
+                    strategy.zero_grad(optimizer)
+    dist.destroy_process_group()
+    tensors = len(list(Net(args.depth).parameters()))
+    plain = statistics.median(times["plain"]["backward"])
+    result = {"parameter_tensors": tensors, "repeats": args.repeats, "steps_per_block": args.steps, "variants": {}}
+    for name in names:
+        backward = statistics.median(times[name]["backward"])
+        result["variants"][name] = {
+            "backward_median_ms": round(1e3 * backward, 3),
+            "backward_min_ms": round(1e3 * min(times[name]["backward"]), 3),
+            "prepare_median_ms": round(1e3 * statistics.median(times[name]["prepare"]), 3),
+            "overhead_per_parameter_us": round(1e6 * (backward - plain) / tensors, 3),
+        }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--depth", type=int, default=1000, help="blocks of 4 parameter tensors")
+    parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per repeat")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each block")
+    parser.add_argument("--one-process", action="store_true", help="the reducer's own per-parameter cost")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    results_dir = Path(__file__).parent / "results"
+    if args.one_process:
+        result = one_process(args)
+        for name, v in result["variants"].items():
+            print(
+                f"{name:22} backward {v['backward_median_ms']:8.2f} ms (min {v['backward_min_ms']:8.2f})  "
+                f"prepare {v['prepare_median_ms']:6.3f} ms  over plain {v['overhead_per_parameter_us']:6.2f} us/param"
+            )
+        out = args.out or results_dir / "many_params_one_process.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {out}")
+        return
+    args.out = args.out or results_dir / "many_params.json"
+
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=run_rank, args=(rank, args.world_size, port, args, results))
+        for rank in range(args.world_size)
+    ]
+    load_before = os.getloadavg()[0]
+    for process in processes:
+        process.start()
+    per_rank = results.get(timeout=3600)
+    for process in processes:
+        process.join()
+    summary = summarize(per_rank, args)
+    # Other jobs on the machine widen the spread; record how busy it was.
+    summary["machine"]["load_average_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
+    print_table(summary)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

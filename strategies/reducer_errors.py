@@ -1,0 +1,95 @@
+"""What the reducer tells the user when something is wrong: the errors, and messages that say where the fix goes.
+
+Each message names the parameters involved and the change that fixes it, in code and, where the
+option has one, on the command line (`strategy=bucketed_ddp strategy.<option>=...`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "CollectiveError",
+    "UnusedParametersError",
+    "dense_gradient_message",
+    "ready_twice_message",
+    "sparse_gradient_message",
+    "thawed_message",
+    "unsynced_message",
+    "unused_message",
+]
+
+
+class UnusedParametersError(RuntimeError):
+    """A synchronizing backward ended with parameters that never received a gradient."""
+
+
+class CollectiveError(RuntimeError):
+    """A bucket's collective failed or did not complete within the timeout."""
+
+
+def unused_message(rank: int, unused: Sequence[str], frozen: Sequence[str]) -> str:
+    """Explain which parameters got no gradient, why that is an error, and where the fix goes."""
+    parts = [
+        f"Rank {rank}: {len(unused) + len(frozen)} parameter(s) received no gradient in this backward, so "
+        "their buckets could not be reduced."
+    ]
+    if unused:
+        parts.append(f"Not used by the loss: {', '.join(unused)}.")
+    if frozen:
+        parts.append(f"Frozen (requires_grad=False) after the strategy was set up: {', '.join(frozen)}.")
+    parts.append(
+        "If the model does not use every parameter in every step, or layers are frozen during training, turn "
+        "on unused-parameter detection: Trainer(strategy=BucketedDDP(find_unused_parameters=True)) in code, "
+        "or `strategy=bucketed_ddp strategy.find_unused_parameters=true` on the command line. Otherwise make "
+        "sure the loss depends on every parameter that requires grad."
+    )
+    return " ".join(parts)
+
+
+def ready_twice_message(rank: int, name: str) -> str:
+    """A parameter's gradient arrived twice in one synchronized backward."""
+    return (
+        f"Rank {rank}: parameter {name} became ready twice in one backward. Either it received a gradient "
+        "although the loss's graph did not reach it (was a different tensor back-propagated than the one "
+        "passed to strategy.backward?), or it took part in several backward passes (reentrant "
+        "checkpointing), which the reducer does not support."
+    )
+
+
+def thawed_message(rank: int, names: Sequence[str]) -> str:
+    """Parameters left out of the buckets at setup (frozen then) require grad now."""
+    return (
+        f"Rank {rank}: parameter(s) {', '.join(names)} did not require grad when the strategy was set up, so "
+        "their gradients are not averaged across ranks and the replicas would drift apart. Make them require "
+        "grad before the strategy is set up (before trainer.fit) and freeze layers after it instead, which "
+        "find_unused_parameters=True supports, or keep them frozen."
+    )
+
+
+def unsynced_message(rank: int, names: Sequence[str]) -> str:
+    """An optimizer is about to step on gradients a bare `loss.backward()` left unaveraged."""
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (
+        f"Rank {rank}: the optimizer is about to step with gradients that were never averaged across ranks "
+        f"({shown}): they came from a backward that the strategy did not run, so the replicas would drift "
+        "apart. Call strategy.backward(loss, sync=True) instead of loss.backward(); to accumulate locally, "
+        "use strategy.backward(loss, sync=False) or `with strategy.no_sync():`."
+    )
+
+
+def sparse_gradient_message(rank: int, name: str, layout: object) -> str:
+    """A parameter not declared sparse received a sparse gradient."""
+    return (
+        f"Rank {rank}: parameter {name} received a {layout} gradient, but only the parameters of "
+        "nn.Embedding and nn.EmbeddingBag with sparse=True are reduced as sparse. Compute it with one of "
+        "those modules, or with sparse=False."
+    )
+
+
+def dense_gradient_message(rank: int, name: str) -> str:
+    """A parameter of a sparse embedding received a dense gradient."""
+    return (
+        f"Rank {rank}: parameter {name} belongs to a module with sparse=True but received a dense gradient "
+        "(is it also used by another module, e.g. a tied output layer?). Use sparse=False for it."
+    )
