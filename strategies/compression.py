@@ -1,0 +1,132 @@
+"""Reusable pieces of compressed communication: BAGUA's MinMax uint8 quantizer and error feedback.
+
+Every compressing strategy or comm hook (ByteGrad's scatter-reduce, low-precision decentralized SGD,
+QAdam's momentum) quantizes with the same `minmax_quantize` / `minmax_dequantize` and remembers what it
+dropped with the same `ErrorFeedback`, so each strategy file only says *what* it compresses and *when*.
+
+MinMax quantization (BAGUA, Gan et al. 2022, section 4): a chunk of values is sent as its minimum, its step
+``(max - min) / 255`` and one byte per value, ``round((x - min) / step)``; decoding gives back every value
+to within half a step. A chunk whose values are all equal decodes exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["LEVELS", "ErrorFeedback", "Quantized", "minmax_dequantize", "minmax_quantize", "pack", "unpack"]
+
+#: The largest code of a uint8 value; a chunk spans LEVELS steps from its minimum to its maximum.
+LEVELS = 255
+#: Bytes of a packed chunk's header: its minimum and its step, two float32.
+_HEADER = 8
+
+
+@dataclass
+class Quantized:
+    """A tensor quantized in chunks: one byte per value, and each chunk's minimum and step.
+
+    Attributes:
+        codes: uint8 codes, one per value, flat, chunk after chunk.
+        minimum: float32, one per chunk.
+        step: float32, one per chunk; 1 for a chunk whose values are all equal (their codes are 0).
+        sizes: number of values in each chunk.
+    """
+
+    codes: Tensor
+    minimum: Tensor
+    step: Tensor
+    sizes: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this takes on the wire: the codes and each chunk's header."""
+        return self.codes.numel() + _HEADER * len(self.sizes)
+
+
+def minmax_quantize(values: Tensor, chunks: int = 1) -> Quantized:
+    """Quantize `values` (any shape, read flat) to uint8 in `chunks` near-equal chunks.
+
+    Chunks are `torch.tensor_split`'s: the first ``numel % chunks`` hold one value more. A scatter-reduce
+    splits a bucket into one chunk per rank this way.
+    """
+    if chunks < 1:
+        raise ValueError(f"minmax_quantize needs chunks >= 1, got {chunks}.")
+    flat = values.detach().reshape(-1).float()
+    parts = torch.tensor_split(flat, chunks)
+    lows = torch.stack([part.min() if part.numel() else flat.new_zeros(()) for part in parts])
+    highs = torch.stack([part.max() if part.numel() else flat.new_zeros(()) for part in parts])
+    # A constant chunk has no spread: any positive step encodes it exactly as code 0.
+    steps = torch.where(highs > lows, (highs - lows) / LEVELS, torch.ones_like(lows))
+    sizes = [part.numel() for part in parts]
+    low_per_value = torch.repeat_interleave(lows, torch.tensor(sizes, device=flat.device))
+    step_per_value = torch.repeat_interleave(steps, torch.tensor(sizes, device=flat.device))
+    codes = ((flat - low_per_value) / step_per_value).round_().clamp_(0, LEVELS).to(torch.uint8)
+    return Quantized(codes, lows, steps, sizes)
+
+
+def minmax_dequantize(quantized: Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Return the flat values `quantized` stands for, in `dtype`."""
+    sizes = torch.tensor(quantized.sizes, device=quantized.codes.device)
+    low = torch.repeat_interleave(quantized.minimum, sizes)
+    step = torch.repeat_interleave(quantized.step, sizes)
+    return (quantized.codes.float() * step + low).to(dtype)
+
+
+def pack(quantized: Quantized) -> list[Tensor]:
+    """Return one uint8 tensor per chunk: its minimum and step (8 bytes), then its codes.
+
+    What a collective sends: chunk `i` of a rank's bucket goes to rank `i` in an all-to-all.
+    """
+    headers = torch.stack([quantized.minimum, quantized.step], dim=1).float().contiguous().view(torch.uint8)
+    codes = torch.split(quantized.codes, quantized.sizes)
+    return [torch.cat([header, chunk]) for header, chunk in zip(headers, codes)]
+
+
+def unpack(payloads: list[Tensor]) -> Quantized:
+    """Rebuild a `Quantized` from chunks packed by `pack` (possibly from several ranks)."""
+    headers = torch.stack([payload[:_HEADER] for payload in payloads]).contiguous().view(torch.float32)
+    codes = torch.cat([payload[_HEADER:] for payload in payloads])
+    return Quantized(codes, headers[:, 0].clone(), headers[:, 1].clone(), [p.numel() - _HEADER for p in payloads])
+
+
+class ErrorFeedback:
+    """Remember, per key, what compression dropped, and add it back before the next compression.
+
+    With error feedback (Seide et al. 2014; BAGUA's ByteGrad; PowerSGD's memory), the error of each
+    compressed step is carried into the next, so over many steps every gradient is eventually sent whole:
+    the sum of what was sent equals the sum of what was meant, less the one memory still held.
+
+        corrected = feedback.compensate("bucket3", gradient)   # gradient + what was dropped last time
+        sent = decompress(compress(corrected))
+        feedback.remember("bucket3", corrected, sent)          # keep corrected - sent for next time
+
+    The memory is per rank (each rank drops something else), so strategies checkpoint every rank's
+    `state_dict`.
+    """
+
+    def __init__(self) -> None:
+        self.memory: dict[str, Tensor] = {}
+
+    def compensate(self, key: str, values: Tensor) -> Tensor:
+        """Return `values` plus the error remembered under `key` (a new tensor; `values` is untouched)."""
+        held = self.memory.get(key)
+        return values.clone() if held is None else values + held.to(values.dtype)
+
+    def remember(self, key: str, intended: Tensor, sent: Tensor) -> None:
+        """Keep ``intended - sent`` under `key`: what this step's compression dropped."""
+        self.memory[key] = (intended - sent.to(intended.dtype)).detach()
+
+    def reset(self) -> None:
+        """Forget every memory (e.g. when a warm-up ends or the world size changes)."""
+        self.memory.clear()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Return the memories, for a checkpoint (plain tensors, so ``weights_only`` loading works)."""
+        return {key: value.detach().clone() for key, value in self.memory.items()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Replace the memories by `state` (as `state_dict` returned them)."""
+        self.memory = {key: value.detach().clone() for key, value in state.items()}

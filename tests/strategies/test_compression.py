@@ -1,0 +1,76 @@
+"""The MinMax uint8 quantizer and error feedback that every compressing strategy shares."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from syncline.strategies.compression import (
+    LEVELS,
+    ErrorFeedback,
+    minmax_dequantize,
+    minmax_quantize,
+    pack,
+    unpack,
+)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7])
+def test_round_trip_error_is_within_half_a_step_of_each_chunk(chunks):
+    values = torch.randn(1001, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    quantized = minmax_quantize(values, chunks)
+    assert quantized.codes.dtype == torch.uint8 and quantized.codes.numel() == 1001
+    assert quantized.sizes == [part.numel() for part in torch.tensor_split(values, chunks)]
+    decoded = minmax_dequantize(quantized)
+    steps = torch.repeat_interleave(quantized.step, torch.tensor(quantized.sizes))
+    error = (decoded - values).abs()
+    # Half a step, plus float32 rounding of the arithmetic.
+    assert bool((error <= steps / 2 * (1 + 1e-4) + 1e-6).all()), float((error - steps / 2).max())
+    for part, low, step in zip(torch.tensor_split(values, chunks), quantized.minimum, quantized.step):
+        assert float(low) == float(part.min())
+        assert float(step) == pytest.approx(float(part.max() - part.min()) / LEVELS, rel=1e-6)
+
+
+def test_extremes_and_constant_chunks_decode_exactly():
+    values = torch.tensor([2.0, 2.0, 2.0, -1.0, 0.5, 4.0])
+    decoded = minmax_dequantize(minmax_quantize(values, chunks=2))
+    assert decoded[:3].tolist() == [2.0, 2.0, 2.0]
+    assert decoded[3] == -1.0 and decoded[5] == pytest.approx(4.0, abs=1e-6)
+
+
+def test_pack_and_unpack_carry_chunks_between_ranks():
+    values = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    quantized = minmax_quantize(values, chunks=3)
+    payloads = pack(quantized)
+    assert [p.dtype for p in payloads] == [torch.uint8] * 3
+    assert sum(p.numel() for p in payloads) == quantized.nbytes == 50 + 3 * 8
+    # A receiver that holds chunks 2 and 0 of someone's payload decodes just those.
+    rebuilt = unpack([payloads[2], payloads[0]])
+    expected = torch.cat([minmax_dequantize(quantized)[34:], minmax_dequantize(quantized)[:17]])
+    torch.testing.assert_close(minmax_dequantize(rebuilt), expected, rtol=0, atol=0)
+
+
+def test_error_feedback_sends_everything_eventually():
+    generator = torch.Generator().manual_seed(2)
+    feedback = ErrorFeedback()
+    intended_total = torch.zeros(300)
+    sent_total = torch.zeros(300)
+    for _ in range(20):
+        gradient = torch.randn(300, generator=generator)
+        corrected = feedback.compensate("b0", gradient)
+        sent = minmax_dequantize(minmax_quantize(corrected))
+        feedback.remember("b0", corrected, sent)
+        intended_total += gradient
+        sent_total += sent
+    # What was sent plus the one memory still held is what was meant, to float32 rounding.
+    torch.testing.assert_close(sent_total + feedback.memory["b0"], intended_total, rtol=0, atol=1e-4)
+    restored = ErrorFeedback()
+    restored.load_state_dict(feedback.state_dict())
+    assert torch.equal(restored.memory["b0"], feedback.memory["b0"])
+    feedback.reset()
+    assert feedback.memory == {}
+
+
+def test_bad_chunk_count_is_named():
+    with pytest.raises(ValueError, match="chunks >= 1"):
+        minmax_quantize(torch.ones(3), chunks=0)
