@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch import Tensor
+
 from syncline.callbacks.callback import Callback
 from syncline.trainer.checkpoint import FORMAT_VERSION, load_checkpoint, to_primitive
 from syncline.trainer.rank_zero import rank_zero_warn
-from syncline.trainer.state import capture_rng
+from syncline.trainer.state import training_rng
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -32,11 +34,22 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         "state_dict": task.state_dict(),
         "hparams": to_primitive(task.hparams),
         "progress": trainer.state.state_dict(),
-        # Collective: every rank's RNG, so each process resumes its own random stream.
-        "rng": trainer.strategy.all_gather_object({"now": capture_rng(), "epoch_start": trainer.state.epoch_start_rng}),
+        # Collective: every rank's RNG, so each process resumes its own random stream. Training's, not
+        # validation's: a checkpoint saved from a validation hook continues the training stream.
+        "rng": trainer.strategy.all_gather_object(
+            {"now": training_rng(), "epoch_start": trainer.state.epoch_start_rng}
+        ),
+        # The metrics the rest of the epoch acts on (a plateau scheduler, early stopping, a monitored
+        # checkpoint), as the uninterrupted run has them.
+        "callback_metrics": {
+            name: value.detach().cpu() for name, value in trainer.callback_metrics.items() if isinstance(value, Tensor)
+        },
         "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
         "loggers": [logger.state_dict() for logger in trainer.loggers],
     }
+    sampler_seed = _train_sampler_seed(trainer)
+    if sampler_seed is not None:
+        checkpoint["sampler_seed"] = sampler_seed
     if trainer.optim is not None:
         checkpoint["optimizer"] = trainer.optim.state_dict()
         checkpoint["precision"] = trainer.precision.state_dict()
@@ -81,16 +94,27 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     trainer.precision.load_state_dict(checkpoint.get("precision", {}))
     trainer.state.load_state_dict(checkpoint["progress"])
     trainer._train_results.load_state_dict(checkpoint.get("results", {}), task)
+    trainer.callback_metrics.update(checkpoint.get("callback_metrics", {}))
     saved_callbacks = checkpoint.get("callbacks", {})
     for callback in trainer.callbacks:
         if callback.state_key in saved_callbacks:
             callback.load_state_dict(saved_callbacks[callback.state_key])
     loop.restore_accumulated_grads(checkpoint.get("accumulated_grads"))
+    if "sampler_seed" in checkpoint and _train_sampler_seed(trainer) is not None:
+        # The data order of the run being resumed, whatever `seed` the resumed run was given.
+        trainer.train_dataloader.sampler.seed = checkpoint["sampler_seed"]
     rng_states = checkpoint["rng"]
     # A run resumed on more processes than it was saved with gives the extra ranks rank 0's streams.
     mine = rng_states[trainer.global_rank] if trainer.global_rank < len(rng_states) else rng_states[0]
     loop.resume_rng = mine["now"]
     trainer.state.epoch_start_rng = mine["epoch_start"]
+
+
+def _train_sampler_seed(trainer: Trainer) -> int | None:
+    """Return the seed of the training data's DistributedSampler (None without one)."""
+    sampler = getattr(trainer.train_dataloader, "sampler", None)
+    seed = getattr(sampler, "seed", None)
+    return seed if isinstance(seed, int) else None
 
 
 def worker_result(trainer: Trainer, task: Task, returned: Any) -> dict[str, Any]:
