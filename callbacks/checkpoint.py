@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.callback import Callback
+from syncline.callbacks.checkpoint_files import find_top_k_files, remove_stale_temporaries
 from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -106,6 +107,8 @@ class ModelCheckpoint(Callback):
         self._last_global_step_saved = -1
         #: Global step at the previous train batch end, to notice the micro-batch that took a step.
         self._step_seen = 0
+        #: Whether this fit resumed this callback's bookkeeping for the same directory.
+        self._resumed = False
 
     @property
     def state_key(self) -> str:
@@ -126,6 +129,36 @@ class ModelCheckpoint(Callback):
         dirpath = _real_dir(os.path.join(trainer.log_dir, "checkpoints")) if trainer.is_global_zero else None
         # Collective: the logger picks its version directory on rank 0; every rank must use that one.
         self.dirpath = trainer.strategy.broadcast_object(dirpath)
+
+    def on_fit_start(self, trainer: Trainer, task: Task) -> None:
+        """Clean up after a crash: stale temporary files go; a resumed run re-finds its top-k files."""
+        tidy = self._tidy_directory() if trainer.is_global_zero else None
+        # Collective: every rank keeps rank 0's view of the files (only rank 0 reads the directory).
+        tidy = trainer.strategy.broadcast_object(tidy)
+        if isinstance(tidy, Exception):
+            raise tidy
+        self.best_k_models, self.best_model_path, self.best_model_score = tidy
+        self._resumed = False
+
+    def _tidy_directory(self) -> tuple[dict[str, float], str, float | None] | Exception:
+        try:
+            remove_stale_temporaries(self._dir())
+            kept = {path: score for path, score in self.best_k_models.items() if os.path.exists(path)}
+            if self._resumed:
+                # A run killed after a top-k save and resumed from an older checkpoint does not list that
+                # file; each top-k file records its own score, so the list is rebuilt from the files.
+                kept.update(find_top_k_files(self._dir(), self.state_key))
+            if self.save_top_k != -1:
+                while len(kept) > self.save_top_k:
+                    worst = self._worst(kept)
+                    del kept[worst]
+                    _remove(worst)
+            if not kept:
+                return {}, self.best_model_path, self.best_model_score
+            best = self._best(kept)
+            return kept, best, kept[best] if self.monitor is not None else None
+        except Exception as error:
+            return error
 
     def on_train_start(self, trainer: Trainer, task: Task) -> None:
         """Start watching for optimizer steps from the (possibly resumed) global step."""
@@ -317,6 +350,7 @@ class ModelCheckpoint(Callback):
                 "checkpoints of the old directory are not tracked (only best_model_path is restored)."
             )
             return
+        self._resumed = True
         self.best_model_score = state_dict.get("best_model_score")
         self.best_k_models = dict(state_dict.get("best_k_models", {}))
         self.last_model_path = state_dict.get("last_model_path", "")

@@ -230,14 +230,15 @@ def test_non_zero_rank_follows_rank_zero_and_deletes_nothing(tmp_path, monkeypat
         best_model_path=str(kept),
         best_model_score=0.5,
     )
-    strategy = FakeRank(rank=1, broadcasts=[str(tmp_path), plan])
+    # Rank 0's answers: the directory, the files found there at fit start (none), the save plan.
+    strategy = FakeRank(rank=1, broadcasts=[str(tmp_path), ({}, "", None), plan])
     checkpoint = ModelCheckpoint(monitor="val_metric")
     trainer = make_trainer(tmp_path, strategy=strategy, callbacks=[checkpoint])
     saved = []
     monkeypatch.setattr(trainer, "save_checkpoint", saved.append)
     trainer.fit(Scripted(val_values=[9.0]), make_loader(BATCHES), make_loader(2))
 
-    assert strategy.sent == [None, None]  # rank 1 contributes nothing to either decision
+    assert strategy.sent == [None, None, None]  # rank 1 contributes nothing to any decision
     assert saved == [str(kept)]
     assert checkpoint.best_k_models == {str(kept): 0.5} and checkpoint.best_model_score == 0.5
     assert dropped.exists()
