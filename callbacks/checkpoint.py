@@ -109,6 +109,9 @@ class ModelCheckpoint(Callback):
         self._step_seen = 0
         #: Whether this fit resumed this callback's bookkeeping for the same directory.
         self._resumed = False
+        #: Whether a validation has run in this fit (before that, a validation metric cannot exist yet).
+        self._validated = False
+        self._warned_missing = False
 
     @property
     def state_key(self) -> str:
@@ -139,6 +142,7 @@ class ModelCheckpoint(Callback):
             raise tidy
         self.best_k_models, self.best_model_path, self.best_model_score = tidy
         self._resumed = False
+        self._validated = self._warned_missing = False
 
     def _tidy_directory(self) -> tuple[dict[str, float], str, float | None] | Exception:
         try:
@@ -182,6 +186,7 @@ class ModelCheckpoint(Callback):
         """Save after a validation that runs within the epoch, where epoch-end saving is off."""
         if trainer.sanity_checking or trainer.state.stage != "fit":
             return
+        self._validated = True
         if self._epoch_due(trainer) and not self._saves_on_train_epoch_end(trainer):
             self._save(trainer)
 
@@ -253,6 +258,17 @@ class ModelCheckpoint(Callback):
 
     def _plan_top_k(self, trainer: Trainer, plan: _Plan) -> None:
         metrics = trainer.callback_metrics
+        if self.monitor is not None and self.monitor not in metrics and self._may_come_later(trainer):
+            # A step checkpoint before the first validation: a validation metric cannot exist yet. As in
+            # Lightning, skip the top-k save (last.ckpt is still written) and say so once.
+            if not self._warned_missing:
+                self._warned_missing = True
+                rank_zero_warn(
+                    f"ModelCheckpoint(monitor={self.monitor!r}) skips its top-k save at step "
+                    f"{trainer.global_step}: no metric of that name yet, and no validation has run. It saves "
+                    "once the metric is logged; if validation runs and does not log it, that is an error."
+                )
+            return
         if self.monitor is not None and self.monitor not in metrics:
             raise KeyError(
                 f"ModelCheckpoint(monitor={self.monitor!r}) found no metric of that name. "
@@ -276,6 +292,13 @@ class ModelCheckpoint(Callback):
         plan.drop_path = drop if drop != path else None
         plan.best_model_path = self._best(kept)
         plan.best_model_score = kept[plan.best_model_path] if self.monitor is not None else None
+
+    def _may_come_later(self, trainer: Trainer) -> bool:
+        """Whether a missing monitored metric may still be logged: by a validation that has not run yet,
+        or, without validation, by the epoch aggregates of an epoch that has not ended yet."""
+        if self._validated:
+            return False
+        return any(trainer.num_val_batches) or not trainer.state.batches_done
 
     def _score(self, value: Any) -> float:
         score = float(value)  # host sync: once per save, never per step

@@ -35,10 +35,10 @@ def _run(run: Path, *overrides: str) -> None:
 @pytest.mark.parametrize(
     ("options", "first_stop"),
     [
-        ([], "trainer.max_epochs=1"),
-        (["trainer.val_check_interval=6"], "trainer.max_epochs=1"),
-        (["trainer.val_check_interval=6"], "trainer.max_steps=21"),
-        (["trainer.devices=2", "strategy=bucketed_ddp", "trainer.val_check_interval=6"], "trainer.max_epochs=1"),
+        (["trainer.val_check_interval=1.0"], "trainer.max_epochs=1"),
+        ([], "trainer.max_epochs=1"),  # the default: validate after every quarter, the last at the epoch end
+        ([], "trainer.max_steps=24"),  # ends at the validation after batch 8 of epoch 1
+        (["trainer.devices=2", "strategy=bucketed_ddp"], "trainer.max_epochs=1"),
     ],
     ids=["val-at-epoch-end", "val-within-epoch", "stopped-mid-epoch", "two-processes"],
 )
