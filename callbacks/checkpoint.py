@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.checkpoint_files import find_top_k_files, remove_stale_temporaries
+from syncline.options import check_int
 from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -81,11 +82,9 @@ class ModelCheckpoint(Callback):
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint mode must be 'min' or 'max', got {mode!r}.")
-        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
-            raise ValueError(f"ModelCheckpoint save_top_k must be an int >= -1, got {save_top_k!r}.")
-        for name, value in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"ModelCheckpoint {name} must be None or an int >= 0, got {value!r}.")
+        check_int("ModelCheckpoint", "save_top_k", save_top_k, -1, meaning="-1 keeps all, 0 none")
+        check_int("ModelCheckpoint", "every_n_epochs", every_n_epochs, 0, none_ok=True)
+        check_int("ModelCheckpoint", "every_n_train_steps", every_n_train_steps, 0, none_ok=True)
         if every_n_epochs and every_n_train_steps:
             raise ValueError("ModelCheckpoint: pass every_n_epochs or every_n_train_steps, not both.")
         self._given_dirpath = _real_dir(dirpath)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from syncline.options import check_number
 from syncline.strategies.backward_sync import BackwardSyncControl
 from syncline.strategies.comm_hooks import COMM_HOOKS, CommHook
 from syncline.strategies.process_group import ProcessGroupStrategy, broadcast_coalesced
@@ -69,6 +70,8 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         overlap: bool = True,
         comm_state: Any = None,
     ) -> None:
+        check_number("BucketedDDP", "bucket_cap_mb", bucket_cap_mb, above=0, meaning="MiB per bucket")
+        check_number("BucketedDDP", "first_bucket_mb", first_bucket_mb, above=0, meaning="MiB in the first bucket")
         super().__init__(backend=backend, timeout=timeout)
         if isinstance(comm_hook, str):
             if comm_hook not in COMM_HOOKS:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from syncline.options import check_number
 from syncline.strategies.strategy import ReduceOp, Strategy
 
 if TYPE_CHECKING:
@@ -153,6 +154,7 @@ class ProcessGroupStrategy(Strategy):
     multi_process = True
 
     def __init__(self, backend: str | None = None, timeout: float = 1800.0) -> None:
+        check_number(type(self).__name__, "timeout", timeout, above=0, meaning="seconds a collective may take")
         self.backend = backend
         self.timeout = timeout
 
