@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from syncline.options import check_number
+from syncline.strategies.launcher import STORE_HOSTED_ENV
 from syncline.strategies.strategy import ReduceOp, Strategy
 
 if TYPE_CHECKING:
@@ -105,6 +106,16 @@ def init_process_group_from_env(backend: str | None = None, timeout: float = 180
     env = DistributedEnv.from_environ()
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
+    if os.environ.get(STORE_HOSTED_ENV) == "1":
+        # Launched by `launch`: the launching process hosts the store (on loopback); every rank is a client.
+        store = dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, False, timeout=timedelta(seconds=timeout)
+        )
+        # Collective: rendezvous of all ranks through the launcher's store.
+        dist.init_process_group(
+            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout)
+        )
+        return True
     # Collective: rendezvous of all ranks at MASTER_ADDR:MASTER_PORT.
     dist.init_process_group(
         backend,
