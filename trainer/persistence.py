@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from syncline.callbacks.callback import Callback
-from syncline.trainer.checkpoint import FORMAT_VERSION, load_checkpoint, to_primitive
+from syncline.trainer.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, to_primitive
 from syncline.trainer.rank_zero import rank_zero_warn
 from syncline.trainer.state import training_rng
 
@@ -61,27 +61,52 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
 
 
 def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
-    """Load the checkpoint `ckpt_path` names ("last": the newest last checkpoint), or None."""
+    """Load the checkpoint `ckpt_path` names ("last": the newest last checkpoint), or None.
+
+    A collective: rank 0 resolves "last", and every rank reads the one file it chose. If any rank cannot
+    read it, every rank raises the same error naming those ranks (none waits for the others forever).
+    """
     if ckpt_path is None:
         return None
     path = find_last_checkpoint(trainer) if ckpt_path == "last" else str(ckpt_path)
     if path is None:
         rank_zero_warn(f'ckpt_path="last" found no checkpoint under {trainer.default_root_dir}; training from scratch.')
         return None
-    return load_checkpoint(path)
+    checkpoint, problem = None, None
+    try:
+        checkpoint = load_checkpoint(path)
+    except CheckpointError as error:
+        problem = str(error)
+    # Collective: every rank learns which ranks could read the file, so all load or all raise.
+    problems = trainer.strategy.all_gather_object(problem)
+    failed = [rank for rank, problem in enumerate(problems) if problem is not None]
+    if failed and trainer.world_size == 1:
+        raise CheckpointError(problems[0])
+    if failed:
+        ranks = ", ".join(str(rank) for rank in failed)
+        raise CheckpointError(
+            f"Checkpoint {path} cannot be read on rank(s) {ranks} of {trainer.world_size}: {problems[failed[0]]} "
+            "Every rank reads the checkpoint: put it on a file system all nodes share, or copy it to the same "
+            "path on every node."
+        )
+    return checkpoint
 
 
 def find_last_checkpoint(trainer: Trainer) -> str | None:
-    """Return rank 0's newest ``last*.ckpt`` (else newest ``*.ckpt``) under the run's directories."""
-    roots = {Path(trainer.default_root_dir)}
-    roots.update(Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None))
-    found = [p for root in roots if root.is_dir() for p in root.rglob("*.ckpt")]
-    last = [p for p in found if p.name.startswith("last")] or found
-    if not last:
-        return None
-    newest = max(last, key=lambda p: p.stat().st_mtime)
-    # Collective: every rank resumes from the file rank 0 chose.
-    return trainer.strategy.broadcast_object(str(newest))
+    """Return rank 0's newest ``last*.ckpt`` (else newest ``*.ckpt``) under the run's directories.
+
+    A collective: only rank 0 searches, and every rank gets its answer (None when it found nothing).
+    """
+    newest = None
+    if trainer.is_global_zero:
+        roots = {Path(trainer.default_root_dir)}
+        roots.update(Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None))
+        found = [p for root in roots if root.is_dir() for p in root.rglob("*.ckpt")]
+        last = [p for p in found if p.name.startswith("last")] or found
+        if last:
+            newest = str(max(last, key=lambda p: p.stat().st_mtime))
+    # Collective: every rank resumes from the file rank 0 chose, or none does.
+    return trainer.strategy.broadcast_object(newest)
 
 
 def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:

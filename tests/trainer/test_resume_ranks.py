@@ -1,0 +1,68 @@
+"""ckpt_path on several ranks: one file, chosen by rank 0; every rank loads it, or every rank fails at once."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from syncline.callbacks import Callback
+from syncline.trainer import Trainer
+from tests.strategies._dist import run_ranks
+from tests.trainer._tasks import Regressor, loader, quiet, regression_data
+
+
+class StartStep(Callback):
+    """Record the global step training starts from: 0 when fresh, the checkpoint's when resumed."""
+
+    def on_train_start(self, trainer, task):
+        self.step = trainer.global_step
+
+
+def _fit(max_steps: int, ckpt_path=None) -> Trainer:
+    torch.manual_seed(0)
+    trainer = Trainer(
+        max_steps=max_steps, strategy="bucketed_ddp", default_root_dir="run", callbacks=[StartStep()], **quiet()
+    )
+    trainer.fit(Regressor(), loader(regression_data(32), 4), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _resume_in_own_folder(rank, world_size, tmp, ranks_with_checkpoint):
+    """Each rank works in its own folder, as ranks on nodes without a shared file system do."""
+    home = Path(tmp) / f"node{rank}"
+    home.mkdir()
+    os.chdir(home)
+    first = _fit(2)
+    first.save_checkpoint("run/last.ckpt")  # every rank writes nothing but rank 0: copy it around
+    if rank == 0:
+        for other in ranks_with_checkpoint:
+            if other != 0:
+                (Path(tmp) / f"node{other}" / "run").mkdir(parents=True, exist_ok=True)
+                shutil.copy("run/last.ckpt", Path(tmp) / f"node{other}" / "run" / "last.ckpt")
+        if 0 not in ranks_with_checkpoint:
+            os.remove("run/last.ckpt")
+    first.strategy.barrier()
+    resumed = _fit(4, ckpt_path="last")
+    return resumed.callbacks[0].step, resumed.global_step
+
+
+def test_rank_that_cannot_read_the_checkpoint_fails_every_rank_with_one_message(tmp_path):
+    outcomes = run_ranks(_resume_in_own_folder, world_size=2, args=(str(tmp_path), [0]), timeout=90)
+    for outcome in outcomes:
+        assert outcome.error is not None, outcome
+        assert "CheckpointError: Checkpoint run/last.ckpt cannot be read on rank(s) 1 of 2" in outcome.error
+        assert "Checkpoint not found" in outcome.error
+
+
+def test_every_rank_loads_the_file_rank_zero_chose(tmp_path):
+    outcomes = run_ranks(_resume_in_own_folder, world_size=2, args=(str(tmp_path), [0, 1]), timeout=90)
+    assert [(o.error, o.value) for o in outcomes] == [(None, (2, 4)), (None, (2, 4))]
+
+
+def test_no_checkpoint_on_rank_zero_starts_every_rank_fresh(tmp_path):
+    """Rank 1 alone has a file: rank 0's answer (none) holds for every rank, so nobody waits for the others."""
+    outcomes = run_ranks(_resume_in_own_folder, world_size=2, args=(str(tmp_path), [1]), timeout=90)
+    assert [(o.error, o.value) for o in outcomes] == [(None, (0, 4)), (None, (0, 4))]
