@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BucketedDDP"]
 
+_CAP_MEANING = "MiB per bucket; 0 gives every parameter its own bucket"
+
 
 class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
     """Average gradients across processes with bucketed all-reduces that overlap the backward.
@@ -70,8 +72,9 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         overlap: bool = True,
         comm_state: Any = None,
     ) -> None:
-        check_number("BucketedDDP", "bucket_cap_mb", bucket_cap_mb, above=0, meaning="MiB per bucket")
-        check_number("BucketedDDP", "first_bucket_mb", first_bucket_mb, above=0, meaning="MiB in the first bucket")
+        # 0 is meaningful, as in torch's DDP: every parameter gets its own bucket.
+        check_number("BucketedDDP", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning=_CAP_MEANING)
+        check_number("BucketedDDP", "first_bucket_mb", first_bucket_mb, minimum=0, meaning=_CAP_MEANING)
         super().__init__(backend=backend, timeout=timeout)
         if isinstance(comm_hook, str):
             if comm_hook not in COMM_HOOKS:

@@ -13,13 +13,16 @@ from syncline.trainer import Trainer
 from tests.trainer.test_cli import SMALL, _assert_short_error, _cli
 
 BAD = [
-    (lambda: BucketedDDP(bucket_cap_mb=-1), "BucketedDDP(bucket_cap_mb=-1): bucket_cap_mb must be a finite number > 0"),
-    (lambda: BucketedDDP(bucket_cap_mb=0), "BucketedDDP(bucket_cap_mb=0): bucket_cap_mb must be"),
+    (
+        lambda: BucketedDDP(bucket_cap_mb=-1),
+        "BucketedDDP(bucket_cap_mb=-1): bucket_cap_mb must be a finite number >= 0",
+    ),
+    (lambda: BucketedDDP(bucket_cap_mb=math.inf), "BucketedDDP(bucket_cap_mb=inf): bucket_cap_mb must be"),
     (lambda: BucketedDDP(first_bucket_mb=-2), "BucketedDDP(first_bucket_mb=-2): first_bucket_mb must be"),
     (lambda: BucketedDDP(bucket_cap_mb=math.nan), "BucketedDDP(bucket_cap_mb=nan)"),
     (lambda: BucketedDDP(timeout=0), "BucketedDDP(timeout=0): timeout must be a finite number > 0 (seconds"),
     (lambda: NativeDDP(timeout=-1.0), "NativeDDP(timeout=-1.0): timeout must be"),
-    (lambda: NativeDDP(bucket_cap_mb=0), "NativeDDP(bucket_cap_mb=0): bucket_cap_mb must be"),
+    (lambda: NativeDDP(bucket_cap_mb=-3), "NativeDDP(bucket_cap_mb=-3): bucket_cap_mb must be"),
     (
         lambda: Trainer(num_sanity_val_steps=-5),
         "Trainer(num_sanity_val_steps=-5): num_sanity_val_steps must be an int >= -1",
@@ -62,13 +65,14 @@ def test_good_values_pass():
     check_number("X", "f", 1, above=0)
     check_number("X", "f", 0.0, minimum=0)
     BucketedDDP(bucket_cap_mb=0.5, first_bucket_mb=0.1, timeout=1)
+    BucketedDDP(bucket_cap_mb=0, first_bucket_mb=0)  # as in torch's DDP: one parameter per bucket
     Trainer(num_sanity_val_steps=-1, limit_val_batches=0.5, limit_train_batches=3, seed=0, logger=False)
 
 
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("strategy.bucket_cap_mb=-1", "BucketedDDP(bucket_cap_mb=-1.0): bucket_cap_mb must be a finite number > 0"),
+        ("strategy.bucket_cap_mb=-1", "BucketedDDP(bucket_cap_mb=-1.0): bucket_cap_mb must be a finite number >= 0"),
         ("strategy.timeout=0", "BucketedDDP(timeout=0.0): timeout must be a finite number > 0"),
     ],
 )

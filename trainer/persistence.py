@@ -9,7 +9,7 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback
 from syncline.trainer.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, to_primitive
-from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
 from syncline.trainer.state import training_rng
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         "state_dict": task.state_dict(),
         "hparams": to_primitive(task.hparams),
         "progress": trainer.state.state_dict(),
+        "world_size": trainer.world_size,
         # Collective: every rank's RNG, so each process resumes its own random stream. Training's, not
         # validation's: a checkpoint saved from a validation hook continues the training stream.
         "rng": trainer.strategy.all_gather_object(
@@ -124,7 +125,11 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     for callback in trainer.callbacks:
         if callback.state_key in saved_callbacks:
             callback.load_state_dict(saved_callbacks[callback.state_key])
-    loop.restore_accumulated_grads(checkpoint.get("accumulated_grads"))
+    saved_world = int(checkpoint.get("world_size", len(checkpoint["rng"])))
+    if saved_world == trainer.world_size:
+        loop.restore_accumulated_grads(checkpoint.get("accumulated_grads"))
+    else:
+        _adapt_to_world_size(trainer, saved_world, checkpoint.get("accumulated_grads") is not None)
     if "sampler_seed" in checkpoint and _train_sampler_seed(trainer) is not None:
         # The data order of the run being resumed, whatever `seed` the resumed run was given.
         trainer.train_dataloader.sampler.seed = checkpoint["sampler_seed"]
@@ -133,6 +138,41 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     mine = rng_states[trainer.global_rank] if trainer.global_rank < len(rng_states) else rng_states[0]
     loop.resume_rng = mine["now"]
     trainer.state.epoch_start_rng = mine["epoch_start"]
+
+
+def _adapt_to_world_size(trainer: Trainer, saved: int, open_window: bool) -> None:
+    """Continue a checkpoint saved on `saved` processes on `trainer.world_size` (elastic jobs shrink and grow).
+
+    At an epoch boundary nothing is lost: the next epoch is split the new number of ways. Mid-epoch, the
+    run continues after as many samples as the checkpoint had seen (each process's batches hold the same
+    number of samples), from the start of an accumulation window; that order differs from the
+    uninterrupted run's.
+    """
+    state, now = trainer.state, trainer.world_size
+    if state.epoch_finished or state.batches_done or state.batch_idx == 0:
+        rank_zero_info(
+            f"Resuming a checkpoint saved on {saved} process(es) on {now}: it was taken at an epoch boundary, "
+            f"so training continues exactly, with each epoch's data split {now} ways."
+        )
+        return
+    accumulate = trainer.accumulate_grad_batches
+    seen = state.batch_idx * saved  # batches of every process: the samples seen, in units of one batch
+    batch_idx = round(seen / now)
+    batch_idx -= batch_idx % accumulate
+    message = (
+        f"Resuming a checkpoint saved on {saved} process(es) in the middle of epoch {state.current_epoch} on "
+        f"{now}: training continues after {batch_idx} batches per process ({batch_idx * now} batches of "
+        f"samples; the checkpoint had seen {seen}). The order of the rest of the epoch differs from the "
+        "uninterrupted run's, so the result is not bit-exact."
+    )
+    if open_window:
+        message += (
+            " The gradients accumulated in the open window (per-process state) are dropped: the window starts again."
+        )
+    if state.validated_after >= 0:
+        state.validated_after = min(state.validated_after, batch_idx - 1)
+    state.batch_idx = batch_idx
+    rank_zero_warn(message)
 
 
 def _train_sampler_seed(trainer: Trainer) -> int | None:
