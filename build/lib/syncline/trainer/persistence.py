@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch import Tensor
+
 from syncline.callbacks.callback import Callback
-from syncline.trainer.checkpoint import FORMAT_VERSION, load_checkpoint, to_primitive
-from syncline.trainer.rank_zero import rank_zero_warn
-from syncline.trainer.state import capture_rng
+from syncline.trainer.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, to_primitive
+from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
+from syncline.trainer.state import training_rng
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -32,11 +34,23 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         "state_dict": task.state_dict(),
         "hparams": to_primitive(task.hparams),
         "progress": trainer.state.state_dict(),
-        # Collective: every rank's RNG, so each process resumes its own random stream.
-        "rng": trainer.strategy.all_gather_object({"now": capture_rng(), "epoch_start": trainer.state.epoch_start_rng}),
+        "world_size": trainer.world_size,
+        # Collective: every rank's RNG, so each process resumes its own random stream. Training's, not
+        # validation's: a checkpoint saved from a validation hook continues the training stream.
+        "rng": trainer.strategy.all_gather_object(
+            {"now": training_rng(), "epoch_start": trainer.state.epoch_start_rng}
+        ),
+        # The metrics the rest of the epoch acts on (a plateau scheduler, early stopping, a monitored
+        # checkpoint), as the uninterrupted run has them.
+        "callback_metrics": {
+            name: value.detach().cpu() for name, value in trainer.callback_metrics.items() if isinstance(value, Tensor)
+        },
         "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
         "loggers": [logger.state_dict() for logger in trainer.loggers],
     }
+    sampler_seed = _train_sampler_seed(trainer)
+    if sampler_seed is not None:
+        checkpoint["sampler_seed"] = sampler_seed
     if trainer.optim is not None:
         checkpoint["optimizer"] = trainer.optim.state_dict()
         checkpoint["precision"] = trainer.precision.state_dict()
@@ -48,27 +62,52 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
 
 
 def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
-    """Load the checkpoint `ckpt_path` names ("last": the newest last checkpoint), or None."""
+    """Load the checkpoint `ckpt_path` names ("last": the newest last checkpoint), or None.
+
+    A collective: rank 0 resolves "last", and every rank reads the one file it chose. If any rank cannot
+    read it, every rank raises the same error naming those ranks (none waits for the others forever).
+    """
     if ckpt_path is None:
         return None
     path = find_last_checkpoint(trainer) if ckpt_path == "last" else str(ckpt_path)
     if path is None:
         rank_zero_warn(f'ckpt_path="last" found no checkpoint under {trainer.default_root_dir}; training from scratch.')
         return None
-    return load_checkpoint(path)
+    checkpoint, problem = None, None
+    try:
+        checkpoint = load_checkpoint(path)
+    except CheckpointError as error:
+        problem = str(error)
+    # Collective: every rank learns which ranks could read the file, so all load or all raise.
+    problems = trainer.strategy.all_gather_object(problem)
+    failed = [rank for rank, problem in enumerate(problems) if problem is not None]
+    if failed and trainer.world_size == 1:
+        raise CheckpointError(problems[0])
+    if failed:
+        ranks = ", ".join(str(rank) for rank in failed)
+        raise CheckpointError(
+            f"Checkpoint {path} cannot be read on rank(s) {ranks} of {trainer.world_size}: {problems[failed[0]]} "
+            "Every rank reads the checkpoint: put it on a file system all nodes share, or copy it to the same "
+            "path on every node."
+        )
+    return checkpoint
 
 
 def find_last_checkpoint(trainer: Trainer) -> str | None:
-    """Return rank 0's newest ``last*.ckpt`` (else newest ``*.ckpt``) under the run's directories."""
-    roots = {Path(trainer.default_root_dir)}
-    roots.update(Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None))
-    found = [p for root in roots if root.is_dir() for p in root.rglob("*.ckpt")]
-    last = [p for p in found if p.name.startswith("last")] or found
-    if not last:
-        return None
-    newest = max(last, key=lambda p: p.stat().st_mtime)
-    # Collective: every rank resumes from the file rank 0 chose.
-    return trainer.strategy.broadcast_object(str(newest))
+    """Return rank 0's newest ``last*.ckpt`` (else newest ``*.ckpt``) under the run's directories.
+
+    A collective: only rank 0 searches, and every rank gets its answer (None when it found nothing).
+    """
+    newest = None
+    if trainer.is_global_zero:
+        roots = {Path(trainer.default_root_dir)}
+        roots.update(Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None))
+        found = [p for root in roots if root.is_dir() for p in root.rglob("*.ckpt")]
+        last = [p for p in found if p.name.startswith("last")] or found
+        if last:
+            newest = str(max(last, key=lambda p: p.stat().st_mtime))
+    # Collective: every rank resumes from the file rank 0 chose, or none does.
+    return trainer.strategy.broadcast_object(newest)
 
 
 def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
@@ -81,16 +120,66 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     trainer.precision.load_state_dict(checkpoint.get("precision", {}))
     trainer.state.load_state_dict(checkpoint["progress"])
     trainer._train_results.load_state_dict(checkpoint.get("results", {}), task)
+    trainer.callback_metrics.update(checkpoint.get("callback_metrics", {}))
     saved_callbacks = checkpoint.get("callbacks", {})
     for callback in trainer.callbacks:
         if callback.state_key in saved_callbacks:
             callback.load_state_dict(saved_callbacks[callback.state_key])
-    loop.restore_accumulated_grads(checkpoint.get("accumulated_grads"))
+    saved_world = int(checkpoint.get("world_size", len(checkpoint["rng"])))
+    if saved_world == trainer.world_size:
+        loop.restore_accumulated_grads(checkpoint.get("accumulated_grads"))
+    else:
+        _adapt_to_world_size(trainer, saved_world, checkpoint.get("accumulated_grads") is not None)
+    if "sampler_seed" in checkpoint and _train_sampler_seed(trainer) is not None:
+        # The data order of the run being resumed, whatever `seed` the resumed run was given.
+        trainer.train_dataloader.sampler.seed = checkpoint["sampler_seed"]
     rng_states = checkpoint["rng"]
     # A run resumed on more processes than it was saved with gives the extra ranks rank 0's streams.
     mine = rng_states[trainer.global_rank] if trainer.global_rank < len(rng_states) else rng_states[0]
     loop.resume_rng = mine["now"]
     trainer.state.epoch_start_rng = mine["epoch_start"]
+
+
+def _adapt_to_world_size(trainer: Trainer, saved: int, open_window: bool) -> None:
+    """Continue a checkpoint saved on `saved` processes on `trainer.world_size` (elastic jobs shrink and grow).
+
+    At an epoch boundary nothing is lost: the next epoch is split the new number of ways. Mid-epoch, the
+    run continues after as many samples as the checkpoint had seen (each process's batches hold the same
+    number of samples), from the start of an accumulation window; that order differs from the
+    uninterrupted run's.
+    """
+    state, now = trainer.state, trainer.world_size
+    if state.epoch_finished or state.batches_done or state.batch_idx == 0:
+        rank_zero_info(
+            f"Resuming a checkpoint saved on {saved} process(es) on {now}: it was taken at an epoch boundary, "
+            f"so training continues exactly, with each epoch's data split {now} ways."
+        )
+        return
+    accumulate = trainer.accumulate_grad_batches
+    seen = state.batch_idx * saved  # batches of every process: the samples seen, in units of one batch
+    batch_idx = round(seen / now)
+    batch_idx -= batch_idx % accumulate
+    message = (
+        f"Resuming a checkpoint saved on {saved} process(es) in the middle of epoch {state.current_epoch} on "
+        f"{now}: training continues after {batch_idx} batches per process ({batch_idx * now} batches of "
+        f"samples; the checkpoint had seen {seen}). The order of the rest of the epoch differs from the "
+        "uninterrupted run's, so the result is not bit-exact."
+    )
+    if open_window:
+        message += (
+            " The gradients accumulated in the open window (per-process state) are dropped: the window starts again."
+        )
+    if state.validated_after >= 0:
+        state.validated_after = min(state.validated_after, batch_idx - 1)
+    state.batch_idx = batch_idx
+    rank_zero_warn(message)
+
+
+def _train_sampler_seed(trainer: Trainer) -> int | None:
+    """Return the seed of the training data's DistributedSampler (None without one)."""
+    sampler = getattr(trainer.train_dataloader, "sampler", None)
+    seed = getattr(sampler, "seed", None)
+    return seed if isinstance(seed, int) else None
 
 
 def worker_result(trainer: Trainer, task: Task, returned: Any) -> dict[str, Any]:
