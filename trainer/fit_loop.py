@@ -47,6 +47,7 @@ class FitLoop:
         if state.batches_done:
             # Resumed from a checkpoint taken after the epoch's last batch (at its final validation or
             # its epoch-end hooks): do what was still ahead of it, and nothing it had already done.
+            self.task.train()
             self._apply_resume_rng()
             self.end_epoch()
             if not self._done():
