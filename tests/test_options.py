@@ -37,6 +37,7 @@ BAD = [
     (lambda: Trainer(gradient_clip_val="1"), "Trainer(gradient_clip_val='1'): gradient_clip_val must be None or"),
     (lambda: Trainer(val_check_interval=0), "Trainer(val_check_interval=0): val_check_interval must be an int >= 1"),
     (lambda: Trainer(val_check_interval=True), "Trainer(val_check_interval=True)"),
+    (lambda: Trainer(ckpt_read="rank0"), "Trainer(ckpt_read='rank0'): ckpt_read must be one of every_rank, rank_zero"),
     (lambda: ModelCheckpoint(save_top_k=-2), "ModelCheckpoint(save_top_k=-2): save_top_k must be an int >= -1"),
     (lambda: ModelCheckpoint(every_n_train_steps=-1), "ModelCheckpoint(every_n_train_steps=-1)"),
     (lambda: EarlyStopping("loss", patience=0), "EarlyStopping(patience=0): patience must be an int >= 1"),

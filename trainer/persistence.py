@@ -16,7 +16,11 @@ if TYPE_CHECKING:
     from syncline.trainer.task import Task
     from syncline.trainer.trainer import Trainer
 
+#: Who reads `ckpt_path`: every rank itself, or rank 0, which broadcasts what it read.
+CKPT_READ = ("every_rank", "rank_zero")
+
 __all__ = [
+    "CKPT_READ",
     "apply_worker_result",
     "checkpoint_state",
     "find_last_checkpoint",
@@ -73,6 +77,8 @@ def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
     if path is None:
         rank_zero_warn(f'ckpt_path="last" found no checkpoint under {trainer.default_root_dir}; training from scratch.')
         return None
+    if trainer.ckpt_read == "rank_zero" and trainer.world_size > 1:
+        return _read_on_rank_zero(trainer, path)
     checkpoint, problem = None, None
     try:
         checkpoint = load_checkpoint(path)
@@ -87,9 +93,24 @@ def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
         ranks = ", ".join(str(rank) for rank in failed)
         raise CheckpointError(
             f"Checkpoint {path} cannot be read on rank(s) {ranks} of {trainer.world_size}: {problems[failed[0]]} "
-            "Every rank reads the checkpoint: put it on a file system all nodes share, or copy it to the same "
-            "path on every node."
+            "Every rank reads the checkpoint: put it on a file system all nodes share, copy it to the same "
+            'path on every node, or pass Trainer(ckpt_read="rank_zero") to read it on rank 0 alone.'
         )
+    return checkpoint
+
+
+def _read_on_rank_zero(trainer: Trainer, path: str) -> dict[str, Any]:
+    """Read `path` on rank 0 and send it to every rank (checkpoints on node-local disks)."""
+    checkpoint: Any = None
+    if trainer.is_global_zero:
+        try:
+            checkpoint = load_checkpoint(path)
+        except CheckpointError as error:
+            checkpoint = error
+    # Collective: rank 0's checkpoint (pickled, so it passes through host memory once per rank), or its error.
+    checkpoint = trainer.strategy.broadcast_object(checkpoint)
+    if isinstance(checkpoint, CheckpointError):
+        raise checkpoint
     return checkpoint
 
 

@@ -24,6 +24,7 @@ from syncline.trainer.data import limit_batches, with_distributed_sampler
 from syncline.trainer.evaluation import run_evaluation
 from syncline.trainer.fit_loop import FitLoop
 from syncline.trainer.optim import OptimizerSetup, parse_optimizers
+from syncline.trainer.persistence import CKPT_READ
 from syncline.trainer.precision import PRECISIONS, Precision
 from syncline.trainer.results import ResultCollection
 from syncline.trainer.seed import seed_everything, set_deterministic
@@ -63,6 +64,8 @@ class Trainer:
         use_distributed_sampler: shard the data across processes with a `DistributedSampler`.
         seed: seed python, numpy and torch now (before the task is trained) and in every worker.
         deterministic: use deterministic algorithms only.
+        ckpt_read: "every_rank": every process reads `ckpt_path` itself (a shared file system);
+            "rank_zero": rank 0 reads it and sends it to the others (checkpoints on node-local disks).
     """
 
     def __init__(
@@ -87,8 +90,11 @@ class Trainer:
         use_distributed_sampler: bool = True,
         seed: int | None = None,
         deterministic: bool = False,
+        ckpt_read: str = "every_rank",
     ) -> None:
         _check_options(locals())
+        if ckpt_read not in CKPT_READ:
+            raise OptionError(f"Trainer(ckpt_read={ckpt_read!r}): ckpt_read must be one of {', '.join(CKPT_READ)}.")
         if str(precision) not in PRECISIONS:
             raise ValueError(f"Unknown precision {precision!r}. Valid values: {', '.join(PRECISIONS)}.")
 
@@ -109,6 +115,7 @@ class Trainer:
         self.use_distributed_sampler = use_distributed_sampler
         self.seed = seed
         self.deterministic = deterministic
+        self.ckpt_read = ckpt_read
         self.strategy = resolve_strategy(strategy, devices)
         if devices > 1 and not self.strategy.multi_process:
             raise ValueError(

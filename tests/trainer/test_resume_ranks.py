@@ -21,16 +21,21 @@ class StartStep(Callback):
         self.step = trainer.global_step
 
 
-def _fit(max_steps: int, ckpt_path=None) -> Trainer:
+def _fit(max_steps: int, ckpt_path=None, ckpt_read: str = "every_rank") -> Trainer:
     torch.manual_seed(0)
     trainer = Trainer(
-        max_steps=max_steps, strategy="bucketed_ddp", default_root_dir="run", callbacks=[StartStep()], **quiet()
+        max_steps=max_steps,
+        strategy="bucketed_ddp",
+        default_root_dir="run",
+        callbacks=[StartStep()],
+        ckpt_read=ckpt_read,
+        **quiet(),
     )
     trainer.fit(Regressor(), loader(regression_data(32), 4), ckpt_path=ckpt_path)
     return trainer
 
 
-def _resume_in_own_folder(rank, world_size, tmp, ranks_with_checkpoint):
+def _resume_in_own_folder(rank, world_size, tmp, ranks_with_checkpoint, ckpt_read="every_rank"):
     """Each rank works in its own folder, as ranks on nodes without a shared file system do."""
     home = Path(tmp) / f"node{rank}"
     home.mkdir()
@@ -45,7 +50,7 @@ def _resume_in_own_folder(rank, world_size, tmp, ranks_with_checkpoint):
         if 0 not in ranks_with_checkpoint:
             os.remove("run/last.ckpt")
     first.strategy.barrier()
-    resumed = _fit(4, ckpt_path="last")
+    resumed = _fit(4, ckpt_path="last", ckpt_read=ckpt_read)
     return resumed.callbacks[0].step, resumed.global_step
 
 
@@ -66,3 +71,10 @@ def test_no_checkpoint_on_rank_zero_starts_every_rank_fresh(tmp_path):
     """Rank 1 alone has a file: rank 0's answer (none) holds for every rank, so nobody waits for the others."""
     outcomes = run_ranks(_resume_in_own_folder, world_size=2, args=(str(tmp_path), [1]), timeout=90)
     assert [(o.error, o.value) for o in outcomes] == [(None, (0, 4)), (None, (0, 4))]
+
+
+def test_rank_zero_reads_and_sends_the_checkpoint_when_asked(tmp_path):
+    """ckpt_read="rank_zero": the file on rank 0's disk alone is enough, and every rank resumes from it."""
+    args = (str(tmp_path), [0], "rank_zero")
+    outcomes = run_ranks(_resume_in_own_folder, world_size=2, args=args, timeout=90)
+    assert [(o.error, o.value) for o in outcomes] == [(None, (2, 4)), (None, (2, 4))]
