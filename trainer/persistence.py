@@ -60,7 +60,11 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         checkpoint["precision"] = trainer.precision.state_dict()
         checkpoint["results"] = trainer._train_results.state_dict(task)
     if loop is not None:
-        checkpoint["accumulated_grads"] = loop.accumulated_grads()
+        grads = loop.accumulated_grads()
+        if grads is not None:
+            grads = [None if g is None else g.cpu() for g in grads]
+        # Collective: an open window's gradients are per process (not yet averaged): keep every rank's.
+        checkpoint["accumulated_grads_by_rank"] = trainer.strategy.all_gather_object(grads)
     trainer.dispatcher.fire(Callback.on_save_checkpoint, checkpoint)
     return checkpoint
 
@@ -148,9 +152,10 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
             callback.load_state_dict(saved_callbacks[callback.state_key])
     saved_world = int(checkpoint.get("world_size", len(checkpoint["rng"])))
     if saved_world == trainer.world_size:
-        loop.restore_accumulated_grads(checkpoint.get("accumulated_grads"))
+        loop.restore_accumulated_grads(_own_accumulated_grads(trainer, checkpoint))
     else:
-        _adapt_to_world_size(trainer, saved_world, checkpoint.get("accumulated_grads") is not None)
+        open_window = _own_accumulated_grads(trainer, checkpoint) is not None
+        _adapt_to_world_size(trainer, saved_world, open_window)
     if "sampler_seed" in checkpoint and _train_sampler_seed(trainer) is not None:
         # The data order of the run being resumed, whatever `seed` the resumed run was given.
         trainer.train_dataloader.sampler.seed = checkpoint["sampler_seed"]
@@ -159,6 +164,14 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     mine = rng_states[trainer.global_rank] if trainer.global_rank < len(rng_states) else rng_states[0]
     loop.resume_rng = mine["now"]
     trainer.state.epoch_start_rng = mine["epoch_start"]
+
+
+def _own_accumulated_grads(trainer: Trainer, checkpoint: dict[str, Any]) -> list[Tensor | None] | None:
+    """Return this rank's gradients of the open accumulation window (None when the window was closed)."""
+    by_rank = checkpoint.get("accumulated_grads_by_rank")
+    if by_rank is None:
+        return checkpoint.get("accumulated_grads")  # older checkpoints: rank 0's alone
+    return by_rank[trainer.global_rank] if trainer.global_rank < len(by_rank) else by_rank[0]
 
 
 def _adapt_to_world_size(trainer: Trainer, saved: int, open_window: bool) -> None:

@@ -104,7 +104,7 @@ def test_every_n_train_steps_saves_once_per_optimizer_step_with_accumulation(tmp
     # Saved after the micro-batch that closed the window (batch_idx counts completed micro-batches).
     assert saves == [("epoch=0-step=3.ckpt", 3, 6), ("epoch=1-step=6.ckpt", 6, 4)]
     assert {p.name for p in tmp_path.glob("*.ckpt")} == {"epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"}
-    assert load_checkpoint(tmp_path / "epoch=0-step=3.ckpt")["accumulated_grads"] is None
+    assert load_checkpoint(tmp_path / "epoch=0-step=3.ckpt")["accumulated_grads_by_rank"] == [None]
 
 
 def test_mid_epoch_validation_saves_after_each_validation(tmp_path):

@@ -78,3 +78,38 @@ def test_rank_zero_reads_and_sends_the_checkpoint_when_asked(tmp_path):
     args = (str(tmp_path), [0], "rank_zero")
     outcomes = run_ranks(_resume_in_own_folder, world_size=2, args=args, timeout=90)
     assert [(o.error, o.value) for o in outcomes] == [(None, (2, 4)), (None, (2, 4))]
+
+
+class SaveAt(Callback):
+    """Save a checkpoint after training batch `batch_idx` of epoch 0, and keep training."""
+
+    def __init__(self, path: str, batch_idx: int) -> None:
+        self.path, self.batch_idx = path, batch_idx
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):
+        if trainer.current_epoch == 0 and batch_idx == self.batch_idx:
+            trainer.save_checkpoint(self.path)
+
+
+def _fit_accumulating(rank, world_size, path, save: bool):
+    torch.manual_seed(0)
+    task = Regressor(dropout=0.2)
+    callbacks = [SaveAt(path, batch_idx=2)] if save else []
+    trainer = Trainer(
+        max_epochs=2, strategy="bucketed_ddp", accumulate_grad_batches=2, seed=1, callbacks=callbacks, **quiet()
+    )
+    trainer.fit(task, loader(regression_data(32), 2, shuffle=True), ckpt_path=None if save else path)
+    return {name: value.clone() for name, value in task.state_dict().items()}
+
+
+def test_mid_window_checkpoint_keeps_every_ranks_accumulated_gradients(tmp_path):
+    """Saved after the first micro-batch of a window, whose gradients differ per rank (not yet averaged)."""
+    from tests.strategies._dist import run_distributed
+
+    path = str(tmp_path / "mid-window.ckpt")
+    reference = run_distributed(_fit_accumulating, world_size=2, args=(path, True), timeout=120)
+    assert torch.load(path, weights_only=True)["progress"]["batch_idx"] == 3  # window [2, 3] is open
+    resumed = run_distributed(_fit_accumulating, world_size=2, args=(path, False), timeout=120)
+    for rank in range(2):
+        for name, value in reference[rank].items():
+            assert torch.equal(resumed[rank][name], value), (rank, name)
