@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.callback import Callback
+from syncline.callbacks.checkpoint_files import find_top_k_files, remove_stale_temporaries
+from syncline.options import check_int
 from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -80,11 +82,9 @@ class ModelCheckpoint(Callback):
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint mode must be 'min' or 'max', got {mode!r}.")
-        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
-            raise ValueError(f"ModelCheckpoint save_top_k must be an int >= -1, got {save_top_k!r}.")
-        for name, value in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"ModelCheckpoint {name} must be None or an int >= 0, got {value!r}.")
+        check_int("ModelCheckpoint", "save_top_k", save_top_k, -1, meaning="-1 keeps all, 0 none")
+        check_int("ModelCheckpoint", "every_n_epochs", every_n_epochs, 0, none_ok=True)
+        check_int("ModelCheckpoint", "every_n_train_steps", every_n_train_steps, 0, none_ok=True)
         if every_n_epochs and every_n_train_steps:
             raise ValueError("ModelCheckpoint: pass every_n_epochs or every_n_train_steps, not both.")
         self._given_dirpath = _real_dir(dirpath)
@@ -106,6 +106,11 @@ class ModelCheckpoint(Callback):
         self._last_global_step_saved = -1
         #: Global step at the previous train batch end, to notice the micro-batch that took a step.
         self._step_seen = 0
+        #: Whether this fit resumed this callback's bookkeeping for the same directory.
+        self._resumed = False
+        #: Whether a validation has run in this fit (before that, a validation metric cannot exist yet).
+        self._validated = False
+        self._warned_missing = False
 
     @property
     def state_key(self) -> str:
@@ -126,6 +131,37 @@ class ModelCheckpoint(Callback):
         dirpath = _real_dir(os.path.join(trainer.log_dir, "checkpoints")) if trainer.is_global_zero else None
         # Collective: the logger picks its version directory on rank 0; every rank must use that one.
         self.dirpath = trainer.strategy.broadcast_object(dirpath)
+
+    def on_fit_start(self, trainer: Trainer, task: Task) -> None:
+        """Clean up after a crash: stale temporary files go; a resumed run re-finds its top-k files."""
+        tidy = self._tidy_directory() if trainer.is_global_zero else None
+        # Collective: every rank keeps rank 0's view of the files (only rank 0 reads the directory).
+        tidy = trainer.strategy.broadcast_object(tidy)
+        if isinstance(tidy, Exception):
+            raise tidy
+        self.best_k_models, self.best_model_path, self.best_model_score = tidy
+        self._resumed = False
+        self._validated = self._warned_missing = False
+
+    def _tidy_directory(self) -> tuple[dict[str, float], str, float | None] | Exception:
+        try:
+            remove_stale_temporaries(self._dir())
+            kept = {path: score for path, score in self.best_k_models.items() if os.path.exists(path)}
+            if self._resumed:
+                # A run killed after a top-k save and resumed from an older checkpoint does not list that
+                # file; each top-k file records its own score, so the list is rebuilt from the files.
+                kept.update(find_top_k_files(self._dir(), self.state_key))
+            if self.save_top_k != -1:
+                while len(kept) > self.save_top_k:
+                    worst = self._worst(kept)
+                    del kept[worst]
+                    _remove(worst)
+            if not kept:
+                return {}, self.best_model_path, self.best_model_score
+            best = self._best(kept)
+            return kept, best, kept[best] if self.monitor is not None else None
+        except Exception as error:
+            return error
 
     def on_train_start(self, trainer: Trainer, task: Task) -> None:
         """Start watching for optimizer steps from the (possibly resumed) global step."""
@@ -149,6 +185,7 @@ class ModelCheckpoint(Callback):
         """Save after a validation that runs within the epoch, where epoch-end saving is off."""
         if trainer.sanity_checking or trainer.state.stage != "fit":
             return
+        self._validated = True
         if self._epoch_due(trainer) and not self._saves_on_train_epoch_end(trainer):
             self._save(trainer)
 
@@ -220,6 +257,17 @@ class ModelCheckpoint(Callback):
 
     def _plan_top_k(self, trainer: Trainer, plan: _Plan) -> None:
         metrics = trainer.callback_metrics
+        if self.monitor is not None and self.monitor not in metrics and self._may_come_later(trainer):
+            # A step checkpoint before the first validation: a validation metric cannot exist yet. As in
+            # Lightning, skip the top-k save (last.ckpt is still written) and say so once.
+            if not self._warned_missing:
+                self._warned_missing = True
+                rank_zero_warn(
+                    f"ModelCheckpoint(monitor={self.monitor!r}) skips its top-k save at step "
+                    f"{trainer.global_step}: no metric of that name yet, and no validation has run. It saves "
+                    "once the metric is logged; if validation runs and does not log it, that is an error."
+                )
+            return
         if self.monitor is not None and self.monitor not in metrics:
             raise KeyError(
                 f"ModelCheckpoint(monitor={self.monitor!r}) found no metric of that name. "
@@ -243,6 +291,13 @@ class ModelCheckpoint(Callback):
         plan.drop_path = drop if drop != path else None
         plan.best_model_path = self._best(kept)
         plan.best_model_score = kept[plan.best_model_path] if self.monitor is not None else None
+
+    def _may_come_later(self, trainer: Trainer) -> bool:
+        """Whether a missing monitored metric may still be logged: by a validation that has not run yet,
+        or, without validation, by the epoch aggregates of an epoch that has not ended yet."""
+        if self._validated:
+            return False
+        return any(trainer.num_val_batches) or not trainer.state.batches_done
 
     def _score(self, value: Any) -> float:
         score = float(value)  # host sync: once per save, never per step
@@ -317,6 +372,7 @@ class ModelCheckpoint(Callback):
                 "checkpoints of the old directory are not tracked (only best_model_path is restored)."
             )
             return
+        self._resumed = True
         self.best_model_score = state_dict.get("best_model_score")
         self.best_k_models = dict(state_dict.get("best_k_models", {}))
         self.last_model_path = state_dict.get("last_model_path", "")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.callback import Callback
+from syncline.options import check_int, check_number
 from syncline.trainer.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
@@ -56,8 +57,8 @@ class EarlyStopping(Callback):
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"EarlyStopping mode must be 'min' or 'max', got {mode!r}.")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"EarlyStopping patience must be an int >= 1, got {patience!r}.")
+        check_int("EarlyStopping", "patience", patience, 1, meaning="checks without improvement")
+        check_number("EarlyStopping", "min_delta", min_delta, minimum=0, meaning="the least change that counts")
         self.monitor = monitor
         self.patience = patience
         self.min_delta = abs(min_delta)

@@ -11,6 +11,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from syncline.callbacks.callback import Callback
+from syncline.options import check_int
 from syncline.trainer.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
@@ -44,10 +45,8 @@ class ProgressBar(Callback):
     """
 
     def __init__(self, refresh_rate: int = 1, print_every_n_steps: int | None = None) -> None:
-        if isinstance(refresh_rate, bool) or not isinstance(refresh_rate, int) or refresh_rate < 0:
-            raise ValueError(f"ProgressBar refresh_rate must be an int >= 0, got {refresh_rate!r}.")
-        if print_every_n_steps is not None and (not isinstance(print_every_n_steps, int) or print_every_n_steps < 1):
-            raise ValueError(f"ProgressBar print_every_n_steps must be None or an int >= 1: {print_every_n_steps!r}")
+        check_int("ProgressBar", "refresh_rate", refresh_rate, 0, meaning="0 disables all output")
+        check_int("ProgressBar", "print_every_n_steps", print_every_n_steps, 1, none_ok=True)
         self.refresh_rate = refresh_rate
         self.print_every_n_steps = print_every_n_steps
         self._enabled = False

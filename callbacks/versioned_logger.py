@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from syncline.callbacks.logger import Logger
+from syncline.options import check_int
 
 __all__ = ["VersionedLogger"]
 
@@ -30,6 +31,7 @@ class VersionedLogger(Logger):
     """
 
     def __init__(self, save_dir: str | os.PathLike[str], name: str, version: int | None = None) -> None:
+        check_int(type(self).__name__, "version", version, 0, none_ok=True, meaning="None picks the next free one")
         self.save_dir = str(save_dir)
         self.name = name
         self._given_version = version

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from syncline.options import check_number
 from syncline.strategies.backward_sync import BackwardSyncControl
 from syncline.strategies.comm_hooks import COMM_HOOKS, CommHook
 from syncline.strategies.process_group import ProcessGroupStrategy, broadcast_coalesced
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from syncline.trainer.task import Task
 
 __all__ = ["BucketedDDP"]
+
+_CAP_MEANING = "MiB per bucket; 0 gives every parameter its own bucket"
 
 
 class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
@@ -76,6 +79,9 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         comm_state: Any = None,
         static_graph: bool = False,
     ) -> None:
+        # 0 is meaningful, as in torch's DDP: every parameter gets its own bucket.
+        check_number("BucketedDDP", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning=_CAP_MEANING)
+        check_number("BucketedDDP", "first_bucket_mb", first_bucket_mb, minimum=0, meaning=_CAP_MEANING)
         super().__init__(backend=backend, timeout=timeout)
         if isinstance(comm_hook, str):
             if comm_hook not in COMM_HOOKS:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from syncline.options import check_number
 from syncline.strategies.backward_sync import BackwardSyncControl
 from syncline.strategies.process_group import ProcessGroupStrategy
 
@@ -61,6 +62,8 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
 
     def __init__(self, backend: str | None = None, timeout: float = 1800.0, **ddp_kwargs: Any) -> None:
         super().__init__(backend=backend, timeout=timeout)
+        if "bucket_cap_mb" in ddp_kwargs:
+            check_number("NativeDDP", "bucket_cap_mb", ddp_kwargs["bucket_cap_mb"], minimum=0, meaning="MiB per bucket")
         self.ddp_kwargs = ddp_kwargs
         self.gradient_as_bucket_view = bool(ddp_kwargs.get("gradient_as_bucket_view", False))
         self._ddp: DistributedDataParallel | None = None

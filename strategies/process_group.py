@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 
+from syncline.options import check_number
+from syncline.strategies.launcher import STORE_HOSTED_ENV
 from syncline.strategies.strategy import ReduceOp, Strategy
 
 if TYPE_CHECKING:
@@ -86,6 +88,9 @@ def device_for_local_rank(local_rank: int, backend: str) -> torch.device:
 def init_process_group_from_env(backend: str | None = None, timeout: float = 1800.0) -> bool:
     """Join the default process group described by the environment, unless already joined.
 
+    Without any of RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (no launcher), join a world of one
+    process instead; with some of them but not all, raise.
+
     Args:
         backend: "gloo", "nccl", ...; None picks `default_backend()`.
         timeout: seconds a collective (and the rendezvous) may take before it fails.
@@ -95,10 +100,23 @@ def init_process_group_from_env(backend: str | None = None, timeout: float = 180
     """
     if dist.is_initialized():
         return False
-    env = DistributedEnv.from_environ()
     backend = backend or default_backend()
+    if not any(name in os.environ for name in _REQUIRED):
+        _init_world_of_one(backend, timeout)
+        return True
+    env = DistributedEnv.from_environ()
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
+    if os.environ.get(STORE_HOSTED_ENV) == "1":
+        # Launched by `launch`: the launching process hosts the store (on loopback); every rank is a client.
+        store = dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, False, timeout=timedelta(seconds=timeout)
+        )
+        # Collective: rendezvous of all ranks through the launcher's store.
+        dist.init_process_group(
+            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout)
+        )
+        return True
     # Collective: rendezvous of all ranks at MASTER_ADDR:MASTER_PORT.
     dist.init_process_group(
         backend,
@@ -108,6 +126,18 @@ def init_process_group_from_env(backend: str | None = None, timeout: float = 180
         timeout=timedelta(seconds=timeout),
     )
     return True
+
+
+def _init_world_of_one(backend: str, timeout: float) -> None:
+    """Join a process group of this process alone: no launcher, one device (as Lightning runs DDP on one).
+
+    A distributed configuration can then be run and debugged on one device, collectives included. The
+    store lives in this process's memory, so nothing listens on the network.
+    """
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    # Collective (of one): no other process takes part.
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout))
 
 
 def destroy_process_group() -> None:
@@ -154,6 +184,7 @@ class ProcessGroupStrategy(Strategy):
     multi_process = True
 
     def __init__(self, backend: str | None = None, timeout: float = 1800.0) -> None:
+        check_number(type(self).__name__, "timeout", timeout, above=0, meaning="seconds a collective may take")
         self.backend = backend
         self.timeout = timeout
 

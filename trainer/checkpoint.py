@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,8 @@ __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint", "to_primitiv
 
 #: Format version written into every checkpoint, checked when one is read.
 FORMAT_VERSION = 1
+#: A save in progress writes ``.<name>.<random>.tmp`` beside its target, then renames it.
+TMP_PREFIX, TMP_SUFFIX = ".", ".tmp"
 
 
 class CheckpointError(RuntimeError):
@@ -28,17 +32,59 @@ def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike[str]) ->
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as file:
             torch.save(checkpoint, file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp_name, path)
+    except Exception as error:
+        Path(tmp_name).unlink(missing_ok=True)
+        # A full disk surfaces as ENOSPC from a plain write, but as a RuntimeError from torch's zip writer
+        # ("unexpected pos"): tell it by the space the file needs.
+        message = _no_space_message(checkpoint, path, error)
+        if message is not None:
+            raise CheckpointError(message) from error
+        raise
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
     _fsync_directory(path.parent)
+
+
+class _ByteCounter:
+    """A write-only file that counts what is written to it (to size a checkpoint without storing it)."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.size += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def _no_space_message(checkpoint: dict[str, Any], path: Path, error: Exception) -> str | None:
+    """Return the error for a save that failed for lack of space, or None if space was not the cause."""
+    no_space = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    counter = _ByteCounter()
+    try:
+        torch.save(checkpoint, counter)
+        free = shutil.disk_usage(path.parent).free
+    except Exception:  # the failure was not about space; report it as it is
+        return None
+    if not no_space and free >= counter.size:
+        return None
+    limit = isinstance(error, OSError) and error.errno == errno.EFBIG
+    reason = "the file size limit (ulimit -f) was reached" if limit else "the disk is full"
+    return (
+        f"Cannot write checkpoint {path}: {reason}. It needs {counter.size:,} bytes; {free:,} bytes are free "
+        f"in {path.parent}. The previous file at that path, if any, is unchanged. Free some space or "
+        "point the checkpoints elsewhere (ModelCheckpoint(dirpath=...) or trainer.default_root_dir)."
+    )
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -63,13 +109,15 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"Checkpoint not found: {path} (check ckpt_path).")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"Cannot read checkpoint {path}: the file is empty (0 bytes). {_UNREADABLE}")
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:
-        raise CheckpointError(
-            f"Cannot read checkpoint {path}: {type(error).__name__}: {str(error).splitlines()[0]}. "
-            "The file is corrupt or was not written by syncline."
-        ) from error
+        # Some failures (a truncated zip) come with an empty message: name the type alone then.
+        detail = next(iter(str(error).splitlines()), "").strip()
+        reason = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+        raise CheckpointError(f"Cannot read checkpoint {path}: {reason}. {_UNREADABLE}") from error
     if not isinstance(checkpoint, dict) or "syncline_format" not in checkpoint:
         raise CheckpointError(f"{path} is not a syncline checkpoint (no 'syncline_format' entry).")
     if checkpoint["syncline_format"] > FORMAT_VERSION:
@@ -77,6 +125,12 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
             f"{path} was written by a newer syncline (format {checkpoint['syncline_format']}); upgrade syncline."
         )
     return checkpoint
+
+
+_UNREADABLE = (
+    "The file is truncated, corrupt or was not written by syncline; "
+    "resume from another checkpoint (another ckpt_path) or start without one."
+)
 
 
 def to_primitive(value: Any) -> Any:

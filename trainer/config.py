@@ -56,6 +56,7 @@ class TrainerConf:
     use_distributed_sampler: bool = True
     seed: int | None = None
     deterministic: bool = False
+    ckpt_read: str = "every_rank"
 
 
 @dataclass

@@ -42,15 +42,21 @@ class FitLoop:
         """Train until max_epochs, max_steps or a stop request."""
         state = self.state
         if state.epoch_finished:
-            state.current_epoch += 1
-            state.batch_idx, state.epoch_finished = 0, False
+            state.start_epoch()
         self.fire(Callback.on_train_start)
+        if state.batches_done:
+            # Resumed from a checkpoint taken after the epoch's last batch (at its final validation or
+            # its epoch-end hooks): do what was still ahead of it, and nothing it had already done.
+            self.task.train()
+            self._apply_resume_rng()
+            self.end_epoch()
+            if not self._done():
+                state.start_epoch()
         while not self._done():
             self.run_epoch()
             if self._done():
                 break
-            state.current_epoch += 1
-            state.batch_idx, state.epoch_finished = 0, False
+            state.start_epoch()
         self.fire(Callback.on_train_end)
 
     def _done(self) -> bool:
@@ -67,34 +73,53 @@ class FitLoop:
         task.train()
         self.fire(Callback.on_train_epoch_start)
         num_batches = trainer.num_training_batches
-        validated_after = -1
         exhausted = True
         for batch_idx, batch, is_last in self._batches(num_batches):
             self.run_batch(batch, batch_idx, is_last)
             if not is_last and trainer.validation_due(batch_idx, is_last=False):
-                trainer.run_validation()
-                validated_after = batch_idx
+                self.validate_after(batch_idx)
             exhausted = is_last
             if state.should_stop or (trainer.max_steps != -1 and state.global_step >= trainer.max_steps):
                 break
         # An epoch cut short by max_steps is not finished: it gets its final validation but no epoch-end
         # events, and a resume with a larger max_steps continues it with its remaining batches, as an
         # uninterrupted run would. A stop request (early stopping) ends the epoch.
-        state.epoch_finished = exhausted or state.should_stop
         # The epoch's last step is logged whatever log_every_n_steps says, and under this epoch's number.
         trainer.flush_step_logs(force=True)
+        if exhausted or state.should_stop:
+            state.batches_done = True
+            self.end_epoch()
+        elif trainer.validation_due(state.batch_idx - 1, is_last=True):
+            self.validate_after(state.batch_idx - 1)
+
+    def end_epoch(self) -> None:
+        """Finish an epoch whose batches are done: final validation, epoch-end hooks, epoch schedulers.
+
+        Each part is marked done in the state before its hooks run, so a checkpoint saved from those hooks
+        resumes after it; the parts still ahead of a checkpoint run when it is resumed.
+        """
+        trainer, state = self.trainer, self.state
         last = state.batch_idx - 1
-        if last != validated_after and trainer.validation_due(last, is_last=True):
-            trainer.run_validation()
-        if state.epoch_finished:
+        if last != state.validated_after and trainer.validation_due(last, is_last=True):
+            self.validate_after(last)
+        if not state.epoch_hooks_done:
             self.fire_epoch_end()
-            self.optim_step_schedulers("epoch", state.current_epoch + 1)
+        self.optim_step_schedulers("epoch", state.current_epoch + 1)
+        state.epoch_finished = True
+
+    def validate_after(self, batch_idx: int) -> None:
+        """Validate after training batch `batch_idx`; a checkpoint saved by validation's hooks says so."""
+        self.state.validated_after = batch_idx
+        self.trainer.run_validation()
 
     def fire_epoch_end(self) -> None:
         """Let the task log, resolve the epoch's aggregates, then let the callbacks see them."""
         trainer = self.trainer
         trainer.dispatcher.fire_task(Callback.on_train_epoch_end)
         trainer.log_metrics(trainer.results.epoch_end())
+        # Marked before the callbacks run: ModelCheckpoint saves last, once every other callback has seen
+        # the epoch's end, so a resume from its checkpoint must not fire these hooks again.
+        self.state.epoch_hooks_done = True
         trainer.dispatcher.fire_callbacks(Callback.on_train_epoch_end)
 
     def optim_step_schedulers(self, interval: str, count: int) -> None:
@@ -188,7 +213,7 @@ class FitLoop:
     # -------------------------------------------------------------- checkpoints
     def accumulated_grads(self) -> list[Tensor | None] | None:
         """Gradients of an open accumulation window (None when the window is closed)."""
-        if self.state.batch_idx % self.accumulate == 0 or self.state.epoch_finished:
+        if self.state.batch_idx % self.accumulate == 0 or self.state.batches_done:
             return None
         return [None if p.grad is None else p.grad.detach().clone() for p in self.parameters]
 

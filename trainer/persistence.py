@@ -5,16 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch import Tensor
+
 from syncline.callbacks.callback import Callback
 from syncline.trainer.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, to_primitive
-from syncline.trainer.rank_zero import rank_zero_warn
-from syncline.trainer.state import capture_rng
+from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
+from syncline.trainer.state import training_rng
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
     from syncline.trainer.trainer import Trainer
 
+#: Who reads `ckpt_path`: every rank itself, or rank 0, which broadcasts what it read.
+CKPT_READ = ("every_rank", "rank_zero")
+
 __all__ = [
+    "CKPT_READ",
     "apply_worker_result",
     "best_checkpoint",
     "checkpoint_state",
@@ -33,17 +39,33 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         "state_dict": task.state_dict(),
         "hparams": to_primitive(task.hparams),
         "progress": trainer.state.state_dict(),
-        # Collective: every rank's RNG, so each process resumes its own random stream.
-        "rng": trainer.strategy.all_gather_object({"now": capture_rng(), "epoch_start": trainer.state.epoch_start_rng}),
+        "world_size": trainer.world_size,
+        # Collective: every rank's RNG, so each process resumes its own random stream. Training's, not
+        # validation's: a checkpoint saved from a validation hook continues the training stream.
+        "rng": trainer.strategy.all_gather_object(
+            {"now": training_rng(), "epoch_start": trainer.state.epoch_start_rng}
+        ),
+        # The metrics the rest of the epoch acts on (a plateau scheduler, early stopping, a monitored
+        # checkpoint), as the uninterrupted run has them.
+        "callback_metrics": {
+            name: value.detach().cpu() for name, value in trainer.callback_metrics.items() if isinstance(value, Tensor)
+        },
         "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
         "loggers": [logger.state_dict() for logger in trainer.loggers],
     }
+    sampler_seed = _train_sampler_seed(trainer)
+    if sampler_seed is not None:
+        checkpoint["sampler_seed"] = sampler_seed
     if trainer.optim is not None:
         checkpoint["optimizer"] = trainer.optim.state_dict()
         checkpoint["precision"] = trainer.precision.state_dict()
         checkpoint["results"] = trainer._train_results.state_dict(task)
     if loop is not None:
-        checkpoint["accumulated_grads"] = loop.accumulated_grads()
+        grads = loop.accumulated_grads()
+        if grads is not None:
+            grads = [None if g is None else g.cpu() for g in grads]
+        # Collective: an open window's gradients are per process (not yet averaged): keep every rank's.
+        checkpoint["accumulated_grads_by_rank"] = trainer.strategy.all_gather_object(grads)
     trainer.dispatcher.fire(Callback.on_save_checkpoint, checkpoint)
     return checkpoint
 
@@ -52,24 +74,66 @@ def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
     """Load the checkpoint `ckpt_path` names, or None for None.
 
     "last" is the newest last checkpoint, "best" the first ModelCheckpoint's best; anything else is a path.
+    A collective: rank 0 resolves "last", and every rank reads the one file it chose. If any rank cannot
+    read it, every rank raises the same error naming those ranks (none waits for the others forever).
 
     Raises:
-        CheckpointError: "best" without a best checkpoint, or a word that is neither of these nor a file.
+        CheckpointError: "best" without a best checkpoint, a word that is neither of these nor a file, or
+            a file some rank cannot read.
     """
     if ckpt_path is None:
         return None
-    if ckpt_path == "best":
-        return load_checkpoint(best_checkpoint(trainer))
-    if ckpt_path != "last" and not Path(ckpt_path).exists() and not any(c in str(ckpt_path) for c in "/\\."):
+    if (
+        ckpt_path not in ("best", "last")
+        and not Path(ckpt_path).exists()
+        and not any(c in str(ckpt_path) for c in "/\\.")
+    ):
         raise CheckpointError(
             f"ckpt_path={str(ckpt_path)!r} is neither a file nor one of the names: "
             "'best' (the ModelCheckpoint's best), 'last' (the newest last checkpoint), a path, or None."
         )
-    path = find_last_checkpoint(trainer) if ckpt_path == "last" else str(ckpt_path)
+    if ckpt_path == "best":
+        path: str | None = best_checkpoint(trainer)
+    else:
+        path = find_last_checkpoint(trainer) if ckpt_path == "last" else str(ckpt_path)
     if path is None:
         rank_zero_warn(f'ckpt_path="last" found no checkpoint under {trainer.default_root_dir}; training from scratch.')
         return None
-    return load_checkpoint(path)
+    if trainer.ckpt_read == "rank_zero" and trainer.world_size > 1:
+        return _read_on_rank_zero(trainer, path)
+    checkpoint, problem = None, None
+    try:
+        checkpoint = load_checkpoint(path)
+    except CheckpointError as error:
+        problem = str(error)
+    # Collective: every rank learns which ranks could read the file, so all load or all raise.
+    problems = trainer.strategy.all_gather_object(problem)
+    failed = [rank for rank, problem in enumerate(problems) if problem is not None]
+    if failed and trainer.world_size == 1:
+        raise CheckpointError(problems[0])
+    if failed:
+        ranks = ", ".join(str(rank) for rank in failed)
+        raise CheckpointError(
+            f"Checkpoint {path} cannot be read on rank(s) {ranks} of {trainer.world_size}: {problems[failed[0]]} "
+            "Every rank reads the checkpoint: put it on a file system all nodes share, copy it to the same "
+            'path on every node, or pass Trainer(ckpt_read="rank_zero") to read it on rank 0 alone.'
+        )
+    return checkpoint
+
+
+def _read_on_rank_zero(trainer: Trainer, path: str) -> dict[str, Any]:
+    """Read `path` on rank 0 and send it to every rank (checkpoints on node-local disks)."""
+    checkpoint: Any = None
+    if trainer.is_global_zero:
+        try:
+            checkpoint = load_checkpoint(path)
+        except CheckpointError as error:
+            checkpoint = error
+    # Collective: rank 0's checkpoint (pickled, so it passes through host memory once per rank), or its error.
+    checkpoint = trainer.strategy.broadcast_object(checkpoint)
+    if isinstance(checkpoint, CheckpointError):
+        raise checkpoint
+    return checkpoint
 
 
 def best_checkpoint(trainer: Trainer) -> str:
@@ -86,16 +150,20 @@ def best_checkpoint(trainer: Trainer) -> str:
 
 
 def find_last_checkpoint(trainer: Trainer) -> str | None:
-    """Return rank 0's newest ``last*.ckpt`` (else newest ``*.ckpt``) under the run's directories."""
-    roots = {Path(trainer.default_root_dir)}
-    roots.update(Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None))
-    found = [p for root in roots if root.is_dir() for p in root.rglob("*.ckpt")]
-    last = [p for p in found if p.name.startswith("last")] or found
-    if not last:
-        return None
-    newest = max(last, key=lambda p: p.stat().st_mtime)
-    # Collective: every rank resumes from the file rank 0 chose.
-    return trainer.strategy.broadcast_object(str(newest))
+    """Return rank 0's newest ``last*.ckpt`` (else newest ``*.ckpt``) under the run's directories.
+
+    A collective: only rank 0 searches, and every rank gets its answer (None when it found nothing).
+    """
+    newest = None
+    if trainer.is_global_zero:
+        roots = {Path(trainer.default_root_dir)}
+        roots.update(Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None))
+        found = [p for root in roots if root.is_dir() for p in root.rglob("*.ckpt")]
+        last = [p for p in found if p.name.startswith("last")] or found
+        if last:
+            newest = str(max(last, key=lambda p: p.stat().st_mtime))
+    # Collective: every rank resumes from the file rank 0 chose, or none does.
+    return trainer.strategy.broadcast_object(newest)
 
 
 def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
@@ -108,16 +176,75 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     trainer.precision.load_state_dict(checkpoint.get("precision", {}))
     trainer.state.load_state_dict(checkpoint["progress"])
     trainer._train_results.load_state_dict(checkpoint.get("results", {}), task)
+    trainer.callback_metrics.update(checkpoint.get("callback_metrics", {}))
     saved_callbacks = checkpoint.get("callbacks", {})
     for callback in trainer.callbacks:
         if callback.state_key in saved_callbacks:
             callback.load_state_dict(saved_callbacks[callback.state_key])
-    loop.restore_accumulated_grads(checkpoint.get("accumulated_grads"))
+    saved_world = int(checkpoint.get("world_size", len(checkpoint["rng"])))
+    if saved_world == trainer.world_size:
+        loop.restore_accumulated_grads(_own_accumulated_grads(trainer, checkpoint))
+    else:
+        open_window = _own_accumulated_grads(trainer, checkpoint) is not None
+        _adapt_to_world_size(trainer, saved_world, open_window)
+    if "sampler_seed" in checkpoint and _train_sampler_seed(trainer) is not None:
+        # The data order of the run being resumed, whatever `seed` the resumed run was given.
+        trainer.train_dataloader.sampler.seed = checkpoint["sampler_seed"]
     rng_states = checkpoint["rng"]
     # A run resumed on more processes than it was saved with gives the extra ranks rank 0's streams.
     mine = rng_states[trainer.global_rank] if trainer.global_rank < len(rng_states) else rng_states[0]
     loop.resume_rng = mine["now"]
     trainer.state.epoch_start_rng = mine["epoch_start"]
+
+
+def _own_accumulated_grads(trainer: Trainer, checkpoint: dict[str, Any]) -> list[Tensor | None] | None:
+    """Return this rank's gradients of the open accumulation window (None when the window was closed)."""
+    by_rank = checkpoint.get("accumulated_grads_by_rank")
+    if by_rank is None:
+        return checkpoint.get("accumulated_grads")  # older checkpoints: rank 0's alone
+    return by_rank[trainer.global_rank] if trainer.global_rank < len(by_rank) else by_rank[0]
+
+
+def _adapt_to_world_size(trainer: Trainer, saved: int, open_window: bool) -> None:
+    """Continue a checkpoint saved on `saved` processes on `trainer.world_size` (elastic jobs shrink and grow).
+
+    At an epoch boundary nothing is lost: the next epoch is split the new number of ways. Mid-epoch, the
+    run continues after as many samples as the checkpoint had seen (each process's batches hold the same
+    number of samples), from the start of an accumulation window; that order differs from the
+    uninterrupted run's.
+    """
+    state, now = trainer.state, trainer.world_size
+    if state.epoch_finished or state.batches_done or state.batch_idx == 0:
+        rank_zero_info(
+            f"Resuming a checkpoint saved on {saved} process(es) on {now}: it was taken at an epoch boundary, "
+            f"so training continues exactly, with each epoch's data split {now} ways."
+        )
+        return
+    accumulate = trainer.accumulate_grad_batches
+    seen = state.batch_idx * saved  # batches of every process: the samples seen, in units of one batch
+    batch_idx = round(seen / now)
+    batch_idx -= batch_idx % accumulate
+    message = (
+        f"Resuming a checkpoint saved on {saved} process(es) in the middle of epoch {state.current_epoch} on "
+        f"{now}: training continues after {batch_idx} batches per process ({batch_idx * now} batches of "
+        f"samples; the checkpoint had seen {seen}). The order of the rest of the epoch differs from the "
+        "uninterrupted run's, so the result is not bit-exact."
+    )
+    if open_window:
+        message += (
+            " The gradients accumulated in the open window (per-process state) are dropped: the window starts again."
+        )
+    if state.validated_after >= 0:
+        state.validated_after = min(state.validated_after, batch_idx - 1)
+    state.batch_idx = batch_idx
+    rank_zero_warn(message)
+
+
+def _train_sampler_seed(trainer: Trainer) -> int | None:
+    """Return the seed of the training data's DistributedSampler (None without one)."""
+    sampler = getattr(trainer.train_dataloader, "sampler", None)
+    seed = getattr(sampler, "seed", None)
+    return seed if isinstance(seed, int) else None
 
 
 def worker_result(trainer: Trainer, task: Task, returned: Any) -> dict[str, Any]:

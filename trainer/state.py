@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TrainerState", "capture_rng", "restore_rng", "isolated_rng"]
+__all__ = ["TrainerState", "capture_rng", "restore_rng", "isolated_rng", "training_rng"]
 
 try:
     import numpy as np
@@ -26,7 +26,11 @@ class TrainerState:
         current_epoch: index of the training epoch in progress (or the next one, once finished).
         global_step: optimizer steps taken so far.
         batch_idx: training micro-batches completed in the current epoch.
-        epoch_finished: the current epoch has consumed its last batch; a resume starts the next one.
+        validated_after: the batch index after which validation last ran in this epoch (-1: none yet).
+        batches_done: the current epoch has consumed its last batch (or was asked to stop); its final
+            validation, epoch-end hooks and epoch schedulers may still be ahead.
+        epoch_hooks_done: the epoch-end hooks have run; only the epoch schedulers' step is ahead.
+        epoch_finished: everything of the current epoch is done; a resume starts the next one.
         sanity_checking: the sanity validation is running (its metrics are discarded).
         should_stop: a callback asked training to stop at the next opportunity.
     """
@@ -35,6 +39,9 @@ class TrainerState:
     current_epoch: int = 0
     global_step: int = 0
     batch_idx: int = 0
+    validated_after: int = -1
+    batches_done: bool = False
+    epoch_hooks_done: bool = False
     epoch_finished: bool = False
     sanity_checking: bool = False
     should_stop: bool = False
@@ -54,6 +61,15 @@ class TrainerState:
         """Restore what `state_dict` returned."""
         for name, value in state.items():
             setattr(self, name, value)
+        if "batches_done" not in state:
+            # Written before these fields existed: such a checkpoint was either mid-epoch or finished.
+            self.batches_done = self.epoch_hooks_done = self.epoch_finished
+
+    def start_epoch(self) -> None:
+        """Move to the next epoch's first batch."""
+        self.current_epoch += 1
+        self.batch_idx, self.validated_after = 0, -1
+        self.batches_done = self.epoch_hooks_done = self.epoch_finished = False
 
 
 def capture_rng() -> dict[str, Any]:
@@ -82,6 +98,10 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+#: RNG states saved by the `isolated_rng` blocks in progress, outermost first.
+_ISOLATED: list[dict[str, Any]] = []
+
+
 class isolated_rng:
     """Run a block without moving the training RNG streams.
 
@@ -92,6 +112,14 @@ class isolated_rng:
 
     def __enter__(self) -> None:
         self._state = capture_rng()
+        _ISOLATED.append(self._state)
 
     def __exit__(self, *exc: object) -> None:
+        _ISOLATED.pop()
         restore_rng(self._state)
+
+
+def training_rng() -> dict[str, Any]:
+    """Return the RNG states training continues from: the current ones, or, inside `isolated_rng`
+    (a checkpoint taken during validation), those the outermost block will restore."""
+    return _ISOLATED[0] if _ISOLATED else capture_rng()

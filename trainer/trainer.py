@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from syncline.callbacks.callback import Callback, CallbackDispatcher
 from syncline.callbacks.logger import Logger
+from syncline.options import OptionError, check_int, check_number
 from syncline.strategies.launcher import launch, launched_by_torchrun
 from syncline.strategies.registry import resolve_strategy
 from syncline.strategies.strategy import Strategy
@@ -23,6 +24,7 @@ from syncline.trainer.data import limit_batches, with_distributed_sampler, with_
 from syncline.trainer.evaluation import run_evaluation
 from syncline.trainer.fit_loop import FitLoop
 from syncline.trainer.optim import OptimizerSetup, parse_optimizers
+from syncline.trainer.persistence import CKPT_READ
 from syncline.trainer.precision import PRECISIONS, Precision
 from syncline.trainer.results import ResultCollection
 from syncline.trainer.seed import seed_everything, set_deterministic
@@ -64,6 +66,8 @@ class Trainer:
             several `devices` it picks the backend too (gloo on the CPU, NCCL on GPUs).
         seed: seed python, numpy and torch now (before the task is trained) and in every worker.
         deterministic: use deterministic algorithms only.
+        ckpt_read: "every_rank": every process reads `ckpt_path` itself (a shared file system);
+            "rank_zero": rank 0 reads it and sends it to the others (checkpoints on node-local disks).
     """
 
     def __init__(
@@ -89,22 +93,13 @@ class Trainer:
         use_distributed_sampler: bool = True,
         seed: int | None = None,
         deterministic: bool = False,
+        ckpt_read: str = "every_rank",
     ) -> None:
-        _check_positive("accumulate_grad_batches", accumulate_grad_batches)
-        _check_positive("log_every_n_steps", log_every_n_steps)
-        _check_positive("devices", devices)
-        if max_epochs is not None and (not isinstance(max_epochs, int) or max_epochs < 0):
-            raise ValueError(f"max_epochs must be None or an int >= 0, got {max_epochs!r}.")
-        if not isinstance(max_steps, int) or max_steps < -1:
-            raise ValueError(f"max_steps must be -1 (no limit) or an int >= 0, got {max_steps!r}.")
+        _check_options(locals())
+        if ckpt_read not in CKPT_READ:
+            raise OptionError(f"Trainer(ckpt_read={ckpt_read!r}): ckpt_read must be one of {', '.join(CKPT_READ)}.")
         if str(precision) not in PRECISIONS:
             raise ValueError(f"Unknown precision {precision!r}. Valid values: {', '.join(PRECISIONS)}.")
-        if gradient_clip_val is not None and gradient_clip_val <= 0:
-            raise ValueError(f"gradient_clip_val must be positive or None, got {gradient_clip_val!r}.")
-        if isinstance(val_check_interval, bool) or val_check_interval <= 0:
-            raise ValueError(f"val_check_interval must be a positive int or a float in (0, 1]: {val_check_interval!r}")
-        if isinstance(val_check_interval, float) and val_check_interval > 1.0:
-            raise ValueError(f"val_check_interval={val_check_interval} is a float above 1.0; pass an int of batches.")
 
         if max_epochs is None and max_steps == -1:
             max_epochs = 1000
@@ -123,6 +118,7 @@ class Trainer:
         self.use_distributed_sampler = use_distributed_sampler
         self.seed = seed
         self.deterministic = deterministic
+        self.ckpt_read = ckpt_read
         self.strategy = resolve_strategy(strategy, devices)
         self.accelerator = accelerator
         device_type = _device_type(accelerator, devices)
@@ -591,9 +587,35 @@ def _device_type(accelerator: str, devices: int) -> str | None:
     return device_type
 
 
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+def _check_options(options: dict[str, Any]) -> None:
+    """Check every numeric argument of `Trainer.__init__` (its `locals()`), each with one clear message."""
+    check_int("Trainer", "max_epochs", options["max_epochs"], 0, none_ok=True)
+    check_int("Trainer", "max_steps", options["max_steps"], -1, meaning="-1 for no limit")
+    check_int("Trainer", "devices", options["devices"], 1)
+    check_int("Trainer", "accumulate_grad_batches", options["accumulate_grad_batches"], 1)
+    check_number("Trainer", "gradient_clip_val", options["gradient_clip_val"], above=0, none_ok=True)
+    check_int("Trainer", "log_every_n_steps", options["log_every_n_steps"], 1)
+    check_int("Trainer", "num_sanity_val_steps", options["num_sanity_val_steps"], -1, meaning="-1 for all batches")
+    check_int("Trainer", "seed", options["seed"], 0, none_ok=True)
+    for name in ("limit_train_batches", "limit_val_batches"):
+        limit = options[name]
+        if isinstance(limit, float):
+            check_number("Trainer", name, limit, minimum=0, meaning="a float is a fraction of the batches, up to 1.0")
+            if limit > 1.0:
+                raise OptionError(
+                    f"Trainer({name}={limit!r}): a float is a fraction up to 1.0; pass an int of batches."
+                )
+        else:
+            check_int("Trainer", name, limit, 0, none_ok=True, meaning="batches; or a float fraction in [0, 1]")
+    interval = options["val_check_interval"]
+    if isinstance(interval, float):
+        if not (0 < interval <= 1.0):
+            raise OptionError(
+                f"Trainer(val_check_interval={interval!r}): a float is a fraction of the epoch in (0, 1]; "
+                "pass an int for a number of batches."
+            )
+    else:
+        check_int("Trainer", "val_check_interval", interval, 1, meaning="batches; or a float fraction in (0, 1]")
 
 
 def _as_list(loaders: Any) -> list[Any]:

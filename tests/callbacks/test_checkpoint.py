@@ -104,7 +104,7 @@ def test_every_n_train_steps_saves_once_per_optimizer_step_with_accumulation(tmp
     # Saved after the micro-batch that closed the window (batch_idx counts completed micro-batches).
     assert saves == [("epoch=0-step=3.ckpt", 3, 6), ("epoch=1-step=6.ckpt", 6, 4)]
     assert {p.name for p in tmp_path.glob("*.ckpt")} == {"epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"}
-    assert load_checkpoint(tmp_path / "epoch=0-step=3.ckpt")["accumulated_grads"] is None
+    assert load_checkpoint(tmp_path / "epoch=0-step=3.ckpt")["accumulated_grads_by_rank"] == [None]
 
 
 def test_mid_epoch_validation_saves_after_each_validation(tmp_path):
@@ -230,14 +230,15 @@ def test_non_zero_rank_follows_rank_zero_and_deletes_nothing(tmp_path, monkeypat
         best_model_path=str(kept),
         best_model_score=0.5,
     )
-    strategy = FakeRank(rank=1, broadcasts=[str(tmp_path), plan])
+    # Rank 0's answers: the directory, the files found there at fit start (none), the save plan.
+    strategy = FakeRank(rank=1, broadcasts=[str(tmp_path), ({}, "", None), plan])
     checkpoint = ModelCheckpoint(monitor="val_metric")
     trainer = make_trainer(tmp_path, strategy=strategy, callbacks=[checkpoint])
     saved = []
     monkeypatch.setattr(trainer, "save_checkpoint", saved.append)
     trainer.fit(Scripted(val_values=[9.0]), make_loader(BATCHES), make_loader(2))
 
-    assert strategy.sent == [None, None]  # rank 1 contributes nothing to either decision
+    assert strategy.sent == [None, None, None]  # rank 1 contributes nothing to any decision
     assert saved == [str(kept)]
     assert checkpoint.best_k_models == {str(kept): 0.5} and checkpoint.best_model_score == 0.5
     assert dropped.exists()

@@ -106,12 +106,12 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     ("kwargs", "message"),
     [
         ({"accumulate_grad_batches": 0}, "accumulate_grad_batches must be an int >= 1"),
-        ({"max_steps": -5}, "max_steps must be -1"),
+        ({"max_steps": -5}, r"Trainer\(max_steps=-5\): max_steps must be an int >= -1 \(-1 for no limit\)"),
         ({"max_epochs": -1}, "max_epochs must be None or an int >= 0"),
-        ({"val_check_interval": 1.5}, "val_check_interval=1.5 is a float above 1.0"),
-        ({"gradient_clip_val": 0}, "gradient_clip_val must be positive"),
+        ({"val_check_interval": 1.5}, "val_check_interval=1.5.*fraction of the epoch in \\(0, 1\\]"),
+        ({"gradient_clip_val": 0}, "gradient_clip_val must be None or a finite number > 0"),
         ({"strategy": "warp_drive"}, "Unknown strategy 'warp_drive'. Valid strategies: .*single"),
-        ({"limit_train_batches": 2.0}, "limit_train_batches=2.0 is a float above 1.0"),
+        ({"limit_train_batches": 2.0}, "limit_train_batches=2.0.*a float is a fraction up to 1.0"),
         ({"devices": 2, "strategy": "single"}, "devices=2 needs a data-parallel strategy"),
     ],
 )
