@@ -151,6 +151,8 @@ class ModelCheckpoint(Callback):
                 # A run killed after a top-k save and resumed from an older checkpoint does not list that
                 # file; each top-k file records its own score, so the list is rebuilt from the files.
                 kept.update(find_top_k_files(self._dir(), self.state_key))
+            else:
+                self._warn_about_other_runs(kept)
             if self.save_top_k != -1:
                 while len(kept) > self.save_top_k:
                     worst = self._worst(kept)
@@ -162,6 +164,21 @@ class ModelCheckpoint(Callback):
             return kept, best, kept[best] if self.monitor is not None else None
         except Exception as error:
             return error
+
+    def _warn_about_other_runs(self, kept: dict[str, float]) -> None:
+        """Say once that a fresh run writes into a directory that already holds another run's checkpoints."""
+        directory = self._dir()
+        if not os.path.isdir(directory):
+            return
+        others = sorted(name for name in os.listdir(directory) if name.endswith(self.FILE_EXTENSION))
+        others = [name for name in others if os.path.join(directory, name) not in kept]
+        if others:
+            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+            rank_zero_warn(
+                f"ModelCheckpoint: {directory} already holds {len(others)} checkpoint(s) of another run ({shown}). "
+                "This run neither counts nor deletes them in its top-k (clashing names get a -v1 suffix). Pass "
+                "another dirpath, or resume that run with ckpt_path='last'."
+            )
 
     def on_train_start(self, trainer: Trainer, task: Task) -> None:
         """Start watching for optimizer steps from the (possibly resumed) global step."""

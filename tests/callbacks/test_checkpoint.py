@@ -145,8 +145,11 @@ def test_existing_file_of_another_run_gets_a_version_suffix(tmp_path):
     _fit(tmp_path, ModelCheckpoint(dirpath=tmp_path), epochs=1)
     before = (tmp_path / "epoch=0-step=4.ckpt").read_bytes()
     checkpoint = ModelCheckpoint(dirpath=tmp_path)
-    _fit(tmp_path, checkpoint, epochs=1)
+    # One warning, as Lightning gives: the other run's files are kept and not mixed into this run's top-k.
+    with pytest.warns(UserWarning, match=r"already holds 1 checkpoint\(s\) of another run \(epoch=0-step=4.ckpt\)"):
+        _fit(tmp_path, checkpoint, epochs=1)
     assert {p.name for p in tmp_path.glob("*.ckpt")} == {"epoch=0-step=4.ckpt", "epoch=0-step=4-v1.ckpt"}
+    assert list(checkpoint.best_k_models) == [str(tmp_path / "epoch=0-step=4-v1.ckpt")]
     assert (tmp_path / "epoch=0-step=4.ckpt").read_bytes() == before
     assert checkpoint.best_model_path.endswith("epoch=0-step=4-v1.ckpt")
 
