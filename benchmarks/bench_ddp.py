@@ -23,8 +23,6 @@ Results go to a table on stdout and to `benchmarks/results/ddp.json`.
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing
 import os
 import platform
 import statistics
@@ -38,9 +36,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import cpu_model
+from benchmarks.common import cpu_model, spawn_world, write_json
 from syncline.strategies.bucketed_ddp import BucketedDDP
-from syncline.strategies.launcher import free_port
 from syncline.strategies.native_ddp import NativeDDP
 from syncline.strategies.process_group import init_process_group_from_env
 
@@ -284,26 +281,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ddp.json")
     args = parser.parse_args()
 
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [
-        context.Process(target=run_rank, args=(rank, args.world_size, port, args, results))
-        for rank in range(args.world_size)
-    ]
-    load_before = os.getloadavg()[0]
-    for process in processes:
-        process.start()
-    per_rank = results.get(timeout=3600)
-    for process in processes:
-        process.join()
+    per_rank, load = spawn_world(run_rank, args.world_size, args)
     summary = summarize(per_rank, args)
-    # Other jobs on the machine widen the spread; record how busy it was.
-    summary["machine"]["load_average_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
+    summary["machine"]["load_average_1min"] = load
     print_table(summary)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    write_json(args.out, summary)
 
 
 if __name__ == "__main__":

@@ -175,6 +175,35 @@ def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results) 
         dist.destroy_process_group()
 
 
+def spawn_world(run_rank: Callable[..., None], world_size: int, args: Any) -> tuple[Any, dict[str, float]]:
+    """Run ``run_rank(rank, world_size, port, args, results)`` in `world_size` spawned processes.
+
+    Returns what the ranks put on `results` first (the benchmark scripts' rank 0 puts its per-rank
+    figures there) and the machine's 1-minute load average before and after, since other jobs widen
+    the spread.
+    """
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=run_rank, args=(rank, world_size, port, args, results)) for rank in range(world_size)
+    ]
+    load_before = os.getloadavg()[0]
+    for process in processes:
+        process.start()
+    per_rank = results.get(timeout=3600)
+    for process in processes:
+        process.join()
+    return per_rank, {"before": load_before, "after": os.getloadavg()[0]}
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write `data` as indented JSON to `path` (creating its folder) and say so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
 def run_child(module: str, args: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `python -m module *args --out FILE` from the repository root; return the JSON it wrote.
 
