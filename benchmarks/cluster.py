@@ -1,0 +1,325 @@
+"""A network lab: a cluster of nodes on one machine, each behind a link of a known rate, running torchrun.
+
+On two cores over an unshaped loopback, communication competes with compute and almost never waits on a
+wire. Here every node is a network namespace joined to a bridge by a veth pair; both directions of each
+pair are shaped with a token bucket (``tc qdisc ... tbf rate <rate>``), so each node has its own
+full-duplex link of `rate`, and a step's communication has a lower bound: the busiest node's bytes over the
+rate. One torchrun node runs in each namespace (``--nnodes N --node-rank i``, rendezvous at node 0's
+address, gloo on the node's own interface), as a real multi-node job would.
+
+    python -m benchmarks.cluster --nodes 4 --rate 100mbit -- -m syncline trainer.max_steps=50
+
+What follows ``--`` is what torchrun runs: a script and its arguments, or ``-m module ...``. Everything the
+lab creates lives in a private mount and network namespace (``unshare -mn``, with a private tmpfs on /run
+for ``ip netns``), so nothing is left on the host, even after Ctrl-C or a crash; addresses are private
+(10.77.0.0/24) and exist only inside it. Needs root (or CAP_SYS_ADMIN and CAP_NET_ADMIN) and iproute2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LabResult", "NodeResult", "link_bound", "namespaces_unavailable", "parse_rate", "run_lab"]
+
+SUBNET = "10.77.0"
+MASTER_PORT = 29500
+#: tbf's bucket and queue: a 256 kB burst and up to 500 ms of queue, as in the issue that specified the lab.
+BURST = "256kb"
+LATENCY = "500ms"
+_INSIDE = "--inside-lab"
+
+
+@dataclass
+class NodeResult:
+    """One node of a lab run: how its torchrun ended and what its link carried."""
+
+    node: int
+    returncode: int
+    bytes_sent: int
+    bytes_received: int
+    log: str
+
+
+@dataclass
+class LabResult:
+    """A lab run: its shape, its nodes and how long the job took."""
+
+    nodes: int
+    rate: str | None
+    rate_bits_per_second: float | None
+    wall_seconds: float
+    node_results: list[NodeResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Whether every node's torchrun exited with 0."""
+        return all(node.returncode == 0 for node in self.node_results)
+
+
+def parse_rate(rate: str) -> float:
+    """Return `rate` (tc's spelling: ``100mbit``, ``1gbit``, ``500kbit``, ``10bit``) in bits per second."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)bit", rate.strip().lower())
+    if match is None:
+        raise ValueError(f"rate {rate!r} is not of the form <number>[k|m|g]bit, e.g. 100mbit or 1gbit.")
+    value, prefix = float(match.group(1)), match.group(2)
+    return value * {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}[prefix]
+
+
+def link_bound(local_step_seconds: float, bytes_sent_per_step: Sequence[float], rate_bits_per_second: float) -> float:
+    """The least a step can take: its compute alone, or the busiest node's bytes through its link.
+
+    ``max(local step time, max over nodes of bytes sent per step * 8 / rate)``. A strategy that overlaps
+    all communication with compute reaches it; one that overlaps none takes about their sum.
+    """
+    if rate_bits_per_second <= 0:
+        raise ValueError(f"rate must be positive, got {rate_bits_per_second}")
+    wire = max(bytes_sent_per_step, default=0.0) * 8.0 / rate_bits_per_second
+    return max(local_step_seconds, wire)
+
+
+def namespaces_unavailable() -> str | None:
+    """Return why the lab cannot run here (one line), or None when it can."""
+    for tool in ("unshare", "ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the network lab needs {tool!r} (util-linux / iproute2), which is not installed"
+    probe = subprocess.run(
+        [
+            "unshare",
+            "-mn",
+            "sh",
+            "-c",
+            "mount -t tmpfs tmpfs /run && ip netns add probe && ip link add br0 type bridge",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if probe.returncode != 0:
+        reason = (probe.stderr.strip().splitlines() or ["unknown error"])[-1]
+        return f"the network lab needs private network namespaces (root or CAP_NET_ADMIN): {reason}"
+    return None
+
+
+def run_lab(
+    command: Sequence[str],
+    nodes: int = 2,
+    rate: str | None = None,
+    procs_per_node: int = 1,
+    timeout: float = 600.0,
+    log_dir: str | os.PathLike[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> LabResult:
+    """Build the cluster in a private namespace, run `command` under torchrun on every node, tear it down.
+
+    Args:
+        command: what torchrun runs on each node (a script and its arguments, or ``-m module ...``).
+        nodes: number of nodes (network namespaces).
+        rate: each node's link rate in both directions (``100mbit``), or None for unshaped links.
+        procs_per_node: processes torchrun starts on each node.
+        timeout: seconds the job may take; then every node is stopped and reported as failed.
+        log_dir: where each node's output goes (``node<i>.log``); a temporary folder by default.
+        env: extra environment variables for every node.
+
+    Raises:
+        RuntimeError: the lab cannot be built here (the message says why).
+    """
+    if nodes < 1 or procs_per_node < 1:
+        raise ValueError(f"nodes and procs_per_node must be >= 1, got {nodes} and {procs_per_node}.")
+    if rate is not None:
+        parse_rate(rate)
+    reason = namespaces_unavailable()
+    if reason is not None:
+        raise RuntimeError(reason)
+    log_dir = Path(log_dir) if log_dir is not None else Path(_temporary_dir())
+    log_dir.mkdir(parents=True, exist_ok=True)
+    result_file = log_dir / "lab_result.json"
+    spec = {
+        "command": list(command),
+        "nodes": nodes,
+        "rate": rate,
+        "procs_per_node": procs_per_node,
+        "timeout": timeout,
+        "log_dir": str(log_dir),
+        "env": env or {},
+        "result": str(result_file),
+    }
+    # The lab runs in a child that owns the private namespaces: when it exits, for whatever reason, the
+    # kernel frees every namespace, veth and bridge it made, and its tmpfs on /run with them.
+    lab = subprocess.Popen(
+        ["unshare", "-mn", sys.executable, "-m", "benchmarks.cluster", _INSIDE, json.dumps(spec)],
+        cwd=Path(__file__).resolve().parents[1],
+        start_new_session=True,
+    )
+    try:
+        lab.wait(timeout=timeout + 60)
+    except BaseException:
+        _kill_group(lab.pid)
+        lab.wait()
+        raise
+    if not result_file.is_file():
+        raise RuntimeError(f"the lab exited with {lab.returncode} without a result; see {log_dir}")
+    data = json.loads(result_file.read_text())
+    data["node_results"] = [NodeResult(**node) for node in data["node_results"]]
+    return LabResult(**data)
+
+
+# ------------------------------------------------------------------ inside the namespaces
+def _inside(spec: dict[str, Any]) -> None:
+    """Build the nodes, run torchrun in each, measure the links, and write the result (runs as the lab)."""
+    nodes, rate = spec["nodes"], spec["rate"]
+    _sh("mount", "-t", "tmpfs", "tmpfs", "/run")  # ip netns writes here; private to this mount namespace
+    _sh("ip", "link", "set", "lo", "up")
+    _sh("ip", "link", "add", "br0", "type", "bridge")
+    _sh("ip", "link", "set", "br0", "up")
+    for node in range(nodes):
+        ns, veth = f"node{node}", f"veth{node}"
+        _sh("ip", "netns", "add", ns)
+        _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _sh("ip", "link", "set", veth, "master", "br0", "up")
+        _sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{node + 1}/24", "dev", "eth0")
+        _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        if rate is not None:
+            # Both directions: the node's upload (its eth0) and its download (the bridge's port).
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,
+                "burst", BURST, "latency", LATENCY)  # fmt: skip
+            _sh("tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", rate, "burst", BURST, "latency", LATENCY)
+    before = [_veth_bytes(node) for node in range(nodes)]
+    started = time.monotonic()
+    returncodes, logs = _run_nodes(spec)
+    wall = time.monotonic() - started
+    after = [_veth_bytes(node) for node in range(nodes)]
+    node_results = [
+        # The bridge port receives what the node sends, and sends what it receives.
+        NodeResult(
+            node, returncodes[node], after[node][0] - before[node][0], after[node][1] - before[node][1], logs[node]
+        )
+        for node in range(nodes)
+    ]
+    result = LabResult(nodes, rate, parse_rate(rate) if rate else None, wall, node_results)
+    Path(spec["result"]).write_text(json.dumps(asdict(result), indent=2) + "\n")
+    for node in range(nodes):
+        subprocess.run(["ip", "netns", "del", f"node{node}"], check=False)
+
+
+def _run_nodes(spec: dict[str, Any]) -> tuple[list[int], list[str]]:
+    """Start torchrun on every node at once and wait; if one fails or time runs out, stop the others."""
+    nodes = spec["nodes"]
+    processes, logs = [], []
+    for node in range(nodes):
+        log = str(Path(spec["log_dir"]) / f"node{node}.log")
+        torchrun = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(nodes), "--nproc-per-node", str(spec["procs_per_node"]), "--node-rank", str(node),
+            "--master-addr", f"{SUBNET}.1", "--master-port", str(MASTER_PORT),
+            *spec["command"],
+        ]  # fmt: skip
+        env = {**os.environ, **spec["env"], "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+        with open(log, "w") as out:
+            processes.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", f"node{node}", *torchrun],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
+        logs.append(log)
+    deadline = time.monotonic() + spec["timeout"]
+    codes: list[int | None] = [None] * nodes
+    try:
+        while None in codes:
+            for node, process in enumerate(processes):
+                if codes[node] is None:
+                    codes[node] = process.poll()
+            failed = any(code not in (None, 0) for code in codes)
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        for node, process in enumerate(processes):
+            if process.poll() is None:
+                _kill_group(process.pid)
+                process.wait()
+                codes[node] = codes[node] if codes[node] is not None else -signal.SIGKILL
+            else:
+                codes[node] = process.returncode
+    return [int(code) for code in codes], logs  # type: ignore[arg-type]
+
+
+def _veth_bytes(node: int) -> tuple[int, int]:
+    """Return (bytes the node sent, bytes it received), read off the bridge side of its veth pair."""
+    out = subprocess.run(["ip", "-j", "-s", "link", "show", f"veth{node}"], capture_output=True, text=True, check=True)
+    stats = json.loads(out.stdout)[0]["stats64"]
+    return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
+
+
+def _sh(*args: str) -> None:
+    result = subprocess.run(list(args), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"lab setup failed: {' '.join(args)}: {result.stderr.strip()}")
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _temporary_dir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="syncline-lab-")
+
+
+# ------------------------------------------------------------------ command line
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.cluster --nodes N --rate R -- <what torchrun runs>``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [_INSIDE]:
+        _inside(json.loads(argv[1]))
+        return 0
+    if "--" not in argv:
+        print(
+            "usage: python -m benchmarks.cluster [options] -- <script and arguments | -m module ...>", file=sys.stderr
+        )
+        return 2
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cluster", description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=2, help="network namespaces, one torchrun node each")
+    parser.add_argument("--rate", default=None, help="each node's link rate, e.g. 100mbit or 1gbit (default: unshaped)")
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--log-dir", default=None)
+    args = parser.parse_args(argv[:split])
+    reason = namespaces_unavailable()
+    if reason is not None:
+        print(f"network lab unavailable: {reason}", file=sys.stderr)
+        return 3
+    result = run_lab(argv[split + 1 :], args.nodes, args.rate, args.nproc_per_node, args.timeout, args.log_dir)
+    link = f"{args.rate} links" if args.rate else "unshaped links"
+    print(f"{args.nodes} nodes, {link}: {result.wall_seconds:.1f} s")
+    for node in result.node_results:
+        print(f"  node {node.node}: exit {node.returncode}, sent {node.bytes_sent:,} B, received "
+              f"{node.bytes_received:,} B  (log: {node.log})")  # fmt: skip
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
