@@ -64,6 +64,9 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
     """
 
     name = "bucketed_ddp"
+    #: Rebuild the buckets once in the observed gradient order (a subclass whose hook depends on the
+    #: layout keeps the layout of construction instead).
+    rebuild_buckets: bool = True
 
     def __init__(
         self,
@@ -135,6 +138,7 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
             sparse_gradients=sparse_gradient_parameters(task),
             static_graph=self.static_graph,
             counter=self.comm_counter,
+            rebuild_buckets=self.rebuild_buckets,
         )
         if self._step_check is None:
             # Every optimizer's step, including one in a hand-written loop, first checks that the
@@ -194,7 +198,8 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
     # -------------------------------------------------------------- reporting
     def communication_stats(self) -> dict[str, float]:
         """Bytes of the last optimizer step and since setup; collectives and exposed wait of the last sync."""
-        reducer_stats = {} if self._reducer is None or self._reducer.stats().buckets == 0 else self._reducer.stats().as_dict()
+        reducer = self._reducer
+        reducer_stats = {} if reducer is None or reducer.stats().buckets == 0 else reducer.stats().as_dict()
         # The strategy's counter has the last optimizer step's bytes, buffer broadcasts included.
         return {**reducer_stats, **self.comm_counter.as_dict()}
 

@@ -131,7 +131,8 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
         """Count what torch's reducer handed to its all-reduces in this backward (it keeps no counter)."""
         params = [p for p in self.ddp.parameters() if p.requires_grad]
         # Collective (inside torch's reducer): every dense gradient, bucket by bucket.
-        self.comm_counter.add(sum(p.numel() * p.element_size() for p in params if p.grad is None or not p.grad.is_sparse))
+        dense = [p for p in params if p.grad is None or not p.grad.is_sparse]
+        self.comm_counter.add(sum(p.numel() * p.element_size() for p in dense))
         first = self._synced_backwards == 0
         self._synced_backwards += 1
         static = self.ddp_kwargs.get("static_graph", False)

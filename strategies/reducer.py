@@ -116,6 +116,8 @@ class Reducer:
         static_graph: promise that every step uses the same parameters: unused parameters are found
             (graph walk and used-parameter all-reduce) in the first synchronized backward only, and
             that answer is reused; implies `find_unused_parameters`.
+        rebuild_buckets: rebuild the buckets once in the observed gradient order; False keeps the layout
+            of construction (for hooks whose result depends on it, e.g. chunked quantization).
         counter: where the bytes handed to collectives are counted (the strategy's); a new one if None.
             A comm state with a `counter` attribute gets this counter and the hook counts what it sends;
             otherwise the reducer counts each bucket at its own size.
@@ -136,6 +138,7 @@ class Reducer:
         timeout: float = 1800.0,
         sparse_gradients: Sequence[Tensor] = (),
         static_graph: bool = False,
+        rebuild_buckets: bool = True,
         counter: CommCounter | None = None,
     ) -> None:
         named = [(name, p) for name, p in named_parameters if p.requires_grad]
@@ -173,7 +176,7 @@ class Reducer:
         # bucket view attached for speed does not count.
         self._has_grad = [p.grad is not None for p in self._params]
         self._build_buckets(list(reversed(range(len(self._params)))), attach_missing=True)
-        self._rebuilt = False
+        self._rebuilt = not rebuild_buckets
 
         # Per-backward state, reset by `prepare_for_backward`.
         self._armed = False  # between prepare_for_backward and finalize_backward
