@@ -175,27 +175,12 @@ class ByteGrad(BucketedDDP):
     def state_dict(self) -> dict[str, Any]:
         """Return this rank's error-feedback memory and the world size it belongs to."""
         feedback = self.comm_state.error_feedback
-        return {"world_size": self.world_size, "error_feedback": {} if feedback is None else feedback.state_dict()}
+        return {"error_feedback": {} if feedback is None else feedback.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's error-feedback memory.
-
-        Raises:
-            ValueError: the checkpoint was written by another number of processes.
-        """
-        _check_world_size("ByteGrad", state, self.world_size)
+        """Restore this rank's error-feedback memory."""
         if self.comm_state.error_feedback is not None:
             self.comm_state.error_feedback.load_state_dict(state["error_feedback"])
 
     def __repr__(self) -> str:
         return f"ByteGrad(bucket_cap_mb={self.bucket_cap_mb}, error_feedback={self.error_feedback})"
-
-
-def _check_world_size(strategy: str, state: dict[str, Any], world_size: int) -> None:
-    """Refuse per-rank state written by another number of processes, naming the strategy and the fix."""
-    saved = state.get("world_size", world_size)
-    if saved != world_size:
-        raise ValueError(
-            f"{strategy}: the checkpoint holds per-rank compression state (error feedback) of {saved} "
-            f"processes, but this run has {world_size}; resume with {saved} processes (trainer.devices={saved})."
-        )

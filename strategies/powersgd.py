@@ -31,7 +31,6 @@ from torch.futures import Future
 
 from syncline.options import check_int, check_number
 from syncline.strategies.bucketed_ddp import BucketedDDP
-from syncline.strategies.bytegrad import _check_world_size
 from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import GradBucket, count_bytes
 from syncline.strategies.compression import ErrorFeedback
@@ -216,7 +215,6 @@ class PowerSGD(BucketedDDP):
         """Return this rank's step count, error feedback, warm-start factors and generator state."""
         state: PowerSGDState = self.comm_state
         return {
-            "world_size": self.world_size,
             "step": state.step,
             "error_feedback": {} if state.error_feedback is None else state.error_feedback.state_dict(),
             "factors": {name: q.clone() for name, q in state.factors.items()},
@@ -224,12 +222,7 @@ class PowerSGD(BucketedDDP):
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Restore this rank's part of the state.
-
-        Raises:
-            ValueError: the checkpoint was written by another number of processes.
-        """
-        _check_world_size("PowerSGD", saved, self.world_size)
+        """Restore this rank's part of the state."""
         state: PowerSGDState = self.comm_state
         state.step = saved["step"]
         if state.error_feedback is not None:

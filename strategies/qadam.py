@@ -26,7 +26,7 @@ from torch import Tensor
 
 from syncline.options import check_int, check_number
 from syncline.strategies.bucketed_ddp import BucketedDDP
-from syncline.strategies.bytegrad import _check_world_size, compressed_average
+from syncline.strategies.bytegrad import compressed_average
 from syncline.strategies.compression import ErrorFeedback
 
 __all__ = ["QAdam"]
@@ -122,15 +122,10 @@ class QAdam(BucketedDDP):
 
     def state_dict(self) -> dict[str, Any]:
         """Return the step count and this rank's error-feedback memory (momentum and variance are the optimizer's)."""
-        return {"world_size": self.world_size, "step": self.steps, "error_feedback": self.error_feedback.state_dict()}
+        return {"step": self.steps, "error_feedback": self.error_feedback.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the step count and this rank's error-feedback memory.
-
-        Raises:
-            ValueError: the checkpoint was written by another number of processes.
-        """
-        _check_world_size("QAdam", state, self.world_size)
+        """Restore the step count and this rank's error-feedback memory."""
         self.steps = state["step"]
         self.error_feedback.load_state_dict(state["error_feedback"])
 
