@@ -160,6 +160,8 @@ class ByteGrad(BucketedDDP):
         state = ByteGradState(error_feedback=ErrorFeedback() if error_feedback else None)
         super().__init__(
             bucket_cap_mb=bucket_cap_mb,
+            # The hook blocks until its bucket is averaged: a small first bucket would buy no overlap.
+            first_bucket_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             comm_hook=bytegrad_hook,
             comm_state=state,

@@ -193,6 +193,8 @@ class PowerSGD(BucketedDDP):
         )
         super().__init__(
             bucket_cap_mb=bucket_cap_mb,
+            # The hook blocks until its bucket is averaged: a small first bucket would buy no overlap.
+            first_bucket_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             comm_hook=powersgd_hook,
             comm_state=state,
