@@ -7,6 +7,7 @@ runs in two stages:
     stage change at warmup_steps:   the variance v is frozen as it is (the `need_reset` of BAGUA)
     then, every optimizer step:
         m = beta1 m + (1 - beta1) (g + weight_decay p)      local gradient g, no gradient communication
+                                                             (AdamW: p = p (1 - lr weight_decay) instead)
         m = compressed average of m over ranks               8-bit scatter-reduce + all-gather, error feedback
         p = p - lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps)
 
@@ -45,8 +46,9 @@ class QAdam(BucketedDDP):
 
     Raises:
         ValueError: `warmup_steps` < 1 (the frozen variance must have seen gradients).
-        TypeError: at the first step, when the task's optimizer is not `torch.optim.Adam` (or uses
-            amsgrad, maximize or decoupled weight decay).
+        TypeError: at the first step, when the task's optimizer is not `torch.optim.Adam` or its
+            subclass `AdamW` (whose decoupled weight decay QAdam applies as AdamW does), or uses
+            amsgrad or maximize.
     """
 
     name = "qadam"
@@ -102,7 +104,10 @@ class QAdam(BucketedDDP):
                     continue
                 state = _adam_state(optimizer, param)
                 grad = torch.zeros_like(param) if param.grad is None else param.grad
-                if group["weight_decay"]:
+                if group.get("decoupled_weight_decay"):
+                    # AdamW: decay the weights themselves, as torch's AdamW does before its update.
+                    param.mul_(1 - group["lr"] * group["weight_decay"])
+                elif group["weight_decay"]:
                     grad = grad.add(param, alpha=group["weight_decay"])
                 state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
                 entries.append((group, param, state))
@@ -134,15 +139,15 @@ class QAdam(BucketedDDP):
 
 
 def _check_adam(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse any optimizer but plain `torch.optim.Adam`, whose state QAdam takes over."""
-    if type(optimizer) is not torch.optim.Adam:
+    """Refuse any optimizer but `torch.optim.Adam` (AdamW is one), whose state QAdam takes over."""
+    if not isinstance(optimizer, torch.optim.Adam):
         raise TypeError(
             f"QAdam needs the task's optimizer to be torch.optim.Adam, but configure_optimizers returned "
             f"{type(optimizer).__module__}.{type(optimizer).__name__}; return torch.optim.Adam(...) or pick "
             "another strategy (bucketed_ddp, bytegrad)."
         )
     for group in optimizer.param_groups:
-        for option in ("amsgrad", "maximize", "decoupled_weight_decay"):
+        for option in ("amsgrad", "maximize"):
             if group.get(option):
                 raise TypeError(f"QAdam supports torch.optim.Adam without {option}; set {option}=False.")
 
