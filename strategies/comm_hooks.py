@@ -33,7 +33,7 @@ __all__ = [
     "count_bytes",
     "fp16_compress_hook",
     "fp16_compress_wrapper",
-    "low_precision_hook",
+    "low_precision_allreduce",
 ]
 
 
@@ -113,35 +113,36 @@ def fp16_compress_wrapper(hook: CommHook) -> CommHook:
     return fp16_hook
 
 
-def low_precision_hook(dtype: torch.dtype) -> CommHook:
-    """Return a hook that averages the bucket across the group, communicating it in `dtype`.
+def low_precision_allreduce(state: AllreduceState, bucket: GradBucket, dtype: torch.dtype) -> Future[Tensor]:
+    """Average the bucket across the group, communicating it in `dtype` (the fp16 and bf16 hooks).
 
     Unlike `fp16_compress_wrapper(allreduce_hook)` (and torch's hooks, which cast first), the division by
     the world size happens in the bucket's own dtype before the cast, so a local gradient up to the
     dtype's largest value times the world size survives the cast, and the all-reduced sum, being the
     average, overflows only if the average itself does. float16 keeps 10 mantissa bits and overflows
     above 65504; bfloat16 keeps 7 bits and float32's range, so it never overflows where float32 does not.
+
+    Returns:
+        A future whose value is `bucket.buffer`, holding the average.
     """
-
-    def hook(state: AllreduceState, bucket: GradBucket) -> Future[Tensor]:
-        original = bucket.buffer
-        # Divide before the cast so local gradients above the dtype's range do not become inf.
-        compressed = original.div_(state.world_size).to(dtype)
-        count_bytes(state, compressed)
-        # Collective: asynchronous all-reduce of the low-precision copy; the reducer waits on the future.
-        work = dist.all_reduce(compressed, group=state.process_group, async_op=True)
-        return work.get_future().then(_first_tensor).then(_cast_back_into(original))
-
-    short = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
-    hook.__name__ = f"{short}_compress_hook"
-    hook.__doc__ = f"Average the bucket across the group, communicating it in {dtype} (see `low_precision_hook`)."
-    return hook
+    original = bucket.buffer
+    # Divide before the cast so local gradients above the dtype's range do not become inf.
+    compressed = original.div_(state.world_size).to(dtype)
+    count_bytes(state, compressed)
+    # Collective: asynchronous all-reduce of the low-precision copy; the reducer waits on the future.
+    work = dist.all_reduce(compressed, group=state.process_group, async_op=True)
+    return work.get_future().then(_first_tensor).then(_cast_back_into(original))
 
 
-#: Average a bucket communicating float16: half the bytes of float32, overflow above 65504.
-fp16_compress_hook: CommHook = low_precision_hook(torch.float16)
-#: Average a bucket communicating bfloat16: half the bytes of float32, float32's range, 3 fewer bits.
-bf16_compress_hook: CommHook = low_precision_hook(torch.bfloat16)
+# Module-level functions, not closures: a strategy and its hook are pickled to every worker process.
+def fp16_compress_hook(state: AllreduceState, bucket: GradBucket) -> Future[Tensor]:
+    """Average the bucket communicating float16: half the bytes of float32, overflow above 65504."""
+    return low_precision_allreduce(state, bucket, torch.float16)
+
+
+def bf16_compress_hook(state: AllreduceState, bucket: GradBucket) -> Future[Tensor]:
+    """Average the bucket communicating bfloat16: half the bytes of float32, float32's range, 3 fewer bits."""
+    return low_precision_allreduce(state, bucket, torch.bfloat16)
 
 
 def count_bytes(state: Any, *tensors: Tensor) -> None:

@@ -83,3 +83,13 @@ def test_bytes_per_step_of_each_strategy_against_bucketed_ddp():
     assert measured["powersgd"][-1] == 4 * (3 * 2 * WIDTH * 4 + 3 * WIDTH) <= 0.2 * exact
     # QAdam: exact during its one warm-up step, then the 8-bit momentum, as ByteGrad sends a bucket.
     assert measured["qadam"] == [exact, measured["bytegrad"][-1], measured["bytegrad"][-1]]
+
+
+def test_every_strategy_pickles_with_its_hook_and_state():
+    """The launcher pickles the strategy to every worker process: hooks must be importable functions."""
+    import pickle
+
+    for name, strategy in _strategies().items():
+        clone = pickle.loads(pickle.dumps(strategy))
+        assert type(clone) is type(strategy), name
+        assert getattr(clone, "comm_hook", None) is getattr(strategy, "comm_hook", None), name
