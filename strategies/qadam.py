@@ -125,6 +125,10 @@ class QAdam(BucketedDDP):
             denominator = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
             param.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / (1 - beta1**t))
 
+    def communication_stats(self) -> dict[str, float]:
+        """Bytes per step and in total; the reducer's gradient counters only while it still reduces them."""
+        return super().communication_stats() if self.warming_up else self.comm_counter.as_dict()
+
     def state_dict(self) -> dict[str, Any]:
         """Return the step count and this rank's error-feedback memory (momentum and variance are the optimizer's)."""
         return {"step": self.steps, "error_feedback": self.error_feedback.state_dict()}
