@@ -51,7 +51,7 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before
             each forward that follows a synchronized step.
         comm_hook: per-bucket communication, a function `hook(state, bucket) -> Future[Tensor]` or
-            the name of one in `COMM_HOOKS` ("allreduce", "fp16"); None is "allreduce".
+            the name of one in `COMM_HOOKS` ("allreduce", "fp16", "bf16"); None is "allreduce".
         backend: "gloo", "nccl", ...; None picks NCCL with CUDA, else gloo.
         timeout: seconds a collective may take before it fails with an error.
         overlap: launch each bucket as soon as its gradients are ready; False waits for the end of
@@ -64,6 +64,9 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
     """
 
     name = "bucketed_ddp"
+    #: Rebuild the buckets once in the observed gradient order (a subclass whose hook depends on the
+    #: layout keeps the layout of construction instead).
+    rebuild_buckets: bool = True
 
     def __init__(
         self,
@@ -134,6 +137,8 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
             timeout=self.timeout,
             sparse_gradients=sparse_gradient_parameters(task),
             static_graph=self.static_graph,
+            counter=self.comm_counter,
+            rebuild_buckets=self.rebuild_buckets,
         )
         if self._step_check is None:
             # Every optimizer's step, including one in a hand-written loop, first checks that the
@@ -156,6 +161,7 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         if self.broadcast_buffers and self._buffers and self._buffers_stale:
             # Collective: every rank's forward sees rank 0's buffers, as torch's DDP does.
             broadcast_coalesced(self._buffers)
+            self.comm_counter.add_tensors(*self._buffers)
             self._buffers_stale = False
         return task.training_step(batch, batch_idx)
 
@@ -191,10 +197,11 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
 
     # -------------------------------------------------------------- reporting
     def communication_stats(self) -> dict[str, float]:
-        """Collectives, bytes and exposed wait of the last synchronized backward; empty before one."""
-        if self._reducer is None or self._reducer.stats().buckets == 0:
-            return {}
-        return self._reducer.stats().as_dict()
+        """Bytes of the last optimizer step and since setup; collectives and exposed wait of the last sync."""
+        reducer = self._reducer
+        reducer_stats = {} if reducer is None or reducer.stats().buckets == 0 else reducer.stats().as_dict()
+        # The strategy's counter has the last optimizer step's bytes, buffer broadcasts included.
+        return {**reducer_stats, **self.comm_counter.as_dict()}
 
     def __repr__(self) -> str:
         return (

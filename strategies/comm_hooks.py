@@ -21,14 +21,19 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from syncline.strategies.comm_counter import CommCounter
+
 __all__ = [
     "COMM_HOOKS",
     "AllreduceState",
     "CommHook",
     "GradBucket",
     "allreduce_hook",
+    "bf16_compress_hook",
+    "count_bytes",
     "fp16_compress_hook",
     "fp16_compress_wrapper",
+    "low_precision_allreduce",
 ]
 
 
@@ -57,9 +62,13 @@ class AllreduceState:
 
     Attributes:
         process_group: the group to reduce over; None means the default group.
+        counter: where the hook counts the bytes it hands to collectives; the reducer sets it to the
+            strategy's counter. A state without a `counter` attribute is counted by the reducer at the
+            bucket's own size.
     """
 
     process_group: dist.ProcessGroup | None = None
+    counter: CommCounter | None = None
 
     @property
     def world_size(self) -> int:
@@ -80,6 +89,7 @@ def allreduce_hook(state: AllreduceState, bucket: GradBucket) -> Future[Tensor]:
     buffer = bucket.buffer
     # Divide before the all-reduce so low-precision sums cannot overflow.
     buffer.div_(state.world_size)
+    count_bytes(state, buffer)
     # Collective: asynchronous all-reduce of the whole bucket; the reducer waits on the future.
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
     return work.get_future().then(_first_tensor)
@@ -103,27 +113,51 @@ def fp16_compress_wrapper(hook: CommHook) -> CommHook:
     return fp16_hook
 
 
-def fp16_compress_hook(state: AllreduceState, bucket: GradBucket) -> Future[Tensor]:
-    """Average the bucket across the group, communicating it in float16.
+def low_precision_allreduce(state: AllreduceState, bucket: GradBucket, dtype: torch.dtype) -> Future[Tensor]:
+    """Average the bucket across the group, communicating it in `dtype` (the fp16 and bf16 hooks).
 
-    Unlike `fp16_compress_wrapper(allreduce_hook)` (and torch's hook of the same name, which casts
-    first), the division by the world size happens in the bucket's own dtype before the cast, so a local
-    gradient up to 65504 times the world size survives the cast, and the all-reduced sum, being the
-    average, overflows only if the average itself exceeds 65504.
+    Unlike `fp16_compress_wrapper(allreduce_hook)` (and torch's hooks, which cast first), the division by
+    the world size happens in the bucket's own dtype before the cast, so a local gradient up to the
+    dtype's largest value times the world size survives the cast, and the all-reduced sum, being the
+    average, overflows only if the average itself does. float16 keeps 10 mantissa bits and overflows
+    above 65504; bfloat16 keeps 7 bits and float32's range, so it never overflows where float32 does not.
 
     Returns:
         A future whose value is `bucket.buffer`, holding the average.
     """
     original = bucket.buffer
-    # Divide before the cast so local gradients above float16's range do not become inf.
-    compressed = original.div_(state.world_size).to(torch.float16)
-    # Collective: asynchronous all-reduce of the float16 copy; the reducer waits on the future.
+    # Divide before the cast so local gradients above the dtype's range do not become inf.
+    compressed = original.div_(state.world_size).to(dtype)
+    count_bytes(state, compressed)
+    # Collective: asynchronous all-reduce of the low-precision copy; the reducer waits on the future.
     work = dist.all_reduce(compressed, group=state.process_group, async_op=True)
     return work.get_future().then(_first_tensor).then(_cast_back_into(original))
 
 
+# Module-level functions, not closures: a strategy and its hook are pickled to every worker process.
+def fp16_compress_hook(state: AllreduceState, bucket: GradBucket) -> Future[Tensor]:
+    """Average the bucket communicating float16: half the bytes of float32, overflow above 65504."""
+    return low_precision_allreduce(state, bucket, torch.float16)
+
+
+def bf16_compress_hook(state: AllreduceState, bucket: GradBucket) -> Future[Tensor]:
+    """Average the bucket communicating bfloat16: half the bytes of float32, float32's range, 3 fewer bits."""
+    return low_precision_allreduce(state, bucket, torch.bfloat16)
+
+
+def count_bytes(state: Any, *tensors: Tensor) -> None:
+    """Count `tensors` as handed to a collective, in `state.counter` when the state has one."""
+    counter = getattr(state, "counter", None)
+    if counter is not None:
+        counter.add_tensors(*tensors)
+
+
 #: The built-in hooks by the names a config may use.
-COMM_HOOKS: dict[str, CommHook] = {"allreduce": allreduce_hook, "fp16": fp16_compress_hook}
+COMM_HOOKS: dict[str, CommHook] = {
+    "allreduce": allreduce_hook,
+    "fp16": fp16_compress_hook,
+    "bf16": bf16_compress_hook,
+}
 
 
 def _first_tensor(fut: Future[list[Tensor]]) -> Tensor:

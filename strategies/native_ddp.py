@@ -13,6 +13,12 @@ the forward). The loop therefore announces each micro-batch's synchronization be
     strategy.backward(loss, sync=sync)                         # must agree with the announcement
 
 A disagreement raises instead of silently synchronizing (or not).
+
+torch's DDP keeps no byte counters, so `comm/bytes` is counted analytically, without touching its C++
+communication path: a synchronized backward hands every dense gradient to its bucket all-reduces
+(the buckets' layout does not change their total), plus, with `find_unused_parameters`, its used-parameter
+bitmap (one int32 per parameter; with `static_graph` only in the first synchronized backward); a forward
+that broadcasts buffers hands them to a broadcast.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
         self.gradient_as_bucket_view = bool(ddp_kwargs.get("gradient_as_bucket_view", False))
         self._ddp: DistributedDataParallel | None = None
         self._forward_synced: bool | None = None
+        self._synced_backwards = 0
 
     @property
     def ddp(self) -> DistributedDataParallel:
@@ -93,9 +100,12 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
         """Run the forward through the DDP wrapper, inside `no_sync` unless the next backward syncs."""
         sync = self._backward_syncs(self.sync_next_backward)
         context = contextlib.nullcontext() if sync else self.ddp.no_sync()
+        ddp = self.ddp
+        if ddp.will_sync_module_buffers():
+            self.comm_counter.add_tensors(*ddp.modules_buffers)
         with context:
             # Collective (inside torch's forward): rank 0's buffers, after a synchronized step.
-            output = self.ddp(batch, batch_idx)
+            output = ddp(batch, batch_idx)
         self._forward_synced = sync
         return output
 
@@ -114,6 +124,21 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
             )
         self._forward_synced = None
         loss.backward(retain_graph=retain_graph)
+        if sync:
+            self._count_synchronized_backward()
+
+    def _count_synchronized_backward(self) -> None:
+        """Count what torch's reducer handed to its all-reduces in this backward (it keeps no counter)."""
+        params = [p for p in self.ddp.parameters() if p.requires_grad]
+        # Collective (inside torch's reducer): every dense gradient, bucket by bucket.
+        dense = [p for p in params if p.grad is None or not p.grad.is_sparse]
+        self.comm_counter.add(sum(p.numel() * p.element_size() for p in dense))
+        first = self._synced_backwards == 0
+        self._synced_backwards += 1
+        static = self.ddp_kwargs.get("static_graph", False)
+        if (self.ddp_kwargs.get("find_unused_parameters") and not static) or (static and first):
+            # Collective (inside torch's reducer): the used-parameter bitmap, one int32 per parameter.
+            self.comm_counter.add(4 * len(params))
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Set gradients to None, as a single process does.
@@ -123,10 +148,6 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
         its bucket views on the next backward, so None costs a copy and nothing else.
         """
         optimizer.zero_grad(set_to_none=True)
-
-    def communication_stats(self) -> dict[str, float]:
-        """Return nothing: torch's DDP keeps its own counters private."""
-        return {}
 
     def __repr__(self) -> str:
         kwargs = ", ".join(f"{key}={value!r}" for key, value in self.ddp_kwargs.items())

@@ -46,6 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from syncline.strategies.autograd_graph import grad_accumulators, parameters_reached
 from syncline.strategies.buckets import Bucket, Slot, assign_buckets
+from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
 from syncline.strategies.reducer_errors import (
     CollectiveError,
@@ -75,7 +76,8 @@ class CommStats:
 
     Attributes:
         collectives: collectives launched (one per bucket, plus the used-parameter map).
-        bytes: bytes handed to the comm hook and to the used-parameter all-reduce.
+        bytes: bytes handed to collectives by the comm hook (what it sends, compressed or not) and by
+            the used-parameter all-reduce.
         exposed_ms: time the end of backward spent waiting for communication.
         buckets: number of buckets.
         skipped_backwards: backwards without synchronization since the previous synchronized one.
@@ -114,6 +116,11 @@ class Reducer:
         static_graph: promise that every step uses the same parameters: unused parameters are found
             (graph walk and used-parameter all-reduce) in the first synchronized backward only, and
             that answer is reused; implies `find_unused_parameters`.
+        rebuild_buckets: rebuild the buckets once in the observed gradient order; False keeps the layout
+            of construction (for hooks whose result depends on it, e.g. chunked quantization).
+        counter: where the bytes handed to collectives are counted (the strategy's); a new one if None.
+            A comm state with a `counter` attribute gets this counter and the hook counts what it sends;
+            otherwise the reducer counts each bucket at its own size.
     """
 
     def __init__(
@@ -131,6 +138,8 @@ class Reducer:
         timeout: float = 1800.0,
         sparse_gradients: Sequence[Tensor] = (),
         static_graph: bool = False,
+        rebuild_buckets: bool = True,
+        counter: CommCounter | None = None,
     ) -> None:
         named = [(name, p) for name, p in named_parameters if p.requires_grad]
         if not named:
@@ -153,6 +162,11 @@ class Reducer:
         self._hook = comm_hook if comm_hook is not None else allreduce_hook
         self._hook_name = getattr(self._hook, "__name__", type(self._hook).__name__)
         self._state = comm_state if comm_state is not None else AllreduceState(process_group)
+        self.counter = counter if counter is not None else CommCounter()
+        # A hook that knows what it compresses counts its own bytes; any other is counted by bucket size.
+        self._hook_counts = hasattr(self._state, "counter")
+        if self._hook_counts:
+            self._state.counter = self.counter
         self._overlap = overlap
         self._timeout = timeout
 
@@ -162,7 +176,7 @@ class Reducer:
         # bucket view attached for speed does not count.
         self._has_grad = [p.grad is not None for p in self._params]
         self._build_buckets(list(reversed(range(len(self._params)))), attach_missing=True)
-        self._rebuilt = False
+        self._rebuilt = not rebuild_buckets
 
         # Per-backward state, reset by `prepare_for_backward`.
         self._armed = False  # between prepare_for_backward and finalize_backward
@@ -247,6 +261,7 @@ class Reducer:
         self._step_stats = CommStats(
             buckets=len(self._buckets) + len(self._sparse), skipped_backwards=self._skipped_backwards
         )
+        self._bytes_before = self.counter.total_bytes
         if self._find_unused:
             if self._static_unreached is not None:
                 unreached = self._static_unreached
@@ -306,6 +321,7 @@ class Reducer:
         elif not self._as_view:
             self._write_back(None, every)
         self._step_stats.exposed_ms = (time.perf_counter() - start) * 1e3
+        self._step_stats.bytes = self.counter.total_bytes - self._bytes_before
         self._stats = self._step_stats
         if self._find_unused:
             self._locally_used = [False] * len(self._params)
@@ -486,7 +502,7 @@ class Reducer:
             bucket = buckets[self._next_bucket]
             # Collective: the comm hook starts the bucket's asynchronous all-reduce.
             bucket.future = self._hook(self._state, bucket.grad)
-            self._count_collective(bucket.nbytes)
+            self._count_collective(0 if self._hook_counts else bucket.nbytes)
             self._next_bucket += 1
         if (
             self._next_bucket == len(buckets)
@@ -502,7 +518,7 @@ class Reducer:
 
     def _count_collective(self, nbytes: int) -> None:
         self._step_stats.collectives += 1
-        self._step_stats.bytes += nbytes
+        self.counter.add(nbytes)
         self.collectives_launched += 1
 
     # ----------------------------------------------------------- end of step

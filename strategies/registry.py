@@ -6,7 +6,10 @@ import os
 from typing import Any
 
 from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.bytegrad import ByteGrad
 from syncline.strategies.native_ddp import NativeDDP
+from syncline.strategies.powersgd import PowerSGD
+from syncline.strategies.qadam import QAdam
 from syncline.strategies.single_device import SingleDevice
 from syncline.strategies.strategy import Strategy
 
@@ -27,6 +30,9 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
 register_strategy(SingleDevice)
 register_strategy(BucketedDDP)
 register_strategy(NativeDDP)
+register_strategy(ByteGrad)
+register_strategy(PowerSGD)
+register_strategy(QAdam)
 
 
 def resolve_strategy(strategy: str | Strategy, devices: int = 1, **kwargs: Any) -> Strategy:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
+from syncline.strategies.comm_counter import CommCounter
+
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
 
@@ -47,6 +49,14 @@ class Strategy(ABC):
     replicas_differ: bool = False
 
     # ---------------------------------------------------------------- identity
+    @property
+    def comm_counter(self) -> CommCounter:
+        """The counter of bytes this strategy hands to collectives (`comm/bytes`, `comm/total_bytes`)."""
+        counter = self.__dict__.get("_comm_counter")
+        if counter is None:
+            counter = self.__dict__["_comm_counter"] = CommCounter()
+        return counter
+
     @property
     def global_rank(self) -> int:
         """Rank of this process among all processes."""
@@ -120,9 +130,10 @@ class Strategy(ABC):
         """Take one optimizer step by calling `step` (which applies precision scaling).
 
         Strategies that average models after the step (local SGD) or replace the step (a parameter
-        server) override this.
+        server) override this, and close the step's byte count as this does.
         """
         step()
+        self.comm_counter.close_step()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Reset gradients after an optimizer step."""
@@ -191,8 +202,8 @@ class Strategy(ABC):
             )
 
     def communication_stats(self) -> dict[str, float]:
-        """Counters of the last synchronized step (collectives, bytes, exposed wait); empty if none."""
-        return {}
+        """Counters of the last optimizer step: at least `comm/bytes` and `comm/total_bytes`."""
+        return self.comm_counter.as_dict()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -21,7 +21,10 @@ __all__ = [
     "STRATEGY_CONFS",
     "AutoStrategyConf",
     "BucketedDDPConf",
+    "ByteGradConf",
     "NativeDDPConf",
+    "PowerSGDConf",
+    "QAdamConf",
     "SingleDeviceConf",
     "SynclineConf",
     "TrainerConf",
@@ -108,12 +111,55 @@ class NativeDDPConf:
     static_graph: bool = False
 
 
+@dataclass
+class ByteGradConf:
+    """``strategy=bytegrad``: `strategies.ByteGrad`, BAGUA's 8-bit scatter-reduce of gradient buckets."""
+
+    _target_: str = "syncline.strategies.bytegrad.ByteGrad"
+    bucket_cap_mb: float = 25.0
+    error_feedback: bool = True
+    find_unused_parameters: bool = False
+    backend: str | None = None
+    timeout: float = 1800.0
+
+
+@dataclass
+class PowerSGDConf:
+    """``strategy=powersgd``: `strategies.PowerSGD`, low-rank factors per matrix gradient."""
+
+    _target_: str = "syncline.strategies.powersgd.PowerSGD"
+    rank: int = 4
+    start_iter: int = 10
+    error_feedback: bool = True
+    warm_start: bool = True
+    min_compression_rate: float = 2.0
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    backend: str | None = None
+    timeout: float = 1800.0
+
+
+@dataclass
+class QAdamConf:
+    """``strategy=qadam``: `strategies.QAdam`, Adam warm-up, then frozen variance and 8-bit momentum."""
+
+    _target_: str = "syncline.strategies.qadam.QAdam"
+    warmup_steps: int = 100
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    backend: str | None = None
+    timeout: float = 1800.0
+
+
 #: The config of each strategy, by the name it has in `strategies.STRATEGIES` ("auto" is the Trainer's).
 STRATEGY_CONFS: dict[str, type] = {
     "auto": AutoStrategyConf,
     "single": SingleDeviceConf,
     "bucketed_ddp": BucketedDDPConf,
     "native_ddp": NativeDDPConf,
+    "bytegrad": ByteGradConf,
+    "powersgd": PowerSGDConf,
+    "qadam": QAdamConf,
 }
 
 

@@ -170,8 +170,8 @@ def _accumulate(rank: int, world_size: int, accumulate: int) -> dict:
         else:
             launched_during_skipped.append(strategy.reducer.collectives_launched - before)
             gloo_ops_during_skipped.append(gloo_ops)
+    strategy.optimizer_step(optimizer, optimizer.step)
     stats = strategy.communication_stats()
-    optimizer.step()
     return {
         "params": params_of(model),
         "launched_during_skipped": launched_during_skipped,

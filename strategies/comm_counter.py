@@ -1,0 +1,52 @@
+"""One way to count communication, shared by every strategy: `comm/bytes` and `comm/total_bytes`.
+
+A strategy holds one `CommCounter` (`Strategy.comm_counter`) and adds to it the size of every tensor
+it hands to a collective for gradient or model synchronization (the payload this rank passes in, not
+what the backend moves on the wire: an all-gather of `n` bytes counts `n`, an all-reduce of `n` bytes
+counts `n`). The optimizer step closes the step, so `comm/bytes` is what the last optimizer step cost,
+accumulation window included, and `comm/total_bytes` everything since setup. Compression ratios are then
+read straight off the logs: ``comm/bytes(strategy) / comm/bytes(bucketed_ddp)``.
+
+Setup (the broadcast of rank 0's weights) and metric reductions are not synchronization of a step and
+are not counted.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+__all__ = ["CommCounter"]
+
+
+class CommCounter:
+    """Bytes handed to collectives: in the last closed optimizer step, and since setup.
+
+    Attributes:
+        step_bytes: bytes of the last closed step (what `comm/bytes` reports).
+        total_bytes: bytes since the counter was made (what `comm/total_bytes` reports).
+        open_bytes: bytes since the last closed step, not yet part of `step_bytes`.
+    """
+
+    def __init__(self) -> None:
+        self.step_bytes = 0
+        self.total_bytes = 0
+        self.open_bytes = 0
+
+    def add(self, nbytes: int) -> None:
+        """Count `nbytes` handed to a collective in the current step."""
+        self.open_bytes += int(nbytes)
+        self.total_bytes += int(nbytes)
+
+    def add_tensors(self, *tensors: Tensor) -> None:
+        """Count the sizes of `tensors`, each handed to a collective."""
+        for tensor in tensors:
+            self.add(tensor.numel() * tensor.element_size())
+
+    def close_step(self) -> None:
+        """End an optimizer step: what was counted since the last close becomes `step_bytes`."""
+        self.step_bytes = self.open_bytes
+        self.open_bytes = 0
+
+    def as_dict(self) -> dict[str, float]:
+        """Return ``{"comm/bytes": ..., "comm/total_bytes": ...}`` as the loop logs them."""
+        return {"comm/bytes": float(self.step_bytes), "comm/total_bytes": float(self.total_bytes)}

@@ -1,0 +1,166 @@
+"""QAdam: Adam with a frozen variance and 8-bit compressed momentum (BAGUA, Gan et al., VLDB 2022).
+
+Adam's variance estimate is sensitive to compression error; its momentum is not. BAGUA's QAdam therefore
+runs in two stages:
+
+    warm-up (step < warmup_steps):  gradients averaged exactly (BucketedDDP's all-reduce), torch's Adam
+    stage change at warmup_steps:   the variance v is frozen as it is (the `need_reset` of BAGUA)
+    then, every optimizer step:
+        m = beta1 m + (1 - beta1) (g + weight_decay p)      local gradient g, no gradient communication
+                                                             (AdamW: p = p (1 - lr weight_decay) instead)
+        m = compressed average of m over ranks               8-bit scatter-reduce + all-gather, error feedback
+        p = p - lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps)
+
+The momentum and the frozen variance live where torch's Adam keeps them (`optimizer.state[p]["exp_avg"]`,
+`["exp_avg_sq"]`, `["step"]`), so the optimizer's checkpoint holds them; they are equal on every rank,
+since every rank applies the same averaged momentum. What differs per rank, the error-feedback memory,
+is in this strategy's `state_dict`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from syncline.options import check_int, check_number
+from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.bytegrad import compressed_average
+from syncline.strategies.compression import ErrorFeedback
+
+__all__ = ["QAdam"]
+
+
+class QAdam(BucketedDDP):
+    """Adam warm-up on exact gradients, then frozen variance and compressed momentum (BAGUA's QAdam).
+
+    Args:
+        warmup_steps: optimizer steps of exact gradient all-reduce and plain Adam before the variance
+            is frozen and momentum compression starts.
+        bucket_cap_mb: the most MiB of gradients per bucket during the warm-up.
+        find_unused_parameters: as in `BucketedDDP` (during the warm-up).
+        backend: "gloo", "nccl", ...; None picks NCCL with CUDA, else gloo.
+        timeout: seconds a collective may take before it fails with an error.
+
+    Raises:
+        ValueError: `warmup_steps` < 1 (the frozen variance must have seen gradients).
+        TypeError: at the first step, when the task's optimizer is not `torch.optim.Adam` or its
+            subclass `AdamW` (whose decoupled weight decay QAdam applies as AdamW does), or uses
+            amsgrad or maximize.
+    """
+
+    name = "qadam"
+
+    def __init__(
+        self,
+        warmup_steps: int = 100,
+        bucket_cap_mb: float = 25,
+        find_unused_parameters: bool = False,
+        backend: str | None = None,
+        timeout: float = 1800.0,
+    ) -> None:
+        check_int("QAdam", "warmup_steps", warmup_steps, 1, meaning="Adam steps on exact gradients first")
+        check_number("QAdam", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
+        super().__init__(
+            bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters, backend=backend, timeout=timeout
+        )
+        self.warmup_steps = warmup_steps
+        self.error_feedback = ErrorFeedback()
+        #: Optimizer steps taken (decides the stage; the same on every rank).
+        self.steps = 0
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether the next optimizer step is a warm-up step (exact gradients, torch's Adam)."""
+        return self.steps < self.warmup_steps
+
+    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
+        """Back-propagate; average gradients only during the warm-up (afterwards momentum is sent)."""
+        super().backward(loss, sync=sync and self.warming_up, retain_graph=retain_graph)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
+        """Take torch's Adam step during the warm-up, then QAdam's compressed-momentum step."""
+        _check_adam(optimizer)
+        if self.warming_up:
+            step()
+        else:
+            if self.steps == self.warmup_steps:
+                # Stage change: the variance freezes now; nothing compressed so far is owed.
+                self.error_feedback.reset()
+            self._momentum_step(optimizer)
+        self.steps += 1
+        self.comm_counter.close_step()
+
+    @torch.no_grad()
+    def _momentum_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Update the local momentum, average it compressed, and step with the frozen variance."""
+        entries = []
+        for group in optimizer.param_groups:
+            beta1, _ = group["betas"]
+            for param in group["params"]:
+                if not param.requires_grad:
+                    continue
+                state = _adam_state(optimizer, param)
+                grad = torch.zeros_like(param) if param.grad is None else param.grad
+                if group.get("decoupled_weight_decay"):
+                    # AdamW: decay the weights themselves, as torch's AdamW does before its update.
+                    param.mul_(1 - group["lr"] * group["weight_decay"])
+                elif group["weight_decay"]:
+                    grad = grad.add(param, alpha=group["weight_decay"])
+                state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+                entries.append((group, param, state))
+        momenta = [state["exp_avg"] for _, _, state in entries]
+        corrected = self.error_feedback.compensate("momentum", torch.cat([m.reshape(-1).float() for m in momenta]))
+        # Collectives (inside): 8-bit all-to-all and all-gather of the flat momentum.
+        average, sent = compressed_average(corrected, None, self.comm_counter)
+        self.error_feedback.remember("momentum", corrected, sent)
+        for momentum, piece in zip(momenta, average.split([m.numel() for m in momenta])):
+            momentum.copy_(piece.view_as(momentum))
+        for group, param, state in entries:
+            beta1, beta2 = group["betas"]
+            state["step"] += 1
+            t = float(state["step"])
+            denominator = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
+            param.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / (1 - beta1**t))
+
+    def communication_stats(self) -> dict[str, float]:
+        """Bytes per step and in total; the reducer's gradient counters only while it still reduces them."""
+        return super().communication_stats() if self.warming_up else self.comm_counter.as_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the step count and this rank's error-feedback memory (momentum and variance are the optimizer's)."""
+        return {"step": self.steps, "error_feedback": self.error_feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the step count and this rank's error-feedback memory."""
+        self.steps = state["step"]
+        self.error_feedback.load_state_dict(state["error_feedback"])
+
+    def __repr__(self) -> str:
+        return f"QAdam(warmup_steps={self.warmup_steps}, bucket_cap_mb={self.bucket_cap_mb})"
+
+
+def _check_adam(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse any optimizer but `torch.optim.Adam` (AdamW is one), whose state QAdam takes over."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise TypeError(
+            f"QAdam needs the task's optimizer to be torch.optim.Adam, but configure_optimizers returned "
+            f"{type(optimizer).__module__}.{type(optimizer).__name__}; return torch.optim.Adam(...) or pick "
+            "another strategy (bucketed_ddp, bytegrad)."
+        )
+    for group in optimizer.param_groups:
+        for option in ("amsgrad", "maximize"):
+            if group.get(option):
+                raise TypeError(f"QAdam supports torch.optim.Adam without {option}; set {option}=False.")
+
+
+def _adam_state(optimizer: torch.optim.Optimizer, param: Tensor) -> dict[str, Any]:
+    """Return Adam's state of `param`, created empty (zero moments) if the warm-up never stepped it."""
+    state = optimizer.state[param]
+    if "exp_avg" not in state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state
