@@ -1,6 +1,9 @@
 """Everything that touches process groups and gradient synchronization."""
 
+from syncline.strategies.async_model_average import AsyncModelAverage
 from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.decentralized import Decentralized
+from syncline.strategies.local_sgd import LocalSGD
 from syncline.strategies.native_ddp import NativeDDP
 from syncline.strategies.registry import STRATEGIES, register_strategy, resolve_strategy
 from syncline.strategies.single_device import SingleDevice
@@ -8,7 +11,10 @@ from syncline.strategies.strategy import Strategy
 
 __all__ = [
     "STRATEGIES",
+    "AsyncModelAverage",
     "BucketedDDP",
+    "Decentralized",
+    "LocalSGD",
     "NativeDDP",
     "SingleDevice",
     "Strategy",

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from syncline.strategies.async_model_average import AsyncModelAverage
 from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.decentralized import Decentralized
+from syncline.strategies.local_sgd import LocalSGD
 from syncline.strategies.native_ddp import NativeDDP
 from syncline.strategies.single_device import SingleDevice
 from syncline.strategies.strategy import Strategy
@@ -27,6 +30,9 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
 register_strategy(SingleDevice)
 register_strategy(BucketedDDP)
 register_strategy(NativeDDP)
+register_strategy(LocalSGD)
+register_strategy(Decentralized)
+register_strategy(AsyncModelAverage)
 
 
 def resolve_strategy(strategy: str | Strategy, devices: int = 1, **kwargs: Any) -> Strategy:

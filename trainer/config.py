@@ -19,8 +19,11 @@ from syncline.strategies.registry import STRATEGIES
 
 __all__ = [
     "STRATEGY_CONFS",
+    "AsyncModelAverageConf",
     "AutoStrategyConf",
     "BucketedDDPConf",
+    "DecentralizedConf",
+    "LocalSGDConf",
     "NativeDDPConf",
     "SingleDeviceConf",
     "SynclineConf",
@@ -108,12 +111,51 @@ class NativeDDPConf:
     static_graph: bool = False
 
 
+@dataclass
+class LocalSGDConf:
+    """``strategy=local_sgd``: `strategies.LocalSGD`, post-local SGD (parameters averaged every `period` steps)."""
+
+    _target_: str = "syncline.strategies.local_sgd.LocalSGD"
+    period: int = 4
+    warmup_steps: int = 0
+    bucket_cap_mb: float = 25.0
+    backend: str | None = None
+    timeout: float = 1800.0
+
+
+@dataclass
+class DecentralizedConf:
+    """``strategy=decentralized``: `strategies.Decentralized`, D-PSGD (averaging with peers only)."""
+
+    _target_: str = "syncline.strategies.decentralized.Decentralized"
+    peers: str = "shift_one"
+    period: int = 1
+    compression: str | None = None
+    backend: str | None = None
+    timeout: float = 1800.0
+
+
+@dataclass
+class AsyncModelAverageConf:
+    """``strategy=async_model_average``: `strategies.AsyncModelAverage`, BAGUA's asynchronous averaging."""
+
+    _target_: str = "syncline.strategies.async_model_average.AsyncModelAverage"
+    interval_ms: float = 100.0
+    warmup_steps: int = 0
+    bucket_cap_mb: float = 25.0
+    backend: str | None = None
+    timeout: float = 1800.0
+
+
 #: The config of each strategy, by the name it has in `strategies.STRATEGIES` ("auto" is the Trainer's).
 STRATEGY_CONFS: dict[str, type] = {
     "auto": AutoStrategyConf,
     "single": SingleDeviceConf,
     "bucketed_ddp": BucketedDDPConf,
     "native_ddp": NativeDDPConf,
+    "local_sgd": LocalSGDConf,
+    "decentralized": DecentralizedConf,
+    "async_model_average": AsyncModelAverageConf,
 }
 
 
