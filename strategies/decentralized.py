@@ -78,7 +78,9 @@ class Decentralized(ModelAveraging):
 
     name = "decentralized"
 
-    def __init__(self, peers: str = "shift_one", period: int = 1, compression: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, peers: str = "shift_one", period: int = 1, compression: str | None = None, **kwargs: Any
+    ) -> None:
         if peers not in PEERS:
             raise OptionError(f"Decentralized(peers={peers!r}): peers must be one of {', '.join(map(repr, PEERS))}.")
         if compression not in _COMPRESSIONS:
@@ -106,9 +108,11 @@ class Decentralized(ModelAveraging):
         super().setup(task)  # rank 0's parameters everywhere: every estimate starts equal on every rank
         if self.compression == "uint8" and not self.estimates:
             rank, world = self.global_rank, self.world_size
-            keys = [str(r) for r in range(world)] if self.peers == "all" else [
-                key for peer in range(world) if peer != rank for key in (f"mine@{peer}", str(peer))
-            ]
+            keys = (
+                [str(r) for r in range(world)]
+                if self.peers == "all"
+                else [key for peer in range(world) if peer != rank for key in (f"mine@{peer}", str(peer))]
+            )
             self.estimates = {key: [flat.clone() for _, flat in flatten_by_dtype(self._params)] for key in keys}
 
     # --------------------------------------------------------------- averaging

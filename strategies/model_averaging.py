@@ -49,11 +49,11 @@ class ByteCounter:
     def add(self, nbytes: int) -> None:
         """Count `nbytes` handed to a collective during the current optimizer step."""
         self._current += nbytes
+        self.total += nbytes
 
     def end_step(self) -> None:
         """Close the current optimizer step: its bytes become `comm/bytes`."""
         self.step, self._current = self._current, 0
-        self.total += self.step
 
     def as_dict(self) -> dict[str, float]:
         """Return the counters under the keys the loop logs."""
