@@ -41,6 +41,11 @@ class Strategy(ABC):
     #: Whether the strategy runs as several processes (and so can take `devices > 1`).
     multi_process: bool = False
 
+    #: Whether replicas may hold different parameters and optimizer states between synchronizations
+    #: (local SGD in the middle of a period, decentralized or asynchronous averaging). Checkpoints then
+    #: keep every rank's weights and optimizer state, and each rank resumes from its own.
+    replicas_differ: bool = False
+
     # ---------------------------------------------------------------- identity
     @property
     def global_rank(self) -> int:
@@ -156,6 +161,35 @@ class Strategy(ABC):
         return move_to_device(batch, device)
 
     # -------------------------------------------------------------- reporting
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Return this rank's part of the strategy's state (error feedback, warm-start factors, counters).
+
+        Checkpoints gather every rank's part, and each rank gets its own back through `load_state_dict`,
+        so a strategy whose ranks hold different state still resumes bit-exactly. Plain tensors,
+        numbers, strings, lists and dicts only (checkpoints are read with ``weights_only=True``).
+        """
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's part of the state, as `state_dict` returned it (after `setup`)."""
+
+    def load_state_from_other_world(self, states: list[dict[str, Any]]) -> None:
+        """Adopt per-rank state saved on another number of processes (`states`: one entry per saved rank).
+
+        Strategies that can merge or re-split their state override this and say in their docs how; the
+        default refuses when there is any per-rank state, naming the strategy.
+
+        Raises:
+            ValueError: there is per-rank state this strategy cannot carry to another world size.
+        """
+        if any(states) or self.replicas_differ:
+            raise ValueError(
+                f"{type(self).__name__} keeps per-rank state, which cannot move from {len(states)} to "
+                f"{self.world_size} processes; resume on {len(states)} processes, or start a new run from the "
+                "weights (Task.load_from_checkpoint)."
+            )
+
     def communication_stats(self) -> dict[str, float]:
         """Counters of the last synchronized step (collectives, bytes, exposed wait); empty if none."""
         return {}

@@ -60,6 +60,17 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         checkpoint["optimizer"] = trainer.optim.state_dict()
         checkpoint["precision"] = trainer.precision.state_dict()
         checkpoint["results"] = trainer._train_results.state_dict(task)
+    strategy = trainer.strategy
+    checkpoint["strategy"] = {
+        "name": strategy.name,
+        # Collective: every rank's part of the strategy's state (error feedback, warm-start factors...).
+        "by_rank": strategy.all_gather_object(_to_cpu(strategy.state_dict())),
+    }
+    if strategy.replicas_differ and trainer.optim is not None:
+        # Collective: replicas differ between averagings, so every rank's weights and optimizer state.
+        checkpoint["replicas_by_rank"] = strategy.all_gather_object(
+            _to_cpu({"state_dict": task.state_dict(), "optimizer": trainer.optim.state_dict()})
+        )
     if loop is not None:
         grads = loop.accumulated_grads()
         if grads is not None:
@@ -182,6 +193,7 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
         if callback.state_key in saved_callbacks:
             callback.load_state_dict(saved_callbacks[callback.state_key])
     saved_world = int(checkpoint.get("world_size", len(checkpoint["rng"])))
+    _restore_strategy(trainer, checkpoint, saved_world)
     if saved_world == trainer.world_size:
         loop.restore_accumulated_grads(_own_accumulated_grads(trainer, checkpoint))
     else:
@@ -195,6 +207,41 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     mine = rng_states[trainer.global_rank] if trainer.global_rank < len(rng_states) else rng_states[0]
     loop.resume_rng = mine["now"]
     trainer.state.epoch_start_rng = mine["epoch_start"]
+
+
+def _restore_strategy(trainer: Trainer, checkpoint: dict[str, Any], saved_world: int) -> None:
+    """Give each rank its own part of the strategy's state (and its own replica where replicas differ)."""
+    strategy, rank = trainer.strategy, trainer.global_rank
+    saved = checkpoint.get("strategy", {"name": strategy.name, "by_rank": []})
+    states: list[dict[str, Any]] = saved["by_rank"]
+    replicas = checkpoint.get("replicas_by_rank")
+    if any(states) and saved["name"] != strategy.name:
+        raise CheckpointError(
+            f"The checkpoint holds per-rank state of strategy {saved['name']!r}, not of {strategy.name!r}; "
+            f"resume with strategy={saved['name']!r}, or start a new run from the weights."
+        )
+    if saved_world != trainer.world_size:
+        try:
+            strategy.load_state_from_other_world(states)
+        except ValueError as error:
+            raise CheckpointError(str(error)) from None
+        return
+    if replicas is not None:
+        trainer.task.load_state_dict(replicas[rank]["state_dict"])
+        trainer.optim.load_state_dict(replicas[rank]["optimizer"])
+    if states:
+        strategy.load_state_dict(states[rank])
+
+
+def _to_cpu(value: Any) -> Any:
+    """Return `value` with every tensor inside dicts, lists and tuples on the CPU (for gathering)."""
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def _own_accumulated_grads(trainer: Trainer, checkpoint: dict[str, Any]) -> list[Tensor | None] | None:
