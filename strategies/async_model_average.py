@@ -76,6 +76,7 @@ class AsyncModelAverage(ModelAveraging):
     def setup(self, task: Task) -> None:
         """Set up the warm-up's reducer and the averaging thread's own gloo process group."""
         super().setup(task)
+        self.rounds = 0
         # Collective: every rank creates the averaging thread's group, in the same order.
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
 

@@ -106,7 +106,8 @@ class Decentralized(ModelAveraging):
                 "quantized differences to); run with trainer.devices >= 2 or compression=None."
             )
         super().setup(task)  # rank 0's parameters everywhere: every estimate starts equal on every rank
-        if self.compression == "uint8" and not self.estimates:
+        self.rounds, self.estimates = 0, {}
+        if self.compression == "uint8":
             rank, world = self.global_rank, self.world_size
             keys = (
                 [str(r) for r in range(world)]

@@ -107,6 +107,10 @@ class ModelAveraging(BucketedDDP):
         kwargs: passed to `BucketedDDP` (the warm-up's reducer): `bucket_cap_mb`, `backend`, `timeout`, ...
     """
 
+    #: Replicas hold different parameters between averagings: checkpoints keep every rank's, and its
+    #: optimizer state. Resuming on another number of processes is refused (`load_state_from_other_world`).
+    replicas_differ = True
+
     def __init__(self, warmup_steps: int = 0, **kwargs: Any) -> None:
         check_int(type(self).__name__, "warmup_steps", warmup_steps, 0, meaning="optimizer steps of exact all-reduce")
         super().__init__(**kwargs)
@@ -115,11 +119,6 @@ class ModelAveraging(BucketedDDP):
         self.steps = 0
         self.bytes = ByteCounter()
         self._params: list[Tensor] = []
-
-    @property
-    def replicas_differ(self) -> bool:
-        """Replicas hold different parameters between averagings: checkpoints keep every rank's."""
-        return True
 
     @property
     def local(self) -> bool:
@@ -131,6 +130,8 @@ class ModelAveraging(BucketedDDP):
         """Set up the warm-up's reducer (rank 0's weights on every rank) and remember what to average."""
         super().setup(task)
         self._params = [p for p in task.parameters() if p.requires_grad]
+        # A new run; a resumed one gets its counters back from `load_state_dict` after this.
+        self.steps = 0
         self.bytes = ByteCounter()
 
     # -------------------------------------------------------------- train step

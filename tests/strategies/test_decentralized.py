@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _averaging import PlainSGD, fit, flat_params, model_bytes
+from _averaging import PlainSGD, fit, flat_params, model_bytes, straight_and_resumed
 from _dist import run_distributed, run_ranks
 
 from syncline.options import OptionError
@@ -103,3 +103,19 @@ def test_bad_options_fail_at_construction_or_setup():
 
 def _fit_uint8(rank, world_size):
     fit(Decentralized(compression="uint8"), max_steps=1)
+
+
+def _low_precision():
+    return Decentralized(peers="shift_one", period=2, compression="uint8")
+
+
+def test_resume_is_bit_exact_with_every_rank_s_model_optimizer_state_and_estimates(tmp_path):
+    # Stopped after step 5, one local step after an averaging: the replicas differ.
+    ranks = run_distributed(straight_and_resumed, 2, args=(str(tmp_path), _low_precision, 5, 9), timeout=120)
+    assert not torch.equal(ranks[0]["at_checkpoint"], ranks[1]["at_checkpoint"])
+    for runs in ranks:
+        assert torch.equal(runs["resumed"]["weights"], runs["straight"]["weights"])
+        straight, resumed = runs["straight"]["state"], runs["resumed"]["state"]
+        assert resumed["rounds"] == straight["rounds"] == 4
+        for key, flats in straight["estimates"].items():
+            assert all(torch.equal(a, b) for a, b in zip(resumed["estimates"][key], flats)), key

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _averaging import PlainSGD, fit, flat_params, model_bytes
-from _dist import run_distributed
+from _averaging import PlainSGD, fit, flat_params, model_bytes, straight_and_resumed
+from _dist import run_distributed, run_ranks
 
 from syncline.options import OptionError
 from syncline.strategies import BucketedDDP, LocalSGD
@@ -51,3 +51,26 @@ def test_period_one_is_data_parallel_and_period_four_sends_a_third_of_the_bytes(
 def test_bad_options_fail_at_construction(kwargs, message):
     with pytest.raises(OptionError, match=message.replace("(", r"\(").replace(")", r"\)")):
         LocalSGD(**kwargs)
+
+
+def _local_sgd():
+    return LocalSGD(period=4, warmup_steps=2)
+
+
+def test_resume_in_the_middle_of_a_period_is_bit_exact_on_every_rank(tmp_path):
+    # Stopped after step 5: local step 3 of the first period, the replicas differ.
+    ranks = run_distributed(straight_and_resumed, 2, args=(str(tmp_path), _local_sgd, 5, 11), timeout=120)
+    assert not torch.equal(ranks[0]["at_checkpoint"], ranks[1]["at_checkpoint"])
+    for runs in ranks:
+        assert torch.equal(runs["resumed"]["weights"], runs["straight"]["weights"])
+        assert runs["resumed"]["state"] == runs["straight"]["state"]
+
+
+def _resume_on_one(rank, world_size, path):
+    fit(_local_sgd(), max_steps=8, ckpt_path=path)
+
+
+def test_resume_on_another_world_size_names_the_strategy(tmp_path):
+    run_distributed(straight_and_resumed, 2, args=(str(tmp_path), _local_sgd, 5, 6), timeout=120)
+    [outcome] = run_ranks(_resume_on_one, 1, args=(str(tmp_path / "resumed" / "mid.ckpt"),), timeout=60)
+    assert "LocalSGD keeps per-rank state, which cannot move from 2 to 1 processes" in outcome.error
