@@ -119,6 +119,7 @@ class LocalSGDConf:
     period: int = 4
     warmup_steps: int = 0
     bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
     backend: str | None = None
     timeout: float = 1800.0
 
@@ -143,6 +144,7 @@ class AsyncModelAverageConf:
     interval_ms: float = 100.0
     warmup_steps: int = 0
     bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
     backend: str | None = None
     timeout: float = 1800.0
 
