@@ -66,7 +66,10 @@ class TorchPostLocalSGD(NativeDDP):
 
         super().setup(task)
         state = hooks.PostLocalSGDState(
-            process_group=None, subgroup=None, start_localSGD_iter=self.warmup_steps, post_local_gradient_allreduce=False
+            process_group=None,
+            subgroup=None,
+            start_localSGD_iter=self.warmup_steps,
+            post_local_gradient_allreduce=False,
         )
         self.ddp.register_comm_hook(state, hooks.post_localSGD_hook)
         self.averager = PeriodicModelAverager(period=self.period, warmup_steps=self.warmup_steps)
