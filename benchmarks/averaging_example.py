@@ -162,7 +162,11 @@ def main() -> None:
         args.out.write_text(json.dumps(_train(json.loads(args.one))))
         return
     started = time.time()
-    quality = {name: run(name, args.steps) for name in RUNS if name != "torch_post_local_sgd"}
+    quality = {}
+    for name in RUNS:
+        if name != "torch_post_local_sgd":
+            quality[name] = run(name, args.steps)
+            print(json.dumps(quality[name]), flush=True)
     reference = quality["bucketed_ddp"]
     for result in quality.values():
         result["val_loss_vs_ddp"] = round(result["val_loss"] / reference["val_loss"], 3)
@@ -171,6 +175,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for name in speed:
             speed[name].append(run(name, args.steps))
+            print(json.dumps(speed[name][-1]), flush=True)
     medians = {name: statistics.median(r["train_s"] for r in runs) for name, runs in speed.items()}
     report = {
         "command": f"python -m benchmarks.averaging_example --steps {args.steps} --repeats {args.repeats}",

@@ -72,6 +72,18 @@ class AsyncModelAverage(ModelAveraging):
         self._applied = threading.Event()
         self._error: BaseException | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the thread's primitives: `Trainer(devices=N)` sends the strategy to its workers."""
+        state = self.__dict__.copy()
+        for name in ("_lock", "_stop", "_applied", "_thread", "_group", "_result", "_error"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock, self._stop, self._applied = threading.Lock(), threading.Event(), threading.Event()
+        self._thread, self._group, self._result, self._error = None, None, None, None
+
     # --------------------------------------------------------------- lifecycle
     def setup(self, task: Task) -> None:
         """Set up the warm-up's reducer and the averaging thread's own gloo process group."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 
@@ -78,3 +79,11 @@ def test_bad_options_fail_at_construction():
         AsyncModelAverage(interval_ms=-1)
     with pytest.raises(OptionError, match=r"AsyncModelAverage\(warmup_steps=1.5\)"):
         AsyncModelAverage(warmup_steps=1.5)
+
+
+def test_pickles_for_the_launcher_without_its_thread_primitives():
+    """`Trainer(devices=N)` pickles the strategy to its workers; locks and events cannot be pickled."""
+    copy = pickle.loads(pickle.dumps(AsyncModelAverage(interval_ms=7, warmup_steps=3)))
+    assert (copy.interval_ms, copy.warmup_steps) == (7, 3)
+    with copy._lock:
+        assert not copy._stop.is_set() and copy._thread is None
