@@ -1,7 +1,10 @@
 """Everything that touches process groups and gradient synchronization."""
 
+from syncline.strategies.async_model_average import AsyncModelAverage
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.bytegrad import ByteGrad
+from syncline.strategies.decentralized import Decentralized
+from syncline.strategies.local_sgd import LocalSGD
 from syncline.strategies.native_ddp import NativeDDP
 from syncline.strategies.powersgd import PowerSGD
 from syncline.strategies.qadam import QAdam
@@ -11,8 +14,11 @@ from syncline.strategies.strategy import Strategy
 
 __all__ = [
     "STRATEGIES",
+    "AsyncModelAverage",
     "BucketedDDP",
     "ByteGrad",
+    "Decentralized",
+    "LocalSGD",
     "NativeDDP",
     "PowerSGD",
     "QAdam",

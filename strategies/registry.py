@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from syncline.strategies.async_model_average import AsyncModelAverage
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.bytegrad import ByteGrad
+from syncline.strategies.decentralized import Decentralized
+from syncline.strategies.local_sgd import LocalSGD
 from syncline.strategies.native_ddp import NativeDDP
 from syncline.strategies.powersgd import PowerSGD
 from syncline.strategies.qadam import QAdam
@@ -33,6 +36,9 @@ register_strategy(NativeDDP)
 register_strategy(ByteGrad)
 register_strategy(PowerSGD)
 register_strategy(QAdam)
+register_strategy(LocalSGD)
+register_strategy(Decentralized)
+register_strategy(AsyncModelAverage)
 
 
 def resolve_strategy(strategy: str | Strategy, devices: int = 1, **kwargs: Any) -> Strategy:

@@ -19,9 +19,12 @@ from syncline.strategies.registry import STRATEGIES
 
 __all__ = [
     "STRATEGY_CONFS",
+    "AsyncModelAverageConf",
     "AutoStrategyConf",
     "BucketedDDPConf",
     "ByteGradConf",
+    "DecentralizedConf",
+    "LocalSGDConf",
     "NativeDDPConf",
     "PowerSGDConf",
     "QAdamConf",
@@ -151,6 +154,44 @@ class QAdamConf:
     timeout: float = 1800.0
 
 
+@dataclass
+class LocalSGDConf:
+    """``strategy=local_sgd``: `strategies.LocalSGD`, post-local SGD (parameters averaged every `period` steps)."""
+
+    _target_: str = "syncline.strategies.local_sgd.LocalSGD"
+    period: int = 4
+    warmup_steps: int = 0
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    backend: str | None = None
+    timeout: float = 1800.0
+
+
+@dataclass
+class DecentralizedConf:
+    """``strategy=decentralized``: `strategies.Decentralized`, D-PSGD (averaging with peers only)."""
+
+    _target_: str = "syncline.strategies.decentralized.Decentralized"
+    peers: str = "shift_one"
+    period: int = 1
+    compression: str | None = None
+    backend: str | None = None
+    timeout: float = 1800.0
+
+
+@dataclass
+class AsyncModelAverageConf:
+    """``strategy=async_model_average``: `strategies.AsyncModelAverage`, BAGUA's asynchronous averaging."""
+
+    _target_: str = "syncline.strategies.async_model_average.AsyncModelAverage"
+    interval_ms: float = 100.0
+    warmup_steps: int = 0
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    backend: str | None = None
+    timeout: float = 1800.0
+
+
 #: The config of each strategy, by the name it has in `strategies.STRATEGIES` ("auto" is the Trainer's).
 STRATEGY_CONFS: dict[str, type] = {
     "auto": AutoStrategyConf,
@@ -160,6 +201,9 @@ STRATEGY_CONFS: dict[str, type] = {
     "bytegrad": ByteGradConf,
     "powersgd": PowerSGDConf,
     "qadam": QAdamConf,
+    "local_sgd": LocalSGDConf,
+    "decentralized": DecentralizedConf,
+    "async_model_average": AsyncModelAverageConf,
 }
 
 

@@ -1,0 +1,175 @@
+"""What the strategies that average *models* instead of gradients share (local SGD, D-PSGD, async averaging).
+
+Post-local SGD (Lin et al., ICLR 2020), decentralized SGD (Lian et al., NeurIPS 2017) and BAGUA's
+asynchronous model averaging (Gan et al., VLDB 2022) all run the same loop:
+
+    for each optimizer step t:
+        if t < warmup_steps:  g = allreduce_mean(local gradient)     # exact data parallel (the Reducer)
+        else:                 g = local gradient                     # no gradient communication
+        x = optimizer.step(x, g)
+        if t >= warmup_steps: x = average(x, with whom and when the strategy says)
+
+`ModelAveraging` is that loop on top of `BucketedDDP` (whose reducer does the warm-up's exact
+all-reduce); a subclass only says how it averages (`average_after_step`). The replicas differ between
+averagings, so `replicas_differ` is True and every rank's parameters and optimizer state go into
+checkpoints. The optimizer state (momentum, Adam's moments) is never averaged: it stays each rank's own,
+as in torch's `PostLocalSGDOptimizer`, which averages parameters alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from syncline.options import check_int
+from syncline.strategies.bucketed_ddp import BucketedDDP
+
+if TYPE_CHECKING:
+    from syncline.trainer.task import Task
+
+__all__ = ["ByteCounter", "ModelAveraging", "average_parameters", "flatten_by_dtype"]
+
+
+class ByteCounter:
+    """`comm/bytes` (bytes handed to collectives for the last optimizer step) and `comm/total_bytes`.
+
+    Private to the averaging strategies until the shared counter of every strategy lands; the names and
+    meaning are the same.
+    """
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.total = 0
+        self._current = 0
+
+    def add(self, nbytes: int) -> None:
+        """Count `nbytes` handed to a collective during the current optimizer step."""
+        self._current += nbytes
+        self.total += nbytes
+
+    def end_step(self) -> None:
+        """Close the current optimizer step: its bytes become `comm/bytes`."""
+        self.step, self._current = self._current, 0
+
+    def as_dict(self) -> dict[str, float]:
+        """Return the counters under the keys the loop logs."""
+        return {"comm/bytes": float(self.step), "comm/total_bytes": float(self.total)}
+
+    def state_dict(self) -> dict[str, int]:
+        """Return the counters, for a checkpoint."""
+        return {"step": self.step, "total": self.total}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore the counters saved by `state_dict`."""
+        self.step, self.total, self._current = int(state["step"]), int(state["total"]), 0
+
+
+def flatten_by_dtype(tensors: Iterable[Tensor]) -> list[tuple[list[Tensor], Tensor]]:
+    """Return, per (dtype, device), the tensors and one flat copy of them (what one collective sends)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    return [(group, torch.cat([t.detach().reshape(-1) for t in group])) for group in groups.values()]
+
+
+def unflatten_into(tensors: list[Tensor], flat: Tensor) -> None:
+    """Copy `flat` back into `tensors` (the inverse of one group of `flatten_by_dtype`)."""
+    with torch.no_grad():
+        for tensor, value in zip(tensors, flat.split([t.numel() for t in tensors])):
+            tensor.copy_(value.view_as(tensor))
+
+
+def average_parameters(params: list[Tensor], group: Any = None, counter: ByteCounter | None = None) -> None:
+    """Replace `params` by their mean over the ranks of `group`: one coalesced all-reduce per dtype.
+
+    As torch's `average_parameters`, the flat copy is divided before the sum, so low precision cannot
+    overflow.
+    """
+    size = dist.get_world_size(group)
+    for tensors, flat in flatten_by_dtype(params):
+        flat /= size
+        # Collective: one flat all-reduce of every parameter of this dtype.
+        dist.all_reduce(flat, group=group)
+        if counter is not None:
+            counter.add(flat.numel() * flat.element_size())
+        unflatten_into(tensors, flat)
+
+
+class ModelAveraging(BucketedDDP):
+    """Exact data parallel for `warmup_steps` optimizer steps, then local steps and model averaging.
+
+    Args:
+        warmup_steps: optimizer steps of exact gradient all-reduce before the first local step.
+        kwargs: passed to `BucketedDDP` (the warm-up's reducer): `bucket_cap_mb`, `backend`, `timeout`, ...
+    """
+
+    #: Replicas hold different parameters between averagings: checkpoints keep every rank's, and its
+    #: optimizer state. Resuming on another number of processes is refused (`load_state_from_other_world`).
+    replicas_differ = True
+
+    def __init__(self, warmup_steps: int = 0, **kwargs: Any) -> None:
+        check_int(type(self).__name__, "warmup_steps", warmup_steps, 0, meaning="optimizer steps of exact all-reduce")
+        super().__init__(**kwargs)
+        self.warmup_steps = warmup_steps
+        #: Optimizer steps taken since setup (restored from checkpoints).
+        self.steps = 0
+        self.bytes = ByteCounter()
+        self._params: list[Tensor] = []
+
+    @property
+    def local(self) -> bool:
+        """Whether the coming optimizer step is a local one (the warm-up is over)."""
+        return self.steps >= self.warmup_steps
+
+    # --------------------------------------------------------------- lifecycle
+    def setup(self, task: Task) -> None:
+        """Set up the warm-up's reducer (rank 0's weights on every rank) and remember what to average."""
+        super().setup(task)
+        self._params = [p for p in task.parameters() if p.requires_grad]
+        # A new run; a resumed one gets its counters back from `load_state_dict` after this.
+        self.steps = 0
+        self.bytes = ByteCounter()
+
+    # -------------------------------------------------------------- train step
+    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
+        """Back-propagate; all-reduce gradients only at the end of a window during the warm-up."""
+        super().backward(loss, sync=sync and not self.local, retain_graph=retain_graph)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> None:
+        """Step on this rank's gradients, then let the strategy average the models."""
+        synced = not self.local
+        step()
+        self.steps += 1
+        if synced and self._reducer is not None:
+            self.bytes.add(self._reducer.stats().bytes)
+        if self.steps > self.warmup_steps:
+            self.average_after_step(self.steps - self.warmup_steps)
+        self.bytes.end_step()
+
+    def average_after_step(self, local_step: int) -> None:
+        """Average parameters after local step number `local_step` (1, 2, ...) as the algorithm says."""
+        raise NotImplementedError
+
+    def _check_before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # After the warm-up, stepping on unaveraged gradients is the algorithm.
+        if not self.local:
+            super()._check_before_step(optimizer, args, kwargs)
+
+    # -------------------------------------------------------------- reporting
+    def communication_stats(self) -> dict[str, float]:
+        """`comm/bytes` of the last optimizer step and `comm/total_bytes` since setup."""
+        return self.bytes.as_dict()
+
+    # ------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Return this rank's part of the strategy's state (the trainer gathers every rank's)."""
+        return {"steps": self.steps, "bytes": self.bytes.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        self.steps = int(state["steps"])
+        self.bytes.load_state_dict(state["bytes"])

@@ -1,0 +1,121 @@
+"""Decentralized (D-PSGD, BAGUA's low-precision variant): pairings, exact averaging, quantized differences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _averaging import PlainSGD, fit, flat_params, model_bytes, straight_and_resumed
+from _dist import run_distributed, run_ranks
+
+from syncline.options import OptionError
+from syncline.strategies import Decentralized
+from syncline.strategies.decentralized import shift_one_partner
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6])
+def test_shift_one_pairs_are_symmetric_rotate_and_leave_at_most_one_rank_out(world_size):
+    met = set()
+    for round_ in range(world_size + (world_size % 2) - 1):
+        partners = [shift_one_partner(rank, world_size, round_) for rank in range(world_size)]
+        for rank, partner in enumerate(partners):
+            assert partner != rank
+            if partner is not None:
+                assert partners[partner] == rank
+                met.add(frozenset((rank, partner)))
+        assert partners.count(None) == world_size % 2  # even: everyone is paired every round
+    # A full rotation pairs every two ranks once.
+    assert len(met) == world_size * (world_size - 1) // 2
+
+
+def _exact_and_shift(rank, world_size):
+    steps = 6
+    results = {}
+    for peers in ("all", "shift_one"):
+        trainer, task = fit(Decentralized(peers=peers, period=1), PlainSGD, max_steps=steps)
+        results[peers] = (flat_params(task), trainer.strategy.communication_stats())
+    return results, model_bytes(task)
+
+
+def test_all_peers_period_one_equals_exact_averaging_and_shift_one_communicates_every_step():
+    ranks = run_distributed(_exact_and_shift, world_size=3, timeout=120)
+    reference = ranks[0][0]["all"][0]
+    for results, nbytes in ranks:
+        # Exact averaging every step keeps every replica equal, bit for bit.
+        torch.testing.assert_close(results["all"][0], reference, rtol=0, atol=0)
+        assert results["all"][1]["comm/total_bytes"] == 6 * nbytes
+    # Three ranks: each round one rank sits out, so over 6 rounds every rank exchanged 4 times.
+    assert [r[0]["shift_one"][1]["comm/total_bytes"] for r in ranks] == [4 * ranks[0][1]] * 3
+    # The last round (5) paired ranks 0 and 1, whose models are now equal; rank 2 sat it out.
+    assert torch.equal(ranks[0][0]["shift_one"][0], ranks[1][0]["shift_one"][0])
+    assert not torch.equal(ranks[0][0]["shift_one"][0], ranks[2][0]["shift_one"][0])
+
+
+def _one_step_by_hand(rank, world_size, peers, compression):
+    """One local step and one averaging, against the mean of every rank's locally stepped model."""
+    from tests.strategies.test_bucketed_ddp import Net, global_batch, shard
+
+    torch.manual_seed(0)
+    model = Net()
+    strategy = Decentralized(peers=peers, period=1, compression=compression)
+    strategy.setup_environment()
+    strategy.setup(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        loss = strategy.training_step(model, shard(global_batch(step), rank, world_size), step)
+        strategy.backward(loss, sync=True)
+        stepped = torch.cat([p.detach().reshape(-1) - 0.1 * p.grad.reshape(-1) for p in model.parameters()])
+        everyone = [torch.empty_like(stepped) for _ in range(world_size)]
+        dist.all_gather(everyone, stepped)  # the reference's own collective, not the strategy's
+        strategy.optimizer_step(optimizer, optimizer.step)
+        strategy.zero_grad(optimizer)
+        if peers == "all":
+            expected = torch.stack(everyone).mean(dim=0)
+        else:
+            partner = shift_one_partner(rank, world_size, step)
+            expected = (everyone[rank] + everyone[partner]) / 2
+        error = (flat_params(model) - expected).abs().max().item()
+        spread = (stepped.max() - stepped.min()).item()
+    return error, spread, strategy.communication_stats()["comm/bytes"], stepped.numel() * 4
+
+
+@pytest.mark.parametrize("peers", ["all", "shift_one"])
+def test_exact_and_uint8_averaging_against_the_mean_of_the_stepped_models(peers):
+    for rank_error, _, sent, fp32 in run_distributed(_one_step_by_hand, 2, args=(peers, None), timeout=60):
+        assert rank_error < 1e-6
+        assert sent == fp32
+    for rank_error, spread, sent, fp32 in run_distributed(_one_step_by_hand, 2, args=(peers, "uint8"), timeout=60):
+        # Quantized differences: within a few quantization steps of the exact average, at ~1/4 of the bytes.
+        assert rank_error < spread / 255
+        assert sent < 0.27 * fp32
+
+
+def test_bad_options_fail_at_construction_or_setup():
+    with pytest.raises(OptionError, match="peers must be one of 'shift_one', 'all'"):
+        Decentralized(peers="ring")
+    with pytest.raises(OptionError, match=r"Decentralized\(period=0\)"):
+        Decentralized(period=0)
+    with pytest.raises(OptionError, match="compression must be None or 'uint8'"):
+        Decentralized(compression="fp8")
+    [outcome] = run_ranks(_fit_uint8, world_size=1, timeout=60)
+    assert "Decentralized(compression='uint8') needs at least 2 processes" in outcome.error
+
+
+def _fit_uint8(rank, world_size):
+    fit(Decentralized(compression="uint8"), max_steps=1)
+
+
+def _low_precision():
+    return Decentralized(peers="shift_one", period=2, compression="uint8")
+
+
+def test_resume_is_bit_exact_with_every_rank_s_model_optimizer_state_and_estimates(tmp_path):
+    # Stopped after step 5, one local step after an averaging: the replicas differ.
+    ranks = run_distributed(straight_and_resumed, 2, args=(str(tmp_path), _low_precision, 5, 9), timeout=120)
+    assert not torch.equal(ranks[0]["at_checkpoint"], ranks[1]["at_checkpoint"])
+    for runs in ranks:
+        assert torch.equal(runs["resumed"]["weights"], runs["straight"]["weights"])
+        straight, resumed = runs["straight"]["state"], runs["resumed"]["state"]
+        assert resumed["rounds"] == straight["rounds"] == 4
+        for key, flats in straight["estimates"].items():
+            assert all(torch.equal(a, b) for a, b in zip(resumed["estimates"][key], flats)), key
