@@ -57,6 +57,7 @@ class TrainerConf:
     seed: int | None = None
     deterministic: bool = False
     ckpt_read: str = "every_rank"
+    nonfinite_loss: str = "raise"
 
 
 @dataclass

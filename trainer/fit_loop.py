@@ -11,6 +11,7 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback
 from syncline.trainer.data import epoch_batches
+from syncline.trainer.nonfinite import NonfiniteLossGuard
 from syncline.trainer.state import capture_rng, restore_rng
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class FitLoop:
             raise RuntimeError("FitLoop needs the task's optimizers: call configure_optimizers first.")
         self.optim = trainer.optim
         self.parameters = [p for p in self.task.parameters() if p.requires_grad]
+        self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, self.strategy)
         #: RNG state of the checkpoint being resumed, applied at the point in the loop it was taken.
         self.resume_rng: dict[str, Any] | None = None
 
@@ -169,11 +171,16 @@ class FitLoop:
         if self.accumulate > 1:
             # Average over the window's micro-batches so k steps of size b equal one of size k*b.
             loss = loss / self.accumulate
-        self.fire(Callback.on_before_backward, loss)
-        strategy.backward(self.precision.scale_loss(loss), sync=window_end)
-        self.fire(Callback.on_after_backward)
-        if window_end:
-            self.optimizer_step()
+        self.nonfinite.observe(loss)
+        if window_end and not self.nonfinite.window_is_finite(self.state.global_step, batch_idx):
+            # Every rank skips alike: no synchronized backward, no step, the window's gradients dropped.
+            strategy.zero_grad(self.optim.optimizer)
+        else:
+            self.fire(Callback.on_before_backward, loss)
+            strategy.backward(self.precision.scale_loss(loss), sync=window_end)
+            self.fire(Callback.on_after_backward)
+            if window_end:
+                self.optimizer_step()
         # Counted before the batch-end hooks, so a checkpoint taken there resumes after this batch.
         self.state.batch_idx = batch_idx + 1
         self.fire(Callback.on_train_batch_end, outputs, batch, batch_idx)
@@ -223,6 +230,9 @@ class FitLoop:
             return
         if len(grads) != len(self.parameters):
             raise ValueError("The checkpoint's accumulated gradients do not match the task's parameters.")
+        if any(grad is not None and not torch.isfinite(grad).all() for grad in grads):
+            # The window's non-finite loss came before the checkpoint: its verdict must survive the resume.
+            self.nonfinite.observe(torch.tensor(float("nan")))
         with torch.no_grad():
             for param, grad in zip(self.parameters, grads):
                 if grad is None:

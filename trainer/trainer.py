@@ -23,6 +23,7 @@ from syncline.trainer.checkpoint import save_checkpoint, to_primitive
 from syncline.trainer.data import limit_batches, with_distributed_sampler, with_evaluation_sampler
 from syncline.trainer.evaluation import run_evaluation
 from syncline.trainer.fit_loop import FitLoop
+from syncline.trainer.nonfinite import NONFINITE_LOSS
 from syncline.trainer.optim import OptimizerSetup, parse_optimizers
 from syncline.trainer.persistence import CKPT_READ
 from syncline.trainer.precision import PRECISIONS, Precision
@@ -68,6 +69,9 @@ class Trainer:
         deterministic: use deterministic algorithms only.
         ckpt_read: "every_rank": every process reads `ckpt_path` itself (a shared file system);
             "rank_zero": rank 0 reads it and sends it to the others (checkpoints on node-local disks).
+        nonfinite_loss: a NaN or inf loss on any rank, checked once per optimizer step on every rank
+            alike: "raise" stops every rank with an error naming the rank and step; "skip" drops the
+            whole accumulation window and takes no step (and warns).
     """
 
     def __init__(
@@ -94,10 +98,16 @@ class Trainer:
         seed: int | None = None,
         deterministic: bool = False,
         ckpt_read: str = "every_rank",
+        nonfinite_loss: str = "raise",
     ) -> None:
         _check_options(locals())
         if ckpt_read not in CKPT_READ:
             raise OptionError(f"Trainer(ckpt_read={ckpt_read!r}): ckpt_read must be one of {', '.join(CKPT_READ)}.")
+        if nonfinite_loss not in NONFINITE_LOSS:
+            raise OptionError(
+                f"Trainer(nonfinite_loss={nonfinite_loss!r}): nonfinite_loss must be one of "
+                f"{', '.join(NONFINITE_LOSS)}."
+            )
         if str(precision) not in PRECISIONS:
             raise ValueError(f"Unknown precision {precision!r}. Valid values: {', '.join(PRECISIONS)}.")
 
@@ -119,6 +129,7 @@ class Trainer:
         self.seed = seed
         self.deterministic = deterministic
         self.ckpt_read = ckpt_read
+        self.nonfinite_loss = nonfinite_loss
         self.strategy = resolve_strategy(strategy, devices)
         self.accelerator = accelerator
         device_type = _device_type(accelerator, devices)
