@@ -183,7 +183,10 @@ def _verify(path: Path) -> None:
                 raise CheckpointError(f"Cannot read checkpoint {path}: its trailer is truncated. {_UNREADABLE}")
             if start == b"PK":  # format 1, or a save cut short: torch.load tells which
                 return
-            raise CheckpointError(f"{path} is not a syncline checkpoint (neither a torch.save zip nor verified).")
+            raise CheckpointError(
+                f"Cannot read checkpoint {path}: it is not a syncline checkpoint (no torch.save zip, no "
+                f"syncline trailer). {_UNREADABLE}"
+            )
         _, version, size, digest = _TRAILER.unpack(tail)
         if version > FORMAT_VERSION:
             raise CheckpointError(f"{path} was written by a newer syncline (format {version}); upgrade syncline.")

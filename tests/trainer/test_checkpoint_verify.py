@@ -73,7 +73,7 @@ def test_a_changed_byte_fails_the_checksum(tmp_path):
 def test_foreign_files_are_named(tmp_path):
     text = tmp_path / "notes.ckpt"
     text.write_text("not a checkpoint")
-    with pytest.raises(CheckpointError, match=f"{text} is not a syncline checkpoint"):
+    with pytest.raises(CheckpointError, match=f"Cannot read checkpoint {text}: it is not a syncline checkpoint"):
         load_checkpoint(text)
     bare = tmp_path / "bare.pt"
     torch.save({"weight": torch.zeros(2)}, bare)
