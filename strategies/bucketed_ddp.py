@@ -74,7 +74,7 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         broadcast_buffers: bool = True,
         comm_hook: CommHook | str | None = None,
         backend: str | None = None,
-        timeout: float = 1800.0,
+        timeout: float = 300.0,
         overlap: bool = True,
         comm_state: Any = None,
         static_graph: bool = False,

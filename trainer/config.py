@@ -89,7 +89,7 @@ class BucketedDDPConf:
     broadcast_buffers: bool = True
     comm_hook: str | None = None
     backend: str | None = None
-    timeout: float = 1800.0
+    timeout: float = 300.0
     overlap: bool = True
     static_graph: bool = False
 
@@ -100,7 +100,7 @@ class NativeDDPConf:
 
     _target_: str = "syncline.strategies.native_ddp.NativeDDP"
     backend: str | None = None
-    timeout: float = 1800.0
+    timeout: float = 300.0
     # Passed through to DistributedDataParallel, with torch's defaults.
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
