@@ -58,6 +58,7 @@ class TrainerConf:
     deterministic: bool = False
     ckpt_read: str = "every_rank"
     nonfinite_loss: str = "raise"
+    uneven_inputs: str = "check"
 
 
 @dataclass

@@ -13,6 +13,7 @@ from syncline.callbacks.callback import Callback
 from syncline.trainer.data import epoch_batches
 from syncline.trainer.nonfinite import NonfiniteLossGuard
 from syncline.trainer.state import capture_rng, restore_rng
+from syncline.trainer.uneven import agreed_batches, needs_agreement
 
 if TYPE_CHECKING:
     from syncline.trainer.trainer import Trainer
@@ -149,6 +150,8 @@ class FitLoop:
             last = int(num_batches) - 1
             flagged = ((i, batch, i == last) for i, batch in enumerate(batches, start=skip))
         self._apply_resume_rng()
+        if needs_agreement(loader, self.strategy, self.trainer.uneven_inputs):
+            return agreed_batches(flagged, self.strategy, state.current_epoch)
         return flagged
 
     def _apply_resume_rng(self) -> None:

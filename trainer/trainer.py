@@ -31,6 +31,7 @@ from syncline.trainer.results import ResultCollection
 from syncline.trainer.seed import seed_everything, set_deterministic
 from syncline.trainer.state import TrainerState, isolated_rng
 from syncline.trainer.task import Task
+from syncline.trainer.uneven import UNEVEN_INPUTS
 
 __all__ = ["Trainer"]
 
@@ -72,6 +73,10 @@ class Trainer:
         nonfinite_loss: a NaN or inf loss on any rank, checked once per optimizer step on every rank
             alike: "raise" stops every rank with an error naming the rank and step; "skip" drops the
             whole accumulation window and takes no step (and warns).
+        uneven_inputs: "check": with several processes and a training loader syncline does not shard
+            (an IterableDataset, a sampler of your own, use_distributed_sampler=False), the ranks agree
+            before every batch that each has one (one small all-reduce), and raise the same error on every
+            rank, naming the rank that ran out first, instead of hanging; "off" skips the check.
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class Trainer:
         deterministic: bool = False,
         ckpt_read: str = "every_rank",
         nonfinite_loss: str = "raise",
+        uneven_inputs: str = "check",
     ) -> None:
         _check_options(locals())
         if ckpt_read not in CKPT_READ:
@@ -107,6 +113,10 @@ class Trainer:
             raise OptionError(
                 f"Trainer(nonfinite_loss={nonfinite_loss!r}): nonfinite_loss must be one of "
                 f"{', '.join(NONFINITE_LOSS)}."
+            )
+        if uneven_inputs not in UNEVEN_INPUTS:
+            raise OptionError(
+                f"Trainer(uneven_inputs={uneven_inputs!r}): uneven_inputs must be one of {', '.join(UNEVEN_INPUTS)}."
             )
         if str(precision) not in PRECISIONS:
             raise ValueError(f"Unknown precision {precision!r}. Valid values: {', '.join(PRECISIONS)}.")
@@ -130,6 +140,7 @@ class Trainer:
         self.deterministic = deterministic
         self.ckpt_read = ckpt_read
         self.nonfinite_loss = nonfinite_loss
+        self.uneven_inputs = uneven_inputs
         self.strategy = resolve_strategy(strategy, devices)
         self.accelerator = accelerator
         device_type = _device_type(accelerator, devices)
