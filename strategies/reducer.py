@@ -316,6 +316,31 @@ class Reducer:
         if not self._rebuilt:
             self._rebuild_buckets()
 
+    def shadow_backward(self) -> None:
+        """Take part in the other ranks' synchronized backward with zero gradients (a joined rank).
+
+        Every bucket contributes zeros to the same collectives in the same order, and no parameter counts
+        as used here; the gradients end as the other ranks' average, as after a `finalize_backward`.
+
+        Raises:
+            RuntimeError: the reducer has sparse gradients or a static graph, which a joined rank cannot shadow.
+        """
+        if self._sparse or self._static_graph:
+            raise RuntimeError(
+                "A rank whose data ran out cannot shadow sparse gradients or a static graph; use even data "
+                "(uneven_inputs='check') with sparse=True embeddings or static_graph=True."
+            )
+        # A loss with no graph: with find_unused_parameters every parameter is then unreached (unused here).
+        self.prepare_for_backward(sync=True, loss=torch.zeros(()) if self._find_unused else None)
+        for index in range(len(self._params)):
+            if not self._ready[index]:
+                slot = self._slots[index]
+                assert slot is not None
+                slot.view.zero_()
+                self._mark_ready(index)
+        self._launch_ready_buckets()
+        self.finalize_backward()
+
     def zero_grad(self, params: Sequence[Tensor]) -> None:
         """Reset the gradients of `params` as `optimizer.zero_grad()` (set to None) would, but cheaply.
 

@@ -10,10 +10,11 @@ import torch
 from torch import Tensor
 
 from syncline.callbacks.callback import Callback
+from syncline.strategies.join import Joinable
 from syncline.trainer.data import epoch_batches
 from syncline.trainer.nonfinite import NonfiniteLossGuard
 from syncline.trainer.state import capture_rng, restore_rng
-from syncline.trainer.uneven import agreed_batches, needs_agreement
+from syncline.trainer.uneven import JOINED, agreed_batches, needs_agreement
 
 if TYPE_CHECKING:
     from syncline.trainer.trainer import Trainer
@@ -151,7 +152,8 @@ class FitLoop:
             flagged = ((i, batch, i == last) for i, batch in enumerate(batches, start=skip))
         self._apply_resume_rng()
         if needs_agreement(loader, self.strategy, self.trainer.uneven_inputs):
-            return agreed_batches(flagged, self.strategy, state.current_epoch)
+            join = self.trainer.uneven_inputs == "join"
+            return agreed_batches(flagged, self.strategy, state.current_epoch, join=join)
         return flagged
 
     def _apply_resume_rng(self) -> None:
@@ -163,6 +165,9 @@ class FitLoop:
     def run_batch(self, batch: Any, batch_idx: int, is_last: bool) -> None:
         """Forward, backward (synchronized at the end of an accumulation window), and maybe a step."""
         trainer, task, strategy = self.trainer, self.task, self.strategy
+        if batch is JOINED:
+            self.shadow_batch(batch_idx)
+            return
         batch = strategy.batch_to_device(batch)
         trainer.results.new_batch(batch)
         self.fire(Callback.on_train_batch_start, batch, batch_idx)
@@ -189,6 +194,19 @@ class FitLoop:
         self.fire(Callback.on_train_batch_end, outputs, batch, batch_idx)
         if window_end:
             trainer.flush_step_logs()
+
+    def shadow_batch(self, batch_idx: int) -> None:
+        """On a rank whose data ran out, match the collectives of the others' step, then step alike."""
+        strategy = self.strategy
+        assert isinstance(strategy, Joinable)
+        strategy.shadow_forward()
+        # Collective (in the check): this rank's window had no loss, so it contributes no flag.
+        if self.nonfinite.window_is_finite(self.state.global_step, batch_idx):
+            strategy.shadow_backward()
+            self.optimizer_step()
+        else:
+            strategy.zero_grad(self.optim.optimizer)
+        self.state.batch_idx = batch_idx + 1
 
     def _loss_of(self, outputs: Any) -> Tensor:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs

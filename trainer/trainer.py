@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from syncline.callbacks.callback import Callback, CallbackDispatcher
 from syncline.callbacks.logger import Logger
 from syncline.options import OptionError, check_int, check_number
+from syncline.strategies.join import Joinable
 from syncline.strategies.launcher import launch, launched_by_torchrun
 from syncline.strategies.registry import resolve_strategy
 from syncline.strategies.strategy import Strategy
@@ -76,7 +77,10 @@ class Trainer:
         uneven_inputs: "check": with several processes and a training loader syncline does not shard
             (an IterableDataset, a sampler of your own, use_distributed_sampler=False), the ranks agree
             before every batch that each has one (one small all-reduce), and raise the same error on every
-            rank, naming the rank that ran out first, instead of hanging; "off" skips the check.
+            rank, naming the rank that ran out first, instead of hanging; "join": a rank whose data ran out
+            shadows the others' steps with zero gradients until every rank ran out (as torch's DDP
+            `join()`; strategies that are `Joinable`, e.g. bucketed_ddp; accumulate_grad_batches=1;
+            no sync_dist logging in training_step); "off" skips the check.
     """
 
     def __init__(
@@ -142,6 +146,8 @@ class Trainer:
         self.nonfinite_loss = nonfinite_loss
         self.uneven_inputs = uneven_inputs
         self.strategy = resolve_strategy(strategy, devices)
+        if uneven_inputs == "join":
+            _check_joinable(self.strategy, accumulate_grad_batches)
         self.accelerator = accelerator
         device_type = _device_type(accelerator, devices)
         if device_type is not None:
@@ -607,6 +613,21 @@ def _device_type(accelerator: str, devices: int) -> str | None:
         if devices > available:
             raise ValueError(f"devices={devices} with accelerator={accelerator!r}, but only {available} GPU(s).")
     return device_type
+
+
+def _check_joinable(strategy: Strategy, accumulate_grad_batches: int) -> None:
+    """Refuse uneven_inputs="join" where a joined rank could not shadow the others' collectives."""
+    if not isinstance(strategy, Joinable):
+        raise OptionError(
+            f"Trainer(uneven_inputs='join'): strategy {strategy.name or type(strategy).__name__!r} cannot shadow "
+            "its collectives on a rank whose data ran out. Use strategy='bucketed_ddp', or "
+            "uneven_inputs='check' with the same number of batches on every rank."
+        )
+    if accumulate_grad_batches != 1:
+        raise OptionError(
+            f"Trainer(uneven_inputs='join', accumulate_grad_batches={accumulate_grad_batches}): join shadows "
+            "one step per batch; use accumulate_grad_batches=1, or uneven_inputs='check' with even data."
+        )
 
 
 def _check_options(options: dict[str, Any]) -> None:

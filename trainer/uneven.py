@@ -19,11 +19,15 @@ from torch.utils.data import DistributedSampler
 if TYPE_CHECKING:
     from syncline.strategies.strategy import Strategy
 
-__all__ = ["UNEVEN_INPUTS", "UnevenInputsError", "agreed_batches", "needs_agreement"]
+__all__ = ["JOINED", "UNEVEN_INPUTS", "UnevenInputsError", "agreed_batches", "needs_agreement"]
 
 #: What `Trainer(uneven_inputs=...)` accepts: "check" ranks agree on every batch when the loader is not
-#: sharded by syncline; "off" trusts the data to give every rank the same number of batches.
-UNEVEN_INPUTS = ("check", "off")
+#: sharded by syncline; "join": a rank whose data ran out shadows the others' steps until all ran out
+#: (strategies that are `Joinable`); "off" trusts the data to give every rank the same number of batches.
+UNEVEN_INPUTS = ("check", "join", "off")
+
+#: The batch a joined rank gets: it shadows the others' step instead of running one.
+JOINED = object()
 
 
 class UnevenInputsError(RuntimeError):
@@ -33,13 +37,16 @@ class UnevenInputsError(RuntimeError):
 def needs_agreement(loader: Any, strategy: Strategy, mode: str) -> bool:
     """Return whether the ranks must agree on every batch of `loader` (several ranks, not sharded by syncline)."""
     sharded = isinstance(getattr(loader, "sampler", None), DistributedSampler)
-    return mode == "check" and strategy.world_size > 1 and not sharded
+    return mode != "off" and strategy.world_size > 1 and not sharded
 
 
 def agreed_batches(
-    flagged: Iterator[tuple[int, Any, bool]], strategy: Strategy, epoch: int
+    flagged: Iterator[tuple[int, Any, bool]], strategy: Strategy, epoch: int, join: bool = False
 ) -> Iterator[tuple[int, Any, bool]]:
     """Yield `flagged`'s (batch_idx, batch, is_last) once every rank has one, and ends the epoch with it.
+
+    With `join`, a rank whose data ran out gets `JOINED` batches for as long as another rank has data,
+    and is_last is true on every rank in the last round in which any rank has a batch.
 
     Raises:
         UnevenInputsError: some rank has no batch, or its last, while another has more (on every rank).
@@ -58,6 +65,14 @@ def agreed_batches(
         have, last = flags[:world], flags[world:]
         if not any(have):
             return
+        if join:
+            final = all(not have[r] or last[r] for r in range(world))
+            if item is None:
+                batch_idx += 1
+                yield batch_idx, JOINED, final
+            else:
+                yield item[0], item[1], final
+            continue
         if all(have) and (all(last) or not any(last)):
             assert item is not None
             yield item
