@@ -56,12 +56,12 @@ class NonfiniteLossGuard:
         device = bad.device if bad is not None else self.strategy.root_device
         flags = torch.zeros(world, device=device)
         if bad is not None:
-            flags[rank] = bad.to(flags.dtype)
+            flags[rank if world > 1 else 0] = bad.to(flags.dtype)
         if world > 1:
             # Collective: one all-reduce of world_size flags per optimizer step.
             flags = self.strategy.reduce(flags, "sum")
         # Host sync: the verdict decides what every rank runs next.
-        bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
+        bad_ranks = [r if world > 1 else rank for r, flag in enumerate(flags.tolist()) if flag]
         if not bad_ranks:
             return True
         where = f"rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))}"
