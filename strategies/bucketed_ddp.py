@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from syncline.options import check_number
 from syncline.strategies.backward_sync import BackwardSyncControl
 from syncline.strategies.comm_hooks import COMM_HOOKS, CommHook
+from syncline.strategies.join import Joinable
 from syncline.strategies.process_group import ProcessGroupStrategy, broadcast_coalesced
 from syncline.strategies.reducer import Reducer
 from syncline.strategies.sparse_gradients import sparse_gradient_parameters
@@ -39,7 +40,7 @@ __all__ = ["BucketedDDP"]
 _CAP_MEANING = "MiB per bucket; 0 gives every parameter its own bucket"
 
 
-class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
+class BucketedDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
     """Average gradients across processes with bucketed all-reduces that overlap the backward.
 
     Args:
@@ -77,7 +78,7 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         broadcast_buffers: bool = True,
         comm_hook: CommHook | str | None = None,
         backend: str | None = None,
-        timeout: float = 1800.0,
+        timeout: float = 300.0,
         overlap: bool = True,
         comm_state: Any = None,
         static_graph: bool = False,
@@ -179,6 +180,19 @@ class BucketedDDP(BackwardSyncControl, ProcessGroupStrategy):
         reducer.finalize_backward()
         if sync:
             self._buffers_stale = True
+
+    def shadow_forward(self) -> None:
+        """Shadow `training_step`'s buffer broadcast on a rank whose data ran out."""
+        if self.broadcast_buffers and self._buffers and self._buffers_stale:
+            # Collective: the same broadcast the ranks with data run before their forward.
+            broadcast_coalesced(self._buffers)
+            self._buffers_stale = False
+
+    def shadow_backward(self) -> None:
+        """Shadow a synchronized backward with zero gradients on a rank whose data ran out."""
+        # Collective: the step's bucket all-reduces (and used-parameter map), with zeros from this rank.
+        self.reducer.shadow_backward()
+        self._buffers_stale = True
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Reset gradients as `optimizer.zero_grad()` does (to None), keeping bucket views attached.

@@ -153,7 +153,7 @@ class ByteGrad(BucketedDDP):
         error_feedback: bool = True,
         find_unused_parameters: bool = False,
         backend: str | None = None,
-        timeout: float = 1800.0,
+        timeout: float = 300.0,
     ) -> None:
         check_number("ByteGrad", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
         self.error_feedback = error_feedback

@@ -66,7 +66,7 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
 
     name = "native_ddp"
 
-    def __init__(self, backend: str | None = None, timeout: float = 1800.0, **ddp_kwargs: Any) -> None:
+    def __init__(self, backend: str | None = None, timeout: float = 300.0, **ddp_kwargs: Any) -> None:
         super().__init__(backend=backend, timeout=timeout)
         if "bucket_cap_mb" in ddp_kwargs:
             check_number("NativeDDP", "bucket_cap_mb", ddp_kwargs["bucket_cap_mb"], minimum=0, meaning="MiB per bucket")

@@ -174,7 +174,7 @@ class PowerSGD(BucketedDDP):
         bucket_cap_mb: float = 25,
         find_unused_parameters: bool = False,
         backend: str | None = None,
-        timeout: float = 1800.0,
+        timeout: float = 300.0,
     ) -> None:
         check_int("PowerSGD", "rank", rank, 1, meaning="the rank of the low-rank factors (1 sends the least)")
         check_int("PowerSGD", "start_iter", start_iter, 0, meaning="steps of exact all-reduce first")

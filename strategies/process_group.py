@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -22,13 +23,16 @@ from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 
 from syncline.options import check_number
+from syncline.strategies.collective_log import COLLECTIVES
 from syncline.strategies.launcher import STORE_HOSTED_ENV
+from syncline.strategies.reducer_errors import CollectiveError
 from syncline.strategies.strategy import ReduceOp, Strategy
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "DistributedEnv",
     "ProcessGroupStrategy",
     "broadcast_coalesced",
@@ -37,6 +41,10 @@ __all__ = [
     "device_for_local_rank",
     "init_process_group_from_env",
 ]
+
+#: Seconds a training collective may take before it fails: long enough for a slow checkpoint or a
+#: straggler, short enough that a hang ends in minutes rather than torch's 30.
+DEFAULT_TIMEOUT_S = 300.0
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -85,7 +93,7 @@ def device_for_local_rank(local_rank: int, backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group_from_env(backend: str | None = None, timeout: float = 1800.0) -> bool:
+def init_process_group_from_env(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
     """Join the default process group described by the environment, unless already joined.
 
     Without any of RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (no launcher), join a world of one
@@ -183,7 +191,7 @@ class ProcessGroupStrategy(Strategy):
 
     multi_process = True
 
-    def __init__(self, backend: str | None = None, timeout: float = 1800.0) -> None:
+    def __init__(self, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         check_number(type(self).__name__, "timeout", timeout, above=0, meaning="seconds a collective may take")
         self.backend = backend
         self.timeout = timeout
@@ -220,6 +228,7 @@ class ProcessGroupStrategy(Strategy):
     # --------------------------------------------------------------- lifecycle
     def setup_environment(self) -> None:
         """Join the default process group from RANK, WORLD_SIZE, ... unless already in one."""
+        COLLECTIVES.reset(self.name)
         if init_process_group_from_env(self.backend, self.timeout):
             # The group outlives stages (see teardown); leave it cleanly before the interpreter shuts down,
             # since gloo's threads dying with the process can abort it ("terminate called ...").
@@ -239,30 +248,49 @@ class ProcessGroupStrategy(Strategy):
             raise ValueError(f"Unknown reduce op {op!r}. Valid: {', '.join(_REDUCE_OPS)}.")
         self._require_group()
         result = tensor.detach().clone()
-        # Collective: all-reduce of a metric.
-        dist.all_reduce(result, op=_REDUCE_OPS[op])
+        what = f"all-reduce ({op}) of a {tuple(result.shape)} {result.dtype} tensor (Strategy.reduce)"
+        with self._collective(what):
+            # Collective: all-reduce of a metric.
+            dist.all_reduce(result, op=_REDUCE_OPS[op])
         return result / self.world_size if op == "mean" else result
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         self._require_group()
         gathered: list[Any] = [None] * self.world_size
-        # Collective: every rank's object, pickled.
-        dist.all_gather_object(gathered, obj)
+        with self._collective("all-gather of an object (Strategy.all_gather_object)"):
+            # Collective: every rank's object, pickled.
+            dist.all_gather_object(gathered, obj)
         return gathered
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         self._require_group()
         box = [obj]
-        # Collective: rank `src`'s object, pickled.
-        dist.broadcast_object_list(box, src=src)
+        with self._collective(f"broadcast of an object from rank {src} (Strategy.broadcast_object)"):
+            # Collective: rank `src`'s object, pickled.
+            dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def barrier(self) -> None:
         self._require_group()
-        # Collective: wait for every rank.
-        dist.barrier()
+        with self._collective("barrier (Strategy.barrier)"):
+            # Collective: wait for every rank.
+            dist.barrier()
 
     # ----------------------------------------------------------------- helpers
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Log the collective `what` launches; if it fails or times out, say where the ranks diverged."""
+        COLLECTIVES.record(what)
+        try:
+            yield
+        except RuntimeError as error:
+            if isinstance(error, CollectiveError):
+                raise
+            raise CollectiveError(
+                f"Rank {self.global_rank}: {what} failed or did not complete within {self.timeout:g} s: "
+                f"{next(iter(str(error).splitlines()), '')}." + COLLECTIVES.diagnose(min(self.timeout, 30.0))
+            ) from error
+
     def _require_group(self) -> None:
         """Raise a clear error instead of torch's when there is no process group to talk to."""
         if not dist.is_initialized():

@@ -59,7 +59,7 @@ class QAdam(BucketedDDP):
         bucket_cap_mb: float = 25,
         find_unused_parameters: bool = False,
         backend: str | None = None,
-        timeout: float = 1800.0,
+        timeout: float = 300.0,
     ) -> None:
         check_int("QAdam", "warmup_steps", warmup_steps, 1, meaning="Adam steps on exact gradients first")
         check_number("QAdam", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")

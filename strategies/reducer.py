@@ -46,6 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from syncline.strategies.autograd_graph import grad_accumulators, parameters_reached
 from syncline.strategies.buckets import Bucket, Slot, assign_buckets
+from syncline.strategies.collective_log import COLLECTIVES
 from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
 from syncline.strategies.reducer_errors import (
@@ -135,7 +136,7 @@ class Reducer:
         comm_hook: CommHook | None = None,
         comm_state: Any = None,
         overlap: bool = True,
-        timeout: float = 1800.0,
+        timeout: float = 300.0,
         sparse_gradients: Sequence[Tensor] = (),
         static_graph: bool = False,
         rebuild_buckets: bool = True,
@@ -204,6 +205,8 @@ class Reducer:
         self._skipped_backwards = 0
         #: Collectives launched over the reducer's lifetime.
         self.collectives_launched = 0
+        #: Synchronized backwards started (the "step" that collective messages name, counted from 1).
+        self.sync_steps = 0
 
         # Each parameter's AccumulateGrad node, held so that it stays the node every graph ends in:
         # the graph walk then recognizes a parameter by a dictionary look-up (as torch's DDP holds them).
@@ -253,6 +256,7 @@ class Reducer:
             self._skipped_backwards += 1
             return
         self._check_frozen_at_setup()
+        self.sync_steps += 1
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
         self._used_work = None
@@ -327,6 +331,31 @@ class Reducer:
             self._locally_used = [False] * len(self._params)
         if not self._rebuilt:
             self._rebuild_buckets()
+
+    def shadow_backward(self) -> None:
+        """Take part in the other ranks' synchronized backward with zero gradients (a joined rank).
+
+        Every bucket contributes zeros to the same collectives in the same order, and no parameter counts
+        as used here; the gradients end as the other ranks' average, as after a `finalize_backward`.
+
+        Raises:
+            RuntimeError: the reducer has sparse gradients or a static graph, which a joined rank cannot shadow.
+        """
+        if self._sparse or self._static_graph:
+            raise RuntimeError(
+                "A rank whose data ran out cannot shadow sparse gradients or a static graph; use even data "
+                "(uneven_inputs='check') with sparse=True embeddings or static_graph=True."
+            )
+        # A loss with no graph: with find_unused_parameters every parameter is then unreached (unused here).
+        self.prepare_for_backward(sync=True, loss=torch.zeros(()) if self._find_unused else None)
+        for index in range(len(self._params)):
+            if not self._ready[index]:
+                slot = self._slots[index]
+                assert slot is not None
+                slot.view.zero_()
+                self._mark_ready(index)
+        self._launch_ready_buckets()
+        self.finalize_backward()
 
     def zero_grad(self, params: Sequence[Tensor]) -> None:
         """Reset the gradients of `params` as `optimizer.zero_grad()` (set to None) would, but cheaply.
@@ -500,6 +529,7 @@ class Reducer:
         buckets, pending = self._buckets, self._pending
         while self._next_bucket < len(buckets) and pending[self._next_bucket] == 0:
             bucket = buckets[self._next_bucket]
+            COLLECTIVES.record(f"{self._hook_name} of gradient bucket {bucket.grad.index} of step {self.sync_steps}")
             # Collective: the comm hook starts the bucket's asynchronous all-reduce.
             bucket.future = self._hook(self._state, bucket.grad)
             self._count_collective(0 if self._hook_counts else bucket.nbytes)
@@ -512,6 +542,7 @@ class Reducer:
             and all(self._ready[index] for index in self._sparse)
         ):
             self._used_map = torch.tensor(self._locally_used, dtype=torch.int32, device=self._device)
+            COLLECTIVES.record(f"all-reduce of the used-parameter map of step {self.sync_steps}")
             # Collective: count, per parameter, the ranks that used it since the last sync.
             self._used_work = dist.all_reduce(self._used_map, group=self._group, async_op=True)
             self._count_collective(self._used_map.numel() * self._used_map.element_size())
@@ -526,7 +557,7 @@ class Reducer:
         """Return the bucket's reduced buffer, waiting at most `timeout` seconds for it."""
         future = bucket.future
         assert future is not None, "finalize_backward waits only on launched buckets"
-        what = f"Rank {self._rank}: {self._hook_name} of gradient bucket {bucket.grad.index}"
+        what = f"Rank {self._rank}: {self._hook_name} of gradient bucket {bucket.grad.index} of step {self.sync_steps}"
         if not future.done():
             done = threading.Event()
             future.add_done_callback(lambda _: done.set())
@@ -534,7 +565,7 @@ class Reducer:
             if not done.wait(self._timeout):
                 raise CollectiveError(
                     f"{what} ({bucket.nbytes} bytes) did not complete within {self._timeout:g} s; "
-                    "another rank is probably stuck or launched different collectives."
+                    "another rank is probably stuck or launched different collectives." + self._diagnose()
                 )
         try:
             # Not value(): on NCCL a future can be done once the collective is enqueued; wait() also
@@ -542,7 +573,7 @@ class Reducer:
             # bucket (as torch's reducer does). On CPU it returns at once.
             return future.wait()
         except RuntimeError as error:
-            raise CollectiveError(f"{what} ({bucket.nbytes} bytes) failed: {error}") from error
+            raise CollectiveError(f"{what} ({bucket.nbytes} bytes) failed: {error}." + self._diagnose()) from error
 
     def _wait_used_map(self) -> list[bool]:
         """Return, per parameter, whether any rank used it since the last synchronized backward."""
@@ -551,9 +582,16 @@ class Reducer:
             # Host sync: wait for the used-map all-reduce.
             self._used_work.wait(timedelta(seconds=self._timeout))
         except RuntimeError as error:
-            raise CollectiveError(f"Rank {self._rank}: all-reduce of the used-parameter map failed: {error}") from error
+            raise CollectiveError(
+                f"Rank {self._rank}: all-reduce of the used-parameter map of step {self.sync_steps} failed: {error}."
+                + self._diagnose()
+            ) from error
         # Host sync: read the counts back to the CPU.
         return [count > 0 for count in self._used_map.tolist()]
+
+    def _diagnose(self) -> str:
+        """Compare the ranks' collective logs (waiting for theirs at most 30 s) for a timeout's message."""
+        return COLLECTIVES.diagnose(min(self._timeout, 30.0))
 
     def _unused_message(self) -> str:
         not_ready = [i for i, ready in enumerate(self._ready) if not ready]
@@ -654,6 +692,7 @@ class Reducer:
         seen = set(self._ready_order)
         local_order = self._ready_order + [i for i in reversed(range(len(self._params))) if i not in seen]
         order_tensor = torch.tensor(local_order, dtype=torch.int64, device=self._device)
+        COLLECTIVES.record("broadcast of the rebuilt bucket order")
         # Collective: every rank adopts rank 0's order, so bucket i holds the same parameters everywhere.
         dist.broadcast(order_tensor, group=self._group, group_src=0)
         # Host sync: the order is needed on the CPU to lay out the buffers.

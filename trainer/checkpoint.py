@@ -1,10 +1,22 @@
-"""Reading and writing checkpoint files: atomically, and with errors that name the file."""
+"""Reading and writing checkpoint files: atomically, verified, and with errors that name the file.
+
+A checkpoint file is the zip that ``torch.save`` writes (the payload), then a fixed 64-byte trailer::
+
+    magic (16 bytes) | format version (uint32) | payload size (uint64) | SHA-256 of the payload (32) | 4 zero bytes
+
+The payload streams through the hash as it is written, and the trailer comes last. Zip readers find their
+directory from the end and skip trailing bytes, so ``torch.load`` still reads the file as it is. Loading
+checks magic, version, size and hash before it unpickles anything, and unpickles with ``weights_only=True``,
+so a file never runs code. Files of format 1 (a bare ``torch.save`` zip, no trailer) still load, unverified.
+"""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,7 +26,10 @@ import torch
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint", "to_primitive"]
 
 #: Format version written into every checkpoint, checked when one is read.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+MAGIC = b"SYNCLINE-CKPT\x00\x00\x00"
+_TRAILER = struct.Struct("<16sIQ32s4x")
+_CHUNK = 8 << 20
 #: A save in progress writes ``.<name>.<random>.tmp`` beside its target, then renames it.
 TMP_PREFIX, TMP_SUFFIX = ".", ".tmp"
 
@@ -35,7 +50,7 @@ def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike[str]) ->
     fd, tmp_name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as file:
-            torch.save(checkpoint, file)
+            _write_verified(checkpoint, file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp_name, path)
@@ -53,11 +68,33 @@ def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike[str]) ->
     _fsync_directory(path.parent)
 
 
+def _write_verified(checkpoint: dict[str, Any], file: Any) -> None:
+    """Write the payload through a hash, then the trailer that holds the hash."""
+    writer = _HashingWriter(file)
+    torch.save(checkpoint, writer)
+    file.write(_TRAILER.pack(MAGIC, FORMAT_VERSION, writer.size, writer.sha256.digest()))
+
+
+class _HashingWriter:
+    """A write-only file that hashes and counts what passes through it to `file`."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.size, self.sha256 = file, 0, hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 class _ByteCounter:
-    """A write-only file that counts what is written to it (to size a checkpoint without storing it)."""
+    """A write-only file that counts what `torch.save` writes to it, plus the header (a file's size)."""
 
     def __init__(self) -> None:
-        self.size = 0
+        self.size = _TRAILER.size
 
     def write(self, data: bytes) -> int:
         self.size += len(data)
@@ -111,12 +148,18 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
         raise CheckpointError(f"Checkpoint not found: {path} (check ckpt_path).")
     if path.stat().st_size == 0:
         raise CheckpointError(f"Cannot read checkpoint {path}: the file is empty (0 bytes). {_UNREADABLE}")
+    _verify(path)
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:
         # Some failures (a truncated zip) come with an empty message: name the type alone then.
         detail = next(iter(str(error).splitlines()), "").strip()
         reason = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+        if "weights_only" in str(error) or "Unsupported global" in str(error):
+            raise CheckpointError(
+                f"Refusing to load checkpoint {path}: it holds pickled objects other than tensors and plain "
+                f"data ({reason}). syncline never runs code from a checkpoint; load only files it wrote."
+            ) from error
         raise CheckpointError(f"Cannot read checkpoint {path}: {reason}. {_UNREADABLE}") from error
     if not isinstance(checkpoint, dict) or "syncline_format" not in checkpoint:
         raise CheckpointError(f"{path} is not a syncline checkpoint (no 'syncline_format' entry).")
@@ -125,6 +168,46 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
             f"{path} was written by a newer syncline (format {checkpoint['syncline_format']}); upgrade syncline."
         )
     return checkpoint
+
+
+def _verify(path: Path) -> None:
+    """Check the file's trailer against its payload; a format-1 file (no trailer) passes unverified."""
+    size_on_disk = path.stat().st_size
+    with open(path, "rb") as file:
+        start = file.read(2)
+        file.seek(max(0, size_on_disk - 2 * _TRAILER.size))
+        end = file.read()
+        tail = end[-_TRAILER.size :]
+        if not tail.startswith(MAGIC) or len(tail) < _TRAILER.size:
+            if MAGIC[:8] in end:
+                raise CheckpointError(f"Cannot read checkpoint {path}: its trailer is truncated. {_UNREADABLE}")
+            if start == b"PK":  # format 1, or a save cut short: torch.load tells which
+                return
+            raise CheckpointError(
+                f"Cannot read checkpoint {path}: it is not a syncline checkpoint (no torch.save zip, no "
+                f"syncline trailer). {_UNREADABLE}"
+            )
+        _, version, size, digest = _TRAILER.unpack(tail)
+        if version > FORMAT_VERSION:
+            raise CheckpointError(f"{path} was written by a newer syncline (format {version}); upgrade syncline.")
+        if size != size_on_disk - _TRAILER.size:
+            raise CheckpointError(
+                f"Cannot read checkpoint {path}: its payload is {size_on_disk - _TRAILER.size:,} bytes, the trailer "
+                f"says {size:,} (truncated or spliced). {_UNREADABLE}"
+            )
+        file.seek(0)
+        sha256 = hashlib.sha256()
+        while size > 0:
+            chunk = file.read(min(size, _CHUNK))
+            if not chunk:
+                break
+            sha256.update(chunk)
+            size -= len(chunk)
+    if sha256.digest() != digest:
+        raise CheckpointError(
+            f"Cannot read checkpoint {path}: the SHA-256 of its payload does not match the one saved with "
+            f"it (the file was changed or damaged after it was written). {_UNREADABLE}"
+        )
 
 
 _UNREADABLE = (

@@ -63,6 +63,8 @@ class TrainerConf:
     seed: int | None = None
     deterministic: bool = False
     ckpt_read: str = "every_rank"
+    nonfinite_loss: str = "raise"
+    uneven_inputs: str = "check"
 
 
 @dataclass
@@ -94,7 +96,7 @@ class BucketedDDPConf:
     broadcast_buffers: bool = True
     comm_hook: str | None = None
     backend: str | None = None
-    timeout: float = 1800.0
+    timeout: float = 300.0
     overlap: bool = True
     static_graph: bool = False
 
@@ -105,7 +107,7 @@ class NativeDDPConf:
 
     _target_: str = "syncline.strategies.native_ddp.NativeDDP"
     backend: str | None = None
-    timeout: float = 1800.0
+    timeout: float = 300.0
     # Passed through to DistributedDataParallel, with torch's defaults.
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
@@ -123,7 +125,7 @@ class ByteGradConf:
     error_feedback: bool = True
     find_unused_parameters: bool = False
     backend: str | None = None
-    timeout: float = 1800.0
+    timeout: float = 300.0
 
 
 @dataclass
@@ -139,7 +141,7 @@ class PowerSGDConf:
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
     backend: str | None = None
-    timeout: float = 1800.0
+    timeout: float = 300.0
 
 
 @dataclass
@@ -151,7 +153,7 @@ class QAdamConf:
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
     backend: str | None = None
-    timeout: float = 1800.0
+    timeout: float = 300.0
 
 
 @dataclass
@@ -164,7 +166,7 @@ class LocalSGDConf:
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
     backend: str | None = None
-    timeout: float = 1800.0
+    timeout: float = 300.0
 
 
 @dataclass
@@ -176,7 +178,7 @@ class DecentralizedConf:
     period: int = 1
     compression: str | None = None
     backend: str | None = None
-    timeout: float = 1800.0
+    timeout: float = 300.0
 
 
 @dataclass
@@ -189,7 +191,7 @@ class AsyncModelAverageConf:
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
     backend: str | None = None
-    timeout: float = 1800.0
+    timeout: float = 300.0
 
 
 #: The config of each strategy, by the name it has in `strategies.STRATEGIES` ("auto" is the Trainer's).

@@ -10,8 +10,11 @@ import torch
 from torch import Tensor
 
 from syncline.callbacks.callback import Callback
+from syncline.strategies.join import Joinable
 from syncline.trainer.data import epoch_batches
+from syncline.trainer.nonfinite import NonfiniteLossGuard
 from syncline.trainer.state import capture_rng, restore_rng
+from syncline.trainer.uneven import JOINED, agreed_batches, needs_agreement
 
 if TYPE_CHECKING:
     from syncline.trainer.trainer import Trainer
@@ -34,6 +37,7 @@ class FitLoop:
             raise RuntimeError("FitLoop needs the task's optimizers: call configure_optimizers first.")
         self.optim = trainer.optim
         self.parameters = [p for p in self.task.parameters() if p.requires_grad]
+        self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, self.strategy)
         #: RNG state of the checkpoint being resumed, applied at the point in the loop it was taken.
         self.resume_rng: dict[str, Any] | None = None
 
@@ -147,6 +151,9 @@ class FitLoop:
             last = int(num_batches) - 1
             flagged = ((i, batch, i == last) for i, batch in enumerate(batches, start=skip))
         self._apply_resume_rng()
+        if needs_agreement(loader, self.strategy, self.trainer.uneven_inputs):
+            join = self.trainer.uneven_inputs == "join"
+            return agreed_batches(flagged, self.strategy, state.current_epoch, join=join)
         return flagged
 
     def _apply_resume_rng(self) -> None:
@@ -158,6 +165,9 @@ class FitLoop:
     def run_batch(self, batch: Any, batch_idx: int, is_last: bool) -> None:
         """Forward, backward (synchronized at the end of an accumulation window), and maybe a step."""
         trainer, task, strategy = self.trainer, self.task, self.strategy
+        if batch is JOINED:
+            self.shadow_batch(batch_idx)
+            return
         batch = strategy.batch_to_device(batch)
         trainer.results.new_batch(batch)
         self.fire(Callback.on_train_batch_start, batch, batch_idx)
@@ -169,16 +179,34 @@ class FitLoop:
         if self.accumulate > 1:
             # Average over the window's micro-batches so k steps of size b equal one of size k*b.
             loss = loss / self.accumulate
-        self.fire(Callback.on_before_backward, loss)
-        strategy.backward(self.precision.scale_loss(loss), sync=window_end)
-        self.fire(Callback.on_after_backward)
-        if window_end:
-            self.optimizer_step()
+        self.nonfinite.observe(loss)
+        if window_end and not self.nonfinite.window_is_finite(self.state.global_step, batch_idx):
+            # Every rank skips alike: no synchronized backward, no step, the window's gradients dropped.
+            strategy.zero_grad(self.optim.optimizer)
+        else:
+            self.fire(Callback.on_before_backward, loss)
+            strategy.backward(self.precision.scale_loss(loss), sync=window_end)
+            self.fire(Callback.on_after_backward)
+            if window_end:
+                self.optimizer_step()
         # Counted before the batch-end hooks, so a checkpoint taken there resumes after this batch.
         self.state.batch_idx = batch_idx + 1
         self.fire(Callback.on_train_batch_end, outputs, batch, batch_idx)
         if window_end:
             trainer.flush_step_logs()
+
+    def shadow_batch(self, batch_idx: int) -> None:
+        """On a rank whose data ran out, match the collectives of the others' step, then step alike."""
+        strategy = self.strategy
+        assert isinstance(strategy, Joinable)
+        strategy.shadow_forward()
+        # Collective (in the check): this rank's window had no loss, so it contributes no flag.
+        if self.nonfinite.window_is_finite(self.state.global_step, batch_idx):
+            strategy.shadow_backward()
+            self.optimizer_step()
+        else:
+            strategy.zero_grad(self.optim.optimizer)
+        self.state.batch_idx = batch_idx + 1
 
     def _loss_of(self, outputs: Any) -> Tensor:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -223,6 +251,9 @@ class FitLoop:
             return
         if len(grads) != len(self.parameters):
             raise ValueError("The checkpoint's accumulated gradients do not match the task's parameters.")
+        if any(grad is not None and not torch.isfinite(grad).all() for grad in grads):
+            # The window's non-finite loss came before the checkpoint: its verdict must survive the resume.
+            self.nonfinite.observe(torch.tensor(float("nan")))
         with torch.no_grad():
             for param, grad in zip(self.parameters, grads):
                 if grad is None:

@@ -129,6 +129,7 @@ def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
             "Every rank reads the checkpoint: put it on a file system all nodes share, copy it to the same "
             'path on every node, or pass Trainer(ckpt_read="rank_zero") to read it on rank 0 alone.'
         )
+    checkpoint["loaded_from"] = path
     return checkpoint
 
 
@@ -144,6 +145,7 @@ def _read_on_rank_zero(trainer: Trainer, path: str) -> dict[str, Any]:
     checkpoint = trainer.strategy.broadcast_object(checkpoint)
     if isinstance(checkpoint, CheckpointError):
         raise checkpoint
+    checkpoint["loaded_from"] = path
     return checkpoint
 
 
@@ -181,6 +183,7 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """Restore the task, optimizer, progress, callbacks and the point in the loop the checkpoint was taken."""
     task, loop = trainer.task, trainer._fit_loop
     assert loop is not None
+    check_model_shapes(task, checkpoint["state_dict"], checkpoint.get("loaded_from", "The checkpoint"))
     trainer.dispatcher.fire(Callback.on_load_checkpoint, checkpoint)
     task.load_state_dict(checkpoint["state_dict"])
     trainer.optim.load_state_dict(checkpoint["optimizer"])
@@ -207,6 +210,30 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     mine = rng_states[trainer.global_rank] if trainer.global_rank < len(rng_states) else rng_states[0]
     loop.resume_rng = mine["now"]
     trainer.state.epoch_start_rng = mine["epoch_start"]
+
+
+def check_model_shapes(task: Task, saved: dict[str, Any], source: str) -> None:
+    """Raise one error naming the first parameter or buffer whose saved shape differs from the task's.
+
+    Raises:
+        CheckpointError: a missing, unexpected or differently shaped entry; names `source` and the entry.
+    """
+    expected = task.state_dict()
+    name = type(task).__name__
+    missing = [key for key in expected if key not in saved]
+    unexpected = [key for key in saved if key not in expected]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source} does not fit {name}: missing {missing[:5]}, unexpected {unexpected[:5]}. Resume with "
+            "the task (and hyperparameters) that wrote it."
+        )
+    for key, value in expected.items():
+        shape = getattr(saved[key], "shape", None)
+        if shape is not None and tuple(shape) != tuple(value.shape):
+            raise CheckpointError(
+                f"{source} does not fit {name}: parameter {key!r} was saved with shape {tuple(shape)}, the "
+                f"task has {tuple(value.shape)}. Resume with the task (and hyperparameters) that wrote it."
+            )
 
 
 def _restore_strategy(trainer: Trainer, checkpoint: dict[str, Any], saved_world: int) -> None:

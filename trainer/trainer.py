@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from syncline.callbacks.callback import Callback, CallbackDispatcher
 from syncline.callbacks.logger import Logger
 from syncline.options import OptionError, check_int, check_number
+from syncline.strategies.join import Joinable
 from syncline.strategies.launcher import launch, launched_by_torchrun
 from syncline.strategies.registry import resolve_strategy
 from syncline.strategies.strategy import Strategy
@@ -23,6 +24,7 @@ from syncline.trainer.checkpoint import save_checkpoint, to_primitive
 from syncline.trainer.data import limit_batches, with_distributed_sampler, with_evaluation_sampler
 from syncline.trainer.evaluation import run_evaluation
 from syncline.trainer.fit_loop import FitLoop
+from syncline.trainer.nonfinite import NONFINITE_LOSS
 from syncline.trainer.optim import OptimizerSetup, parse_optimizers
 from syncline.trainer.persistence import CKPT_READ
 from syncline.trainer.precision import PRECISIONS, Precision
@@ -30,6 +32,7 @@ from syncline.trainer.results import ResultCollection
 from syncline.trainer.seed import seed_everything, set_deterministic
 from syncline.trainer.state import TrainerState, isolated_rng
 from syncline.trainer.task import Task
+from syncline.trainer.uneven import UNEVEN_INPUTS
 
 __all__ = ["Trainer"]
 
@@ -68,6 +71,16 @@ class Trainer:
         deterministic: use deterministic algorithms only.
         ckpt_read: "every_rank": every process reads `ckpt_path` itself (a shared file system);
             "rank_zero": rank 0 reads it and sends it to the others (checkpoints on node-local disks).
+        nonfinite_loss: a NaN or inf loss on any rank, checked once per optimizer step on every rank
+            alike: "raise" stops every rank with an error naming the rank and step; "skip" drops the
+            whole accumulation window and takes no step (and warns).
+        uneven_inputs: "check": with several processes and a training loader syncline does not shard
+            (an IterableDataset, a sampler of your own, use_distributed_sampler=False), the ranks agree
+            before every batch that each has one (one small all-reduce), and raise the same error on every
+            rank, naming the rank that ran out first, instead of hanging; "join": a rank whose data ran out
+            shadows the others' steps with zero gradients until every rank ran out (as torch's DDP
+            `join()`; strategies that are `Joinable`, e.g. bucketed_ddp; accumulate_grad_batches=1;
+            no sync_dist logging in training_step); "off" skips the check.
     """
 
     def __init__(
@@ -94,10 +107,21 @@ class Trainer:
         seed: int | None = None,
         deterministic: bool = False,
         ckpt_read: str = "every_rank",
+        nonfinite_loss: str = "raise",
+        uneven_inputs: str = "check",
     ) -> None:
         _check_options(locals())
         if ckpt_read not in CKPT_READ:
             raise OptionError(f"Trainer(ckpt_read={ckpt_read!r}): ckpt_read must be one of {', '.join(CKPT_READ)}.")
+        if nonfinite_loss not in NONFINITE_LOSS:
+            raise OptionError(
+                f"Trainer(nonfinite_loss={nonfinite_loss!r}): nonfinite_loss must be one of "
+                f"{', '.join(NONFINITE_LOSS)}."
+            )
+        if uneven_inputs not in UNEVEN_INPUTS:
+            raise OptionError(
+                f"Trainer(uneven_inputs={uneven_inputs!r}): uneven_inputs must be one of {', '.join(UNEVEN_INPUTS)}."
+            )
         if str(precision) not in PRECISIONS:
             raise ValueError(f"Unknown precision {precision!r}. Valid values: {', '.join(PRECISIONS)}.")
 
@@ -119,7 +143,11 @@ class Trainer:
         self.seed = seed
         self.deterministic = deterministic
         self.ckpt_read = ckpt_read
+        self.nonfinite_loss = nonfinite_loss
+        self.uneven_inputs = uneven_inputs
         self.strategy = resolve_strategy(strategy, devices)
+        if uneven_inputs == "join":
+            _check_joinable(self.strategy, accumulate_grad_batches)
         self.accelerator = accelerator
         device_type = _device_type(accelerator, devices)
         if device_type is not None:
@@ -585,6 +613,21 @@ def _device_type(accelerator: str, devices: int) -> str | None:
         if devices > available:
             raise ValueError(f"devices={devices} with accelerator={accelerator!r}, but only {available} GPU(s).")
     return device_type
+
+
+def _check_joinable(strategy: Strategy, accumulate_grad_batches: int) -> None:
+    """Refuse uneven_inputs="join" where a joined rank could not shadow the others' collectives."""
+    if not isinstance(strategy, Joinable):
+        raise OptionError(
+            f"Trainer(uneven_inputs='join'): strategy {strategy.name or type(strategy).__name__!r} cannot shadow "
+            "its collectives on a rank whose data ran out. Use strategy='bucketed_ddp', or "
+            "uneven_inputs='check' with the same number of batches on every rank."
+        )
+    if accumulate_grad_batches != 1:
+        raise OptionError(
+            f"Trainer(uneven_inputs='join', accumulate_grad_batches={accumulate_grad_batches}): join shadows "
+            "one step per batch; use accumulate_grad_batches=1, or uneven_inputs='check' with even data."
+        )
 
 
 def _check_options(options: dict[str, Any]) -> None:

@@ -1,0 +1,113 @@
+"""A short per-rank log of launched collectives, compared across ranks when one times out.
+
+Collectives pair up across ranks by their order alone: if one rank launches a collective the others do
+not, every rank ends up waiting for a partner that never comes (or pairs with the wrong one). Each
+process therefore numbers the collectives it launches and keeps the last `CAPACITY` in a ring. When a
+collective fails or times out, the rank that sees it publishes its ring to the process group's store
+and waits a short while for the other ranks' rings (they publish theirs when their own collective
+times out); the error then says where the sequences first diverge, or which ranks never reported
+(stuck outside any collective: computing, loading data, or dead).
+
+    COLLECTIVES.record("all-reduce of gradient bucket 3 of step 1207")   # at every launch
+    raise CollectiveError(what + COLLECTIVES.diagnose(timeout))          # on a timeout
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["CAPACITY", "COLLECTIVES", "CollectiveLog", "first_divergence"]
+
+#: Collectives each rank remembers.
+CAPACITY = 64
+_KEY = "syncline/collectives"
+
+
+class CollectiveLog:
+    """The collectives this process launched, numbered from 0, the last `CAPACITY` of them kept."""
+
+    def __init__(self, capacity: int = CAPACITY) -> None:
+        self.entries: deque[tuple[int, str]] = deque(maxlen=capacity)
+        self.count = 0
+        #: The strategy that launches them (its registered name), for messages.
+        self.strategy = "?"
+        self._reports = 0
+
+    def record(self, what: str) -> None:
+        """Note that this rank launches the collective described by `what` (cheap: no communication)."""
+        self.entries.append((self.count, what))
+        self.count += 1
+
+    def reset(self, strategy: str) -> None:
+        """Start a new log (a new process group) for `strategy`."""
+        self.entries.clear()
+        self.count, self.strategy, self._reports = 0, strategy, 0
+
+    def diagnose(self, wait_s: float) -> str:
+        """Publish this rank's log, wait up to `wait_s` seconds for the others', and say where they diverge.
+
+        Returns a message fragment (starting with a space) for the error being raised; never raises.
+        """
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            rank, world = dist.get_rank(), dist.get_world_size()
+        except Exception as error:  # no group, or a store we cannot reach: the error stands alone
+            return f" (collectives could not be compared across ranks: {error})"
+        prefix = f"{_KEY}/{self._reports}"
+        self._reports += 1
+        store.set(f"{prefix}/{rank}", json.dumps(list(self.entries)))
+        logs: dict[int, list[tuple[int, str]]] = {rank: list(self.entries)}
+        missing = []
+        for other in range(world):
+            if other == rank:
+                continue
+            try:
+                store.wait([f"{prefix}/{other}"], timedelta(seconds=wait_s))
+                logs[other] = [tuple(entry) for entry in json.loads(store.get(f"{prefix}/{other}"))]
+            except Exception:  # it did not report in time
+                missing.append(other)
+                wait_s = 0.1  # do not wait the full time again for every silent rank
+        return " " + describe(logs, missing, self.strategy)
+
+
+def first_divergence(logs: dict[int, list[tuple[int, str]]]) -> tuple[int, dict[int, str]] | None:
+    """Return the first sequence number at which the ranks' logs differ, with what each rank launched there."""
+    by_rank = {rank: dict(entries) for rank, entries in logs.items()}
+    first = max((entries[0][0] for entries in logs.values() if entries), default=0)
+    last = max((entries[-1][0] for entries in logs.values() if entries), default=-1)
+    for number in range(first, last + 1):
+        launched = {rank: entries.get(number, "nothing (its log ends before)") for rank, entries in by_rank.items()}
+        if len(set(launched.values())) > 1:
+            return number, launched
+    return None
+
+
+def describe(logs: dict[int, list[tuple[int, str]]], missing: list[int], strategy: str) -> str:
+    """Say, for the error message, where the ranks' collective sequences diverge and who did not report."""
+    parts = [f"Strategy {strategy!r}."]
+    divergence = first_divergence(logs)
+    if divergence is not None:
+        number, launched = divergence
+        each = "; ".join(f"rank {rank}: {what}" for rank, what in sorted(launched.items()))
+        parts.append(
+            f"The ranks' collectives diverge at collective #{number}: {each}. Every rank must launch the same "
+            "collectives in the same order (look for rank-dependent code paths around that point)."
+        )
+    elif len(logs) > 1:
+        last = {rank: entries[-1][1] if entries else "none" for rank, entries in sorted(logs.items())}
+        parts.append(f"The reporting ranks launched the same collectives; the last: {last}.")
+    if missing:
+        ranks = ", ".join(map(str, missing))
+        parts.append(
+            f"Rank(s) {ranks} did not report: they are not waiting in a collective (stuck computing or loading "
+            "data, or dead)."
+        )
+    return " ".join(parts)
+
+
+#: This process's log (one process group per process).
+COLLECTIVES = CollectiveLog()

@@ -1,0 +1,72 @@
+"""A NaN loss on one rank stops or skips the step on every rank alike (real processes, gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from syncline.options import OptionError
+from syncline.trainer import Trainer
+from tests.strategies._dist import run_distributed, run_ranks
+from tests.trainer._tasks import Regressor, loader, quiet, regression_data
+
+BAD_BATCH = 2  # the first micro-batch of the second window with accumulate_grad_batches=2
+
+
+class NanOnRankOne(Regressor):
+    """Rank 1's loss is NaN at `BAD_BATCH` of epoch 0; with `zero_window`, every rank's loss of that window is 0."""
+
+    def __init__(self, zero_window: bool = False) -> None:
+        super().__init__()
+        self.zero_window = zero_window
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.current_epoch == 0 and batch_idx // 2 == BAD_BATCH // 2 and self.zero_window:
+            return loss * 0.0
+        if self.current_epoch == 0 and batch_idx == BAD_BATCH and self.global_rank == 1 and not self.zero_window:
+            return loss * float("nan")
+        return loss
+
+    def configure_optimizers(self):
+        # Plain SGD: a step with zero gradients leaves the weights exactly as they are.
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _fit(rank, world_size, strategy, mode, zero_window, tmp):
+    torch.manual_seed(0)
+    task = NanOnRankOne(zero_window)
+    trainer = Trainer(
+        max_epochs=2, strategy=strategy, accumulate_grad_batches=2, nonfinite_loss=mode, **quiet(default_root_dir=tmp)
+    )
+    trainer.fit(task, loader(regression_data(64), 4))
+    return {k: v.clone() for k, v in task.state_dict().items()}, trainer.global_step
+
+
+@pytest.mark.parametrize("strategy", ["bucketed_ddp", "native_ddp"])
+def test_skip_drops_the_window_on_every_rank(tmp_path, strategy):
+    skipped = run_distributed(_fit, 2, args=(strategy, "skip", False, str(tmp_path / "a")), timeout=90)
+    # Reference: the same run where that window's gradients are zero on every rank; plain SGD then leaves the
+    # weights exactly as a skipped step does (one more step is counted).
+    reference = run_distributed(_fit, 2, args=(strategy, "raise", True, str(tmp_path / "b")), timeout=90)
+    # bucketed_ddp is bit-exact; torch's DDP rounds one ulp differently once its reducer saw a forward
+    # without a backward (its own bucket bookkeeping), so it gets float32 rounding as tolerance.
+    tolerance = {} if strategy == "bucketed_ddp" else {"atol": 1e-7, "rtol": 1e-6}
+    for rank in range(2):
+        assert skipped[rank][1] == reference[rank][1] - 1
+        for name, value in reference[rank][0].items():
+            torch.testing.assert_close(skipped[rank][0][name], value, **(tolerance or {"atol": 0, "rtol": 0}))
+    for name, value in skipped[0][0].items():
+        assert torch.equal(skipped[1][0][name], value), name
+
+
+def test_raise_stops_every_rank_naming_the_rank_and_step(tmp_path):
+    outcomes = run_ranks(_fit, 2, args=("bucketed_ddp", "raise", False, str(tmp_path)), timeout=90)
+    for outcome in outcomes:
+        assert outcome.error is not None, outcome.rank
+        assert "NonfiniteLossError: The training loss was NaN or inf on rank 1 of 2 at global_step 1" in outcome.error
+
+
+def test_bad_option_is_one_clear_error():
+    with pytest.raises(OptionError, match=r"nonfinite_loss='ignore'.*raise, skip"):
+        Trainer(nonfinite_loss="ignore")

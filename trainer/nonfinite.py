@@ -1,0 +1,80 @@
+"""A NaN or inf loss on any rank: every rank stops, or skips the optimizer step, alike and at the same step.
+
+Each rank folds its micro-batches' losses into one flag on the device as they come (no host sync), and
+at the end of an accumulation window, before the synchronized backward, the ranks exchange their flags
+in one all-reduce of `world_size` numbers. Every rank thus sees the same verdict, and the message names
+the ranks and the step. With "skip" the window's backward never runs (its gradients never reach a
+collective, so a strategy's state such as error-feedback memory stays clean), its gradients are
+dropped, and no optimizer step is taken: the replicas stay equal.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from syncline.trainer.rank_zero import rank_zero_warn
+
+if TYPE_CHECKING:
+    from syncline.strategies.strategy import Strategy
+
+__all__ = ["NONFINITE_LOSS", "NonfiniteLossError", "NonfiniteLossGuard"]
+
+#: What `Trainer(nonfinite_loss=...)` accepts.
+NONFINITE_LOSS = ("raise", "skip")
+
+
+class NonfiniteLossError(FloatingPointError):
+    """Some rank's loss was NaN or inf; raised on every rank at the same step."""
+
+
+class NonfiniteLossGuard:
+    """Check an accumulation window's losses on every rank once, at the window's end."""
+
+    def __init__(self, mode: str, strategy: Strategy) -> None:
+        self.mode = mode
+        self.strategy = strategy
+        self._bad: Tensor | None = None
+        #: Windows skipped so far in this process (with "skip").
+        self.skipped = 0
+
+    def observe(self, loss: Tensor) -> None:
+        """Remember whether `loss` is finite, on its device (no host sync)."""
+        bad = ~torch.isfinite(loss.detach()).reshape(())
+        self._bad = bad if self._bad is None else self._bad | bad
+
+    def window_is_finite(self, step: int, batch_idx: int) -> bool:
+        """Return whether every rank's losses of the window were finite; the same answer on every rank.
+
+        Raises:
+            NonfiniteLossError: some rank's were not and the mode is "raise" (on every rank alike).
+        """
+        bad, self._bad = self._bad, None
+        world, rank = self.strategy.world_size, self.strategy.global_rank
+        device = bad.device if bad is not None else self.strategy.root_device
+        flags = torch.zeros(world, device=device)
+        if bad is not None:
+            flags[rank if world > 1 else 0] = bad.to(flags.dtype)
+        if world > 1:
+            # Collective: one all-reduce of world_size flags per optimizer step.
+            flags = self.strategy.reduce(flags, "sum")
+        # Host sync: the verdict decides what every rank runs next.
+        bad_ranks = [r if world > 1 else rank for r, flag in enumerate(flags.tolist()) if flag]
+        if not bad_ranks:
+            return True
+        where = f"rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))}"
+        message = (
+            f"The training loss was NaN or inf on {where} of {world} at global_step {step} "
+            f"(the accumulation window ending at batch {batch_idx})"
+        )
+        if self.mode == "raise":
+            raise NonfiniteLossError(
+                f"{message}; every rank stopped here, before the step. Check the data and the learning rate, "
+                'use precision="bf16-mixed" or gradient clipping, or pass Trainer(nonfinite_loss="skip") to '
+                "skip such steps."
+            )
+        self.skipped += 1
+        rank_zero_warn(f"{message}; the step was skipped on every rank (nonfinite_loss='skip').")
+        return False
