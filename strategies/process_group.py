@@ -22,7 +22,6 @@ from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 
 from syncline.options import check_number
-from syncline.strategies.launcher import STORE_HOSTED_ENV
 from syncline.strategies.strategy import ReduceOp, Strategy
 
 if TYPE_CHECKING:
@@ -36,6 +35,7 @@ __all__ = [
     "destroy_process_group",
     "device_for_local_rank",
     "init_process_group_from_env",
+    "leave_without_waiting",
 ]
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -107,14 +107,21 @@ def init_process_group_from_env(backend: str | None = None, timeout: float = 180
     env = DistributedEnv.from_environ()
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
-    if os.environ.get(STORE_HOSTED_ENV) == "1":
-        # Launched by `launch`: the launching process hosts the store (on loopback); every rank is a client.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Started by an elastic agent that hosts the store (torchrun's c10d rendezvous, or `launch`'s on
+        # loopback): every rank joins it as a client. The store outlives restarts of the group, so each
+        # restart keeps its keys apart from those a failed attempt left behind.
         store = dist.TCPStore(
             env.master_addr, env.master_port, env.world_size, False, timeout=timedelta(seconds=timeout)
         )
-        # Collective: rendezvous of all ranks through the launcher's store.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # Collective: rendezvous of all ranks through the agent's store.
         dist.init_process_group(
-            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout)
+            backend,
+            store=dist.PrefixStore(f"syncline/attempt{attempt}", store),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout),
         )
         return True
     # Collective: rendezvous of all ranks at MASTER_ADDR:MASTER_PORT.
@@ -146,14 +153,29 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+#: Set when a stage raised on this rank: the others may be blocked in a collective that this rank will
+#: never join, so leaving must not wait for them.
+_LEAVE_WITHOUT_WAITING = False
+
+
+def leave_without_waiting() -> None:
+    """Make this process leave the group at exit without waiting for the other ranks (after a failure)."""
+    global _LEAVE_WITHOUT_WAITING
+    _LEAVE_WITHOUT_WAITING = True
+
+
 def _leave_at_exit() -> None:
     """Leave the group together with the other ranks when the interpreter exits normally.
 
     A rank that tears gloo down while a peer is still working (rank 0 writing a file, say) can abort
     with "terminate called without an active exception"; waiting for everyone first avoids that. The
-    wait is bounded, so a rank whose peer died still exits.
+    wait is bounded, so a rank whose peer died still exits. After a failure on this rank there is no
+    wait at all: the others may be blocked in a training collective, and this process ending is what
+    ends it for them (their connections to it close) and tells the elastic agent to stop the group.
     """
     if not dist.is_initialized():
+        return
+    if _LEAVE_WITHOUT_WAITING:
         return
     # A peer that is gone makes the barrier fail: leave anyway.
     with contextlib.suppress(Exception):
@@ -224,6 +246,10 @@ class ProcessGroupStrategy(Strategy):
             # The group outlives stages (see teardown); leave it cleanly before the interpreter shuts down,
             # since gloo's threads dying with the process can abort it ("terminate called ...").
             atexit.register(_leave_at_exit)
+
+    def on_stage_failure(self) -> None:
+        """Exit without waiting for the other ranks, which may be blocked in a collective this rank left."""
+        leave_without_waiting()
 
     def teardown(self) -> None:
         """Stay in the process group: it outlives a stage, as in Lightning.

@@ -90,6 +90,9 @@ class Strategy(ABC):
     def teardown(self) -> None:
         """Undo `setup` and `setup_environment`: remove hooks, leave the process group."""
 
+    def on_stage_failure(self) -> None:
+        """Called on a rank whose stage raised: the other ranks may be blocked waiting for it."""
+
     # -------------------------------------------------------------- train step
     def training_step(self, task: Task, batch: Any, batch_idx: int) -> Any:
         """Run the task's forward for one micro-batch and return what `training_step` returned."""

@@ -57,6 +57,8 @@ class TrainerConf:
     seed: int | None = None
     deterministic: bool = False
     ckpt_read: str = "every_rank"
+    max_restarts: int = 0
+    preemption_signal: str | None = "SIGTERM"
 
 
 @dataclass
