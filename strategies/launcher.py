@@ -51,8 +51,8 @@ __all__ = ["WorkerFailedError", "free_port", "launch", "launched_by_torchrun"]
 _UNGUARDED_EXIT = 87
 #: Seconds the other workers get to stop after one failed, before the agent kills them.
 _STOP_GRACE_S = 10
-#: Loggers whose records a launch silences: the agent's, the rendezvous's and the processes'.
-_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+#: Loggers whose records a launch silences: the agent's, the rendezvous's and the worker processes'.
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
 register()
 

@@ -27,8 +27,10 @@ FAULTS = ("raise", "kill", "term", "group_int")
 class Faulty(Regressor):
     """`Regressor` that raises or is signalled on one rank at one optimizer step."""
 
-    def __init__(self, fault: str | None, at_step: int = 3, rank: int = 1, pids_dir: str | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self, fault: str | None, at_step: int = 3, rank: int = 1, pids_dir: str | None = None, dropout: float = 0.0
+    ) -> None:
+        super().__init__(dropout=dropout)
         self.fault, self.at_step, self.fault_rank, self.pids_dir = fault, at_step, rank, pids_dir
 
     def on_train_start(self) -> None:
