@@ -3,7 +3,8 @@
 `Faulty(fault=...)` trains like `Regressor` and, on rank `rank` when it reaches optimizer step `at_step`
 (in the first attempt only, so that an elastic restart runs clean), raises, kills itself with SIGKILL,
 signals itself with SIGTERM, or sends SIGINT to its whole process group (what Ctrl-C in a terminal
-does). Each process writes its pid under `pids_dir`, so a test can check that none is left behind.
+does). Each process writes its pid under `pids_dir` (with its rank and the step its training starts at),
+so a test can check that none is left behind and where a restarted one resumed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from tests.trainer._tasks import Regressor
+from tests.trainer._tasks import Regressor, loader, regression_data
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,9 +34,13 @@ class Faulty(Regressor):
         super().__init__(dropout=dropout)
         self.fault, self.at_step, self.fault_rank, self.pids_dir = fault, at_step, rank, pids_dir
 
+    def train_dataloader(self):
+        return loader(regression_data(64), shuffle=True)
+
     def on_train_start(self) -> None:
         if self.pids_dir is not None:
-            Path(self.pids_dir, f"{os.getpid()}.pid").write_text(str(self.global_rank))
+            # Where training starts: 0, or the step of the checkpoint a restarted process resumed from.
+            Path(self.pids_dir, f"{os.getpid()}.pid").write_text(f"{self.global_rank} {self.trainer.global_step}")
 
     def training_step(self, batch, batch_idx):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -85,3 +90,8 @@ def left_behind(pids_dir: Path) -> list[int]:
         if state != "Z":
             alive.append(pid)
     return alive
+
+
+def start_steps(pids_dir: Path) -> list[int]:
+    """Return the step each process under `pids_dir` started training at, sorted."""
+    return sorted(int(file.read_text().split()[1]) for file in pids_dir.glob("*.pid"))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer._faults import run_script
+from tests.trainer._faults import run_script, start_steps
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find processes left behind")
 
@@ -59,7 +59,8 @@ if __name__ == "__main__":
     )
     result, _ = run_script(tmp_path, body, timeout=240)
     _equal(result)
-    assert len(list((tmp_path / "pids").iterdir())) == 4  # two workers, then two restarted ones
+    # Two workers from step 0, then two restarted ones from last.ckpt (step 4), not from scratch.
+    assert start_steps(tmp_path / "pids") == [0, 0, 4, 4]
 
 
 def test_torchrun_max_restarts_resumes_from_last_checkpoint_bit_exactly(tmp_path: Path) -> None:
@@ -81,4 +82,4 @@ if int(os.environ["RANK"]) == 0:
         tmp_path, body, torchrun, "--standalone", "--nproc-per-node=2", "--max-restarts=1", timeout=240
     )
     _equal(result)
-    assert len(list((tmp_path / "pids").iterdir())) == 4
+    assert start_steps(tmp_path / "pids") == [0, 0, 4, 4]
