@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -268,6 +269,20 @@ class ProcessGroupStrategy(Strategy):
         # Collective: all-reduce of a metric.
         dist.all_reduce(result, op=_REDUCE_OPS[op])
         return result / self.world_size if op == "mean" else result
+
+    def reduce_async(self, tensor: Tensor, op: ReduceOp = "max") -> Callable[[], Tensor]:
+        """Start an all-reduce of `tensor` in place ("sum", "max" or "min"); return a function that waits for it."""
+        if op not in ("sum", "max", "min"):
+            raise ValueError(f"reduce_async supports 'sum', 'max' and 'min', not {op!r}.")
+        self._require_group()
+        # Collective: asynchronous all-reduce; the caller waits when it needs the value.
+        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], async_op=True)
+
+        def wait() -> Tensor:
+            work.wait()
+            return tensor
+
+        return wait
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         self._require_group()

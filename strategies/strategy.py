@@ -131,6 +131,13 @@ class Strategy(ABC):
         """Reduce `tensor` across processes; every process gets the result."""
         return tensor
 
+    def reduce_async(self, tensor: Tensor, op: ReduceOp = "max") -> Callable[[], Tensor]:
+        """Start reducing `tensor` across processes; return a function that waits for and returns the result.
+
+        `tensor` itself receives the result; do not use it before calling the function.
+        """
+        return lambda: tensor
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object from every process, in rank order."""
         return [obj]

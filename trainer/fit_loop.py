@@ -59,6 +59,7 @@ class FitLoop:
             if self._done():
                 break
             state.start_epoch()
+        self.trainer.preemption.finish()
         self.fire(Callback.on_train_end)
 
     def _done(self) -> bool:
@@ -195,7 +196,7 @@ class FitLoop:
         Raises:
             TrainingPreempted: after the checkpoint is written.
         """
-        # Collective (with several processes): every rank learns whether any rank was signalled.
+        # Collective (with several processes): every rank learns whether any rank was signalled a step ago.
         signum = self.trainer.preemption.should_stop(self.strategy)
         if not signum:
             return

@@ -2,11 +2,12 @@
 
 Clusters announce preemption with a signal (SIGTERM from SLURM or Kubernetes, SIGUSR1 when asked for
 with ``--signal``), and a user stops a run with Ctrl-C (SIGINT). `PreemptionWatch` catches the signal
-during `fit` and only raises a flag: the loop keeps going to the end of the optimizer step. There the
-ranks agree, with a one-element all-reduce of the flag (every rank learns that one rank was
-signalled, whichever it was), write ``last.ckpt`` and stop with `TrainingPreempted`, a `SystemExit`
-whose status is `PREEMPTED_EXIT_CODE`. ``ckpt_path="last"`` then finishes the run as if it had never
-stopped.
+during `fit` and only raises a flag: the loop keeps going. At the end of every optimizer step the
+ranks all-reduce their flags (one element, max; asynchronously, so the round trip overlaps the next
+step), and at the end of the next step every rank has the same answer: if any rank was signalled, all
+write ``last.ckpt`` and stop with `TrainingPreempted`, a `SystemExit` whose status is
+`PREEMPTED_EXIT_CODE`. A run therefore stops one or two steps after the signal. ``ckpt_path="last"``
+then finishes the run as if it had never stopped.
 
 A second signal of the same kind aborts at once: after the first, the signal's default action is back
 in place, so the kernel ends the process even while it waits inside a collective.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +63,8 @@ class PreemptionWatch:
         #: The first signal received (0 if none yet).
         self.received = 0
         self._previous: dict[signal.Signals, Any] = {}
+        #: Waits for the flag reduction started at the previous step and returns it.
+        self._pending: Callable[[], torch.Tensor] | None = None
 
     def install(self) -> None:
         """Start watching (only the main thread can receive Python signal handlers)."""
@@ -72,6 +76,8 @@ class PreemptionWatch:
 
     def uninstall(self) -> None:
         """Put back the handlers that were in place before `install`."""
+        # After a failure a reduction may still be in flight; its peers may never join it: drop it.
+        self._pending = None
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
@@ -83,13 +89,28 @@ class PreemptionWatch:
         signal.signal(signum, signal.SIG_DFL)
 
     def should_stop(self, strategy: Strategy) -> int:
-        """Return the signal any rank received (0 if none). A collective in a group of processes.
+        """Return the signal that any rank had received one step ago (0 if none). A collective.
 
-        Call it on every rank at the same points (the end of every optimizer step).
+        Call it on every rank at the same points (the end of every optimizer step). The flags are
+        all-reduced asynchronously: each call starts the reduction of this rank's flag and reads the one
+        started at the previous call, so the round trip hides behind a step's compute and every rank
+        stops after the same step, one step after the signal.
         """
         if strategy.world_size == 1:
             return self.received
+        if self._pending is not None:
+            # Host sync: the flags reduced during this step (already arrived unless the step was tiny).
+            agreed = int(self._pending().item())
+            self._pending = None
+            if agreed:
+                return agreed
         flag = torch.tensor([float(self.received)], device=strategy.root_device)
-        # Collective: one-element all-reduce (max), so every rank learns that one rank was signalled.
-        # Host sync: the loop needs the answer now.
-        return int(strategy.reduce(flag, "max").item())
+        # Collective: one-element all-reduce (max) of the flag, so every rank learns that one rank was signalled.
+        self._pending = strategy.reduce_async(flag, "max")
+        return 0
+
+    def finish(self) -> None:
+        """Wait for the flag reduction still in flight (every rank calls it when training ends normally)."""
+        if self._pending is not None:
+            self._pending()
+            self._pending = None

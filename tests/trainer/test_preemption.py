@@ -1,9 +1,9 @@
 """Preemption: SIGTERM to one rank, or Ctrl-C, stops every rank at one step with a checkpoint (issue 10, item 3).
 
-Rank 1 alone is signalled during step 5 of 10; rank 0 must learn it from the step-boundary flag, every
-rank stops after step 5 (a step no periodic checkpoint saves), ``last.ckpt`` is written, the exit
-status is 75, and ``ckpt_path="last"`` finishes the run with the weights of an undisturbed one
-(`torch.equal`).
+Rank 1 alone is signalled during step 5 of 10; rank 0 must learn it from the step-boundary flag (reduced
+during step 6, read at its end), every rank stops after step 6 (a step no periodic checkpoint saves),
+``last.ckpt`` is written, the exit status is 75, and ``ckpt_path="last"`` finishes the run with the
+weights of an undisturbed one (`torch.equal`).
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ def test_sigterm_to_one_rank_stops_all_at_one_step_and_resume_is_bit_exact(tmp_p
     result, _ = run_script(tmp_path, _FIT.format(pids=str(tmp_path / "pids"), root=str(tmp_path)), timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     last = tmp_path / "preempted" / "checkpoints" / "last.ckpt"
-    assert f"status {PREEMPTED_EXIT_CODE}: Stopped by SIGTERM after step 5; saved {last}." in result.stdout
+    assert f"status {PREEMPTED_EXIT_CODE}: Stopped by SIGTERM after step 6; saved {last}." in result.stdout
     assert "same weights: True after 10 and 10 steps" in result.stdout, result.stdout + result.stderr[-3000:]
-    # The preempted workers from step 0, then the resumed ones from the preemption's step 5.
-    assert start_steps(tmp_path / "pids") == [0, 0, 5, 5]
+    # The preempted workers from step 0, then the resumed ones from the preemption's step 6.
+    assert start_steps(tmp_path / "pids") == [0, 0, 6, 6]
 
 
 def test_ctrl_c_on_the_cli_checkpoints_and_exits_with_the_preemption_status(tmp_path: Path) -> None:
@@ -88,10 +88,10 @@ def test_ctrl_c_on_the_cli_checkpoints_and_exits_with_the_preemption_status(tmp_
         start_new_session=True,
     )
     assert result.returncode == PREEMPTED_EXIT_CODE, result.stderr[-3000:]
-    assert "preempted: Stopped by SIGINT after step 4" in result.stderr
+    assert "preempted: Stopped by SIGINT after step 5" in result.stderr
     saved = re.search(r"saved (\S+last\.ckpt)\.", result.stderr)
     assert saved is not None and saved.group(1).startswith(str(tmp_path / "run")), result.stderr
-    assert torch.load(saved.group(1), weights_only=False)["progress"]["global_step"] == 4
+    assert torch.load(saved.group(1), weights_only=False)["progress"]["global_step"] == 5
 
 
 def test_a_second_signal_takes_the_default_action() -> None:
