@@ -77,7 +77,10 @@ def test_ctrl_c_on_the_cli_checkpoints_and_exits_with_the_preemption_status(tmp_
             f"hydra.run.dir={tmp_path / 'run'}",
             "trainer.devices=2",
             "trainer.max_steps=10",
+            "trainer.max_epochs=5",
             "trainer.enable_progress_bar=false",
+            "callbacks=[checkpoint]",
+            "callbacks.checkpoint.monitor=null",  # the task has no validation data
         ],
         cwd=tmp_path,
         env={**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
@@ -88,10 +91,12 @@ def test_ctrl_c_on_the_cli_checkpoints_and_exits_with_the_preemption_status(tmp_
         start_new_session=True,
     )
     assert result.returncode == PREEMPTED_EXIT_CODE, result.stderr[-3000:]
-    assert "preempted: Stopped by SIGINT after step 5" in result.stderr
-    saved = re.search(r"saved (\S+last\.ckpt)\.", result.stderr)
-    assert saved is not None and saved.group(1).startswith(str(tmp_path / "run")), result.stderr
-    assert torch.load(saved.group(1), weights_only=False)["progress"]["global_step"] == 5
+    # The SIGINT reaches rank 0 during step 4 or, if it lags, at the end of step 3: one or two steps later.
+    stopped = re.search(r"preempted: Stopped by SIGINT after step (\d+); saved (\S+last\.ckpt)\.", result.stderr)
+    assert stopped is not None and int(stopped.group(1)) in (4, 5), result.stderr
+    assert stopped.group(2).startswith(str(tmp_path / "run"))
+    checkpoint = torch.load(stopped.group(2), weights_only=False)
+    assert checkpoint["progress"]["global_step"] == int(stopped.group(1))
 
 
 def test_a_second_signal_takes_the_default_action() -> None:
