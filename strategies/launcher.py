@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -115,7 +116,8 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
         except ChildFailedError as error:
             raise WorkerFailedError(_report(error, nprocs, stage)) from None
         except SignalException as error:
-            raise KeyboardInterrupt(f"launch stopped by {error.sigval.name}") from None
+            # A second Ctrl-C, or SIGTERM/SIGHUP/SIGQUIT to this process: the agent stopped the workers.
+            raise KeyboardInterrupt(f"{error}: the workers were stopped with {error.sigval.name}") from None
     outcome = results[0]
     trainer.apply_worker_result(task, outcome)
     if outcome.get("preempted"):
@@ -144,7 +146,7 @@ def _ctrl_c_once() -> Iterator[None]:
     Ctrl-C in a terminal signals every process of the foreground group, the workers included, so the
     launching process need not forward it. A second Ctrl-C makes the agent kill the workers.
     """
-    if multiprocessing.current_process().name != "MainProcess" or not _in_main_thread():
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
     pressed: list[float] = []
@@ -162,12 +164,6 @@ def _ctrl_c_once() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def _report(error: ChildFailedError, nprocs: int, stage: str) -> str:
@@ -279,6 +275,7 @@ def _worker(stage: str, payload: bytes) -> dict[str, Any] | None:
     except BaseException as error:
         _record_failure(error)
         # Exit without running the interpreter's exit hooks: they would wait for the other ranks.
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
     if int(os.environ["RANK"]) != 0:

@@ -412,9 +412,10 @@ class Trainer:
 
     def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: Any) -> None:
         task, strategy = self.task, self.strategy
-        if ckpt_path is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            # An elastic agent restarted the group after a failure: continue from the newest last.ckpt.
-            ckpt_path = "last"
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            # An elastic agent restarted the group after a failure: continue from the newest last.ckpt
+            # (collective), or from where the first attempt started when none was written yet.
+            ckpt_path = persistence.find_last_checkpoint(self) or ckpt_path
         checkpoint = persistence.read_checkpoint(self, ckpt_path)
         if checkpoint is not None:
             for logger, state in zip(self.loggers, checkpoint.get("loggers", [])):
