@@ -1,48 +1,61 @@
-"""Start `devices` local worker processes, bring rank 0's result back, and report a failure in a few lines.
+"""Start `devices` local workers with torch's elastic agent, bring rank 0's result back, report a failure briefly.
 
-`Trainer(devices=N)` outside `torchrun` calls `launch`. The trainer and the task are pickled into N
-processes started with multiprocessing's "spawn" (each imports the script that started it, to find the
-task's class). The launching process hosts the rendezvous store on a socket bound to 127.0.0.1, so a
-run on one machine listens on loopback only: torch's stores accept no authentication. Each worker sets
-RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT and joins the group as a client of that
-store. Rank 0 sends back the trained weights, the progress, the metrics and the callbacks' state,
-which are loaded into the caller's objects, so that after `fit` returns the caller holds what rank 0
-trained, as with a single process.
+`Trainer(devices=N)` outside `torchrun` calls `launch`, which runs torch's `elastic_launch` (the agent
+behind torchrun) in this process. The agent starts N workers with the "spawn" method (each imports the
+script that started it, to find the task's class), sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT, watches them, stops every worker when one fails and, with `Trainer(max_restarts=k)`,
+restarts the group up to k times. The rendezvous is `LoopbackRendezvous`: its store listens on 127.0.0.1
+only and every worker joins it as a client. Rank 0 sends back the trained weights, the progress, the
+metrics and the callbacks' state, which are loaded into the caller's objects, so that after `fit`
+returns the caller holds what rank 0 trained, as with a single process.
 
-A worker that raises sends its exception and traceback here; the first failure stops the others and is
-raised once, as a `WorkerFailedError` naming the rank. Under `torchrun` nothing is launched: the
-environment already describes the process group.
+A worker that raises writes its exception and traceback to the error file the agent gave it (elastic's
+format); the agent's own multi-line logs are silenced during the launch, and the first failure is raised
+once, as a `WorkerFailedError` naming the rank. Under `torchrun` nothing is launched: the environment
+already describes the process group.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import multiprocessing
 import os
 import pickle
 import signal
 import socket
 import sys
+import tempfile
+import threading
+import time
 import traceback
-from datetime import timedelta
-from multiprocessing.connection import wait
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from syncline.strategies.loopback_rendezvous import LOOPBACK_BACKEND, register
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
     from syncline.trainer.trainer import Trainer
 
-__all__ = ["STORE_HOSTED_ENV", "WorkerFailedError", "free_port", "launch", "launched_by_torchrun"]
+__all__ = ["WorkerFailedError", "free_port", "launch", "launched_by_torchrun"]
 
-#: Set in launched workers: the launching process hosts the store at MASTER_ADDR:MASTER_PORT, so every
-#: rank (rank 0 included) joins it as a client.
-STORE_HOSTED_ENV = "SYNCLINE_STORE_HOSTED"
 #: Exit status of a worker that found the launch being re-entered while it imported the user's script.
 _UNGUARDED_EXIT = 87
-#: Seconds the other workers get to stop after one failed, before they are killed.
-_STOP_GRACE_S = 5.0
+#: Seconds the other workers get to stop after one failed, before the agent kills them.
+_STOP_GRACE_S = 10
+#: Loggers whose records a launch silences: the agent's, the rendezvous's and the worker processes'.
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+register()
 
 
 class WorkerFailedError(RuntimeError):
@@ -65,10 +78,11 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
     """Run `getattr(trainer, stage)(task, **kwargs)` in `trainer.devices` processes; return rank 0's result.
 
     Raises:
-        WorkerFailedError: a worker raised or died; names the rank, its error and its traceback.
+        WorkerFailedError: a worker raised or died (after `trainer.max_restarts` restarts); names the
+            rank, its error and its traceback.
+        TrainingPreempted: the workers stopped on a preemption signal and saved a checkpoint.
     """
-    import torch.distributed as dist
-
+    from syncline.trainer.preemption import TrainingPreempted
     from syncline.trainer.state import capture_rng
 
     if getattr(multiprocessing.current_process(), "_inheriting", False):
@@ -76,69 +90,122 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
         # (no `if __name__ == "__main__":`). Stop quietly; the launching process explains.
         sys.exit(_UNGUARDED_EXIT)
     nprocs = trainer.devices
+    timeout = float(getattr(trainer.strategy, "timeout", 1800.0))
     # Plain pickle bytes: multiprocessing's own pickler would put the parameters in shared memory, and
     # every rank's optimizer would then step the same tensors.
     payload = pickle.dumps((trainer, task, kwargs, capture_rng()))
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))  # loopback only: nothing off this machine can reach the store
-    listener.listen(nprocs * 4)
-    port = listener.getsockname()[1]
-    timeout = timedelta(seconds=float(getattr(trainer.strategy, "timeout", 1800.0)))
-    # The store takes over the pre-bound socket, so no other interface is opened and no port race exists.
-    store = dist.TCPStore(
-        "127.0.0.1", port, None, True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.detach()
-    )
-    context = multiprocessing.get_context("spawn")
-    messages = context.SimpleQueue()
-    workers = [
-        context.Process(target=_worker, args=(rank, nprocs, port, stage, payload, messages), name=f"rank{rank}")
-        for rank in range(nprocs)
-    ]
+    with tempfile.TemporaryDirectory(prefix="syncline-launch-") as log_dir, _quiet_elastic(), _ctrl_c_once():
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nprocs,
+            run_id=f"syncline-{uuid.uuid4().hex[:8]}",
+            rdzv_backend=LOOPBACK_BACKEND,
+            rdzv_endpoint="",
+            rdzv_configs={"timeout": timeout},
+            max_restarts=trainer.max_restarts,
+            monitor_interval=0.1,
+            start_method="spawn",
+            # SIGINT is handled by `_ctrl_c_once`: the workers stop at a step boundary themselves.
+            signals_to_handle="SIGTERM,SIGHUP,SIGQUIT",
+            shutdown_timeout=_STOP_GRACE_S,
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        )
+        try:
+            results = elastic_launch(config, _worker)(stage, payload)
+        except ChildFailedError as error:
+            raise WorkerFailedError(_report(error, nprocs, stage)) from None
+        except SignalException as error:
+            # A second Ctrl-C, or SIGTERM/SIGHUP/SIGQUIT to this process: the agent stopped the workers.
+            raise KeyboardInterrupt(f"{error}: the workers were stopped with {error.sigval.name}") from None
+    outcome = results[0]
+    trainer.apply_worker_result(task, outcome)
+    if outcome.get("preempted"):
+        raise TrainingPreempted(outcome["preempted"])
+    return outcome["return"]
+
+
+@contextlib.contextmanager
+def _quiet_elastic() -> Iterator[None]:
+    """Silence the elastic agent's logs (its own failure report spans dozens of lines) during a launch."""
+    loggers = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
     try:
-        for worker in workers:
-            worker.start()
-        result = _supervise(workers, messages, stage)
+        yield
     finally:
-        _stop(workers)
-        del store  # closes the socket it was handed
-    trainer.apply_worker_result(task, result)
-    return result["return"]
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
-def _supervise(workers: list[Any], messages: Any, stage: str) -> dict[str, Any]:
-    """Wait for every worker; return rank 0's result, or raise the first failure once the others stopped."""
-    nprocs = len(workers)
-    result: dict[str, Any] | None = None
-    errors: list[tuple[int, str]] = []
-    running = {worker.sentinel: rank for rank, worker in enumerate(workers)}
-    while running:
-        ready = wait([messages._reader, *running])
-        # Messages first: a worker writes its error before it exits.
-        while not messages.empty():
-            kind, rank, body = messages.get()
-            if kind == "result":
-                result = pickle.loads(body)
-            else:
-                errors.append((rank, body))
-        for sentinel in ready:
-            if sentinel in running:
-                rank = running.pop(sentinel)
-                workers[rank].join()  # reaped: its exit status is known from here on
-                code = workers[rank].exitcode
-                if code != 0 and not any(r == rank for r, _ in errors):
-                    errors.append((rank, _describe_exit(code)))
-        if errors:
-            break
-    if errors:
-        _stop(workers)
-        rank, report = errors[0]
-        raise WorkerFailedError(f"Worker rank {rank} of {nprocs} failed during {stage}: {report}")
-    if result is None:
-        raise WorkerFailedError(f"Rank 0 of {nprocs} exited without sending its result during {stage}.")
-    return result
+@contextlib.contextmanager
+def _ctrl_c_once() -> Iterator[None]:
+    """Let a first Ctrl-C reach the workers only (they stop at a step boundary); a second aborts at once.
+
+    Ctrl-C in a terminal signals every process of the foreground group, the workers included, so the
+    launching process need not forward it. A second Ctrl-C makes the agent kill the workers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed: list[float] = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if pressed and now - pressed[0] >= 0.5:
+            raise SignalException("second Ctrl-C", signal.SIGKILL)
+        if not pressed:
+            pressed.append(now)
+            print("Ctrl-C: stopping at the next step and saving a checkpoint; Ctrl-C again aborts.", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
-def _describe_exit(code: int | None) -> str:
+def _report(error: ChildFailedError, nprocs: int, stage: str) -> str:
+    """Return one message for the failure that came first: its rank, its exception and its traceback.
+
+    The agent lists the workers it saw fail at one check; a rank whose exception caused the others'
+    errors may still have been finishing then. Every rank's error file of this attempt is read, and
+    the earliest failure wins (a death by a signal first: it leaves no file and no time of its own).
+    """
+    candidates: dict[int, tuple[tuple[int, float], str]] = {}
+    for rank, failure in error.failures.items():
+        candidates[rank] = (_failure_order(failure.exitcode, failure.message, failure.timestamp), _describe(failure))
+    attempt_dir = next((Path(f.error_file).parent.parent for f in error.failures.values() if f.error_file), None)
+    for rank in range(nprocs):
+        path = attempt_dir / str(rank) / "error.json" if attempt_dir is not None else None
+        if rank in candidates or path is None or not path.is_file():
+            continue
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            message = json.loads(path.read_text())["message"]
+            candidates[rank] = (_failure_order(1, message, 0), _describe_message(message))
+    rank = min(candidates, key=lambda r: candidates[r][0])
+    return f"Worker rank {rank} of {nprocs} failed during {stage}: {candidates[rank][1]}"
+
+
+def _failure_order(exitcode: int, message: Any, timestamp: float) -> tuple[int, float]:
+    """Sort key: deaths by a signal first (the others' errors follow from them), then by time of failure."""
+    killed = exitcode < 0 and exitcode != -signal.SIGTERM
+    at = float(message.get("extraInfo", {}).get("syncline_time", timestamp)) if isinstance(message, dict) else timestamp
+    return (0 if killed else 1, at)
+
+
+def _describe_message(message: dict[str, Any]) -> str:
+    """Describe an exception recorded in an error file: its type and traceback (which ends with it)."""
+    name = str(message["message"]).split(":", 1)[0]
+    return f"{name} in this traceback:\n{message['extraInfo']['py_callstack'].rstrip()}"
+
+
+def _describe(failure: ProcessFailure) -> str:
+    message = failure.message
+    if isinstance(message, dict) and "py_callstack" in message.get("extraInfo", {}):
+        return _describe_message(message)
+    code = failure.exitcode
     if code == _UNGUARDED_EXIT:
         main = getattr(sys.modules.get("__main__"), "__file__", None) or "your script"
         return (
@@ -146,23 +213,32 @@ def _describe_exit(code: int | None) -> str:
             "imports the script that launched it (to find your Task class); put the code that builds the "
             'Trainer and calls fit under `if __name__ == "__main__":`.'
         )
-    if code is not None and code < 0:
+    if code < 0:
         name = signal.Signals(-code).name
         hint = " (SIGKILL is often the kernel's out-of-memory killer)" if name == "SIGKILL" else ""
         return f"the process was killed by {name}{hint}."
     return f"the process exited with status {code} before reporting an error."
 
 
-def _stop(workers: list[Any]) -> None:
-    """Stop the workers still running: SIGTERM, then SIGKILL after a grace period."""
-    alive = [w for w in workers if w.is_alive()]
-    for worker in alive:
-        worker.terminate()
-    for worker in alive:
-        worker.join(_STOP_GRACE_S)
-        if worker.is_alive():
-            worker.kill()
-            worker.join()
+def _record_failure(error: BaseException) -> None:
+    """Write `error` to the error file the agent reads, in elastic's format, with a precise time."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    data = {
+        "message": {
+            "message": f"{type(error).__name__}: {error}",
+            "extraInfo": {
+                "py_callstack": traceback.format_exc(),
+                "timestamp": str(int(now)),
+                # Finer than elastic's seconds: which rank failed first, when the others followed it.
+                "syncline_time": repr(now),
+            },
+        }
+    }
+    with contextlib.suppress(OSError), open(path, "w") as file:
+        json.dump(data, file)
 
 
 def _loopback_interface() -> str | None:
@@ -174,38 +250,34 @@ def _loopback_interface() -> str | None:
     return None
 
 
-def _worker(rank: int, world_size: int, port: int, stage: str, payload: bytes, messages: Any) -> None:
-    """Entry point of one launched process: run the stage, send rank 0's result or this rank's error."""
+def _worker(stage: str, payload: bytes) -> dict[str, Any] | None:
+    """Entry point of one launched process: run the stage; return rank 0's result, record this rank's error."""
+    from syncline.trainer.preemption import TrainingPreempted
     from syncline.trainer.state import restore_rng
 
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            STORE_HOSTED_ENV: "1",
-        }
-    )
     loopback = _loopback_interface()
     if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
         # gloo's connections between the ranks listen on this interface: keep them on loopback too.
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    preempted = None
     try:
         trainer, task, kwargs, rng = pickle.loads(payload)
         if "OMP_NUM_THREADS" not in os.environ:
             # Share the cores instead of every rank starting one thread per core.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
         # Every rank starts from the caller's random stream, as a single process would have.
         restore_rng(rng)
-        returned = getattr(trainer, stage)(task, **kwargs)
-        if rank == 0:
-            messages.put(("result", rank, pickle.dumps(trainer.worker_result(task, returned))))
+        try:
+            returned = getattr(trainer, stage)(task, **kwargs)
+        except TrainingPreempted as stop:
+            # A clean stop, not a failure: the agent must not restart the group for it.
+            returned, preempted = None, str(stop)
     except BaseException as error:
-        # The traceback ends with the exception itself: the launcher shows it once, under the rank.
-        report = f"{type(error).__name__} in this traceback:\n{traceback.format_exc()}"
-        with contextlib.suppress(Exception):
-            messages.put(("error", rank, report.rstrip()))
-        sys.exit(1)
+        _record_failure(error)
+        # Exit without running the interpreter's exit hooks: they would wait for the other ranks.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    if int(os.environ["RANK"]) != 0:
+        return None
+    return {**trainer.worker_result(task, returned), "preempted": preempted}

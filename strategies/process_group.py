@@ -12,7 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -24,7 +24,6 @@ from torch.nn.parameter import UninitializedParameter
 
 from syncline.options import check_number
 from syncline.strategies.collective_log import COLLECTIVES
-from syncline.strategies.launcher import STORE_HOSTED_ENV
 from syncline.strategies.reducer_errors import CollectiveError
 from syncline.strategies.strategy import ReduceOp, Strategy
 
@@ -40,6 +39,7 @@ __all__ = [
     "destroy_process_group",
     "device_for_local_rank",
     "init_process_group_from_env",
+    "leave_without_waiting",
 ]
 
 #: Seconds a training collective may take before it fails: long enough for a slow checkpoint or a
@@ -115,14 +115,21 @@ def init_process_group_from_env(backend: str | None = None, timeout: float = DEF
     env = DistributedEnv.from_environ()
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
-    if os.environ.get(STORE_HOSTED_ENV) == "1":
-        # Launched by `launch`: the launching process hosts the store (on loopback); every rank is a client.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Started by an elastic agent that hosts the store (torchrun's c10d rendezvous, or `launch`'s on
+        # loopback): every rank joins it as a client. The store outlives restarts of the group, so each
+        # restart keeps its keys apart from those a failed attempt left behind.
         store = dist.TCPStore(
             env.master_addr, env.master_port, env.world_size, False, timeout=timedelta(seconds=timeout)
         )
-        # Collective: rendezvous of all ranks through the launcher's store.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # Collective: rendezvous of all ranks through the agent's store.
         dist.init_process_group(
-            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout)
+            backend,
+            store=dist.PrefixStore(f"syncline/attempt{attempt}", store),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout),
         )
         return True
     # Collective: rendezvous of all ranks at MASTER_ADDR:MASTER_PORT.
@@ -154,14 +161,29 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+#: Set when a stage raised on this rank: the others may be blocked in a collective that this rank will
+#: never join, so leaving must not wait for them.
+_LEAVE_WITHOUT_WAITING = False
+
+
+def leave_without_waiting() -> None:
+    """Make this process leave the group at exit without waiting for the other ranks (after a failure)."""
+    global _LEAVE_WITHOUT_WAITING
+    _LEAVE_WITHOUT_WAITING = True
+
+
 def _leave_at_exit() -> None:
     """Leave the group together with the other ranks when the interpreter exits normally.
 
     A rank that tears gloo down while a peer is still working (rank 0 writing a file, say) can abort
     with "terminate called without an active exception"; waiting for everyone first avoids that. The
-    wait is bounded, so a rank whose peer died still exits.
+    wait is bounded, so a rank whose peer died still exits. After a failure on this rank there is no
+    wait at all: the others may be blocked in a training collective, and this process ending is what
+    ends it for them (their connections to it close) and tells the elastic agent to stop the group.
     """
     if not dist.is_initialized():
+        return
+    if _LEAVE_WITHOUT_WAITING:
         return
     # A peer that is gone makes the barrier fail: leave anyway.
     with contextlib.suppress(Exception):
@@ -234,6 +256,10 @@ class ProcessGroupStrategy(Strategy):
             # since gloo's threads dying with the process can abort it ("terminate called ...").
             atexit.register(_leave_at_exit)
 
+    def on_stage_failure(self) -> None:
+        """Exit without waiting for the other ranks, which may be blocked in a collective this rank left."""
+        leave_without_waiting()
+
     def teardown(self) -> None:
         """Stay in the process group: it outlives a stage, as in Lightning.
 
@@ -253,6 +279,20 @@ class ProcessGroupStrategy(Strategy):
             # Collective: all-reduce of a metric.
             dist.all_reduce(result, op=_REDUCE_OPS[op])
         return result / self.world_size if op == "mean" else result
+
+    def reduce_async(self, tensor: Tensor, op: ReduceOp = "max") -> Callable[[], Tensor]:
+        """Start an all-reduce of `tensor` in place ("sum", "max" or "min"); return a function that waits for it."""
+        if op not in ("sum", "max", "min"):
+            raise ValueError(f"reduce_async supports 'sum', 'max' and 'min', not {op!r}.")
+        self._require_group()
+        # Collective: asynchronous all-reduce; the caller waits when it needs the value.
+        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], async_op=True)
+
+        def wait() -> Tensor:
+            work.wait()
+            return tensor
+
+        return wait
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         self._require_group()

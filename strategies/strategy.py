@@ -105,6 +105,9 @@ class Strategy(ABC):
     def teardown(self) -> None:
         """Undo `setup` and `setup_environment`: remove hooks, leave the process group."""
 
+    def on_stage_failure(self) -> None:
+        """Called on a rank whose stage raised: the other ranks may be blocked waiting for it."""
+
     # -------------------------------------------------------------- train step
     def training_step(self, task: Task, batch: Any, batch_idx: int) -> Any:
         """Run the task's forward for one micro-batch and return what `training_step` returned."""
@@ -143,6 +146,13 @@ class Strategy(ABC):
     def reduce(self, tensor: Tensor, op: ReduceOp = "mean") -> Tensor:
         """Reduce `tensor` across processes; every process gets the result."""
         return tensor
+
+    def reduce_async(self, tensor: Tensor, op: ReduceOp = "max") -> Callable[[], Tensor]:
+        """Start reducing `tensor` across processes; return a function that waits for and returns the result.
+
+        `tensor` itself receives the result; do not use it before calling the function.
+        """
+        return lambda: tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object from every process, in rank order."""

@@ -3,7 +3,8 @@
 The overrides are checked by composing the config once before Hydra runs, so that a misspelled key, an
 unknown option or a value of the wrong type ends in a few lines naming what is wrong and what is valid,
 with exit code 2, instead of a traceback. Errors while building or training end the same way (exit
-code 2 for bad arguments, 1 for failures at run time); ``HYDRA_FULL_ERROR=1`` shows the full traceback.
+code 2 for bad arguments, 1 for failures at run time, 75 for a run stopped by a preemption signal or
+Ctrl-C after writing ``last.ckpt``); ``HYDRA_FULL_ERROR=1`` shows the full traceback.
 
 Everything here runs once, in the process the user started: with ``trainer.devices=N`` the Trainer
 launches the worker processes itself, so there is one output directory and one resolved config.
@@ -35,7 +36,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 import syncline.trainer.config  # noqa: F401  (registers the structured configs in Hydra's ConfigStore)
+from syncline.strategies.launcher import WorkerFailedError
 from syncline.trainer.checkpoint import CheckpointError
+from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 from syncline.trainer.rank_zero import rank_zero_only
 from syncline.trainer.seed import seed_everything
 from syncline.trainer.trainer import Trainer
@@ -120,6 +123,11 @@ def run(cfg: DictConfig, output_dir: str) -> None:
         fit_trainer.fit(task, ckpt_path=cfg.ckpt_path)
     except KeyboardInterrupt:
         _exit("interrupted.", 130)
+    except TrainingPreempted as stop:
+        _exit(f"preempted: {stop}", PREEMPTED_EXIT_CODE)
+    except WorkerFailedError as error:
+        # Its message is already the one report: the rank, its exception and its traceback.
+        _exit(f"error: {error}\n{_HINT}", RUNTIME_ERROR)
     except CheckpointError as error:
         _fail(error, RUNTIME_ERROR, where=False)
     except Exception as error:

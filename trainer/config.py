@@ -65,6 +65,8 @@ class TrainerConf:
     ckpt_read: str = "every_rank"
     nonfinite_loss: str = "raise"
     uneven_inputs: str = "check"
+    max_restarts: int = 0
+    preemption_signal: str | None = "SIGTERM"
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ from syncline.callbacks.callback import Callback
 from syncline.strategies.join import Joinable
 from syncline.trainer.data import epoch_batches
 from syncline.trainer.nonfinite import NonfiniteLossGuard
+from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 from syncline.trainer.state import capture_rng, restore_rng
 from syncline.trainer.uneven import JOINED, agreed_batches, needs_agreement
 
@@ -61,6 +63,7 @@ class FitLoop:
             if self._done():
                 break
             state.start_epoch()
+        self.trainer.preemption.finish()
         self.fire(Callback.on_train_end)
 
     def _done(self) -> bool:
@@ -79,10 +82,12 @@ class FitLoop:
         num_batches = trainer.num_training_batches
         exhausted = True
         for batch_idx, batch, is_last in self._batches(num_batches):
-            self.run_batch(batch, batch_idx, is_last)
+            stepped = self.run_batch(batch, batch_idx, is_last)
             if not is_last and trainer.validation_due(batch_idx, is_last=False):
                 self.validate_after(batch_idx)
             exhausted = is_last
+            if stepped:
+                self.stop_if_preempted()
             if state.should_stop or (trainer.max_steps != -1 and state.global_step >= trainer.max_steps):
                 break
         # An epoch cut short by max_steps is not finished: it gets its final validation but no epoch-end
@@ -162,12 +167,17 @@ class FitLoop:
             self.resume_rng = None
 
     # ----------------------------------------------------------------- batches
-    def run_batch(self, batch: Any, batch_idx: int, is_last: bool) -> None:
-        """Forward, backward (synchronized at the end of an accumulation window), and maybe a step."""
+    def run_batch(self, batch: Any, batch_idx: int, is_last: bool) -> bool:
+        """Forward, backward (synchronized at the end of an accumulation window), and maybe a step.
+
+        Returns:
+            Whether an optimizer step was taken.
+        """
         trainer, task, strategy = self.trainer, self.task, self.strategy
         if batch is JOINED:
+            # Accumulation is 1 under join: every other rank's batch ends a window, so this one does too.
             self.shadow_batch(batch_idx)
-            return
+            return True
         batch = strategy.batch_to_device(batch)
         trainer.results.new_batch(batch)
         self.fire(Callback.on_train_batch_start, batch, batch_idx)
@@ -194,6 +204,23 @@ class FitLoop:
         self.fire(Callback.on_train_batch_end, outputs, batch, batch_idx)
         if window_end:
             trainer.flush_step_logs()
+        return window_end
+
+    def stop_if_preempted(self) -> None:
+        """At a step boundary: if any rank was signalled, write last.ckpt on every rank and stop.
+
+        Raises:
+            TrainingPreempted: after the checkpoint is written.
+        """
+        # Collective (with several processes): every rank learns whether any rank was signalled a step ago.
+        signum = self.trainer.preemption.should_stop(self.strategy)
+        if not signum:
+            return
+        path = self.trainer.save_preemption_checkpoint()  # collective
+        raise TrainingPreempted(
+            f"Stopped by {signal.Signals(signum).name} after step {self.state.global_step}; saved {path}. "
+            f'Resume with ckpt_path="last" (exit status {PREEMPTED_EXIT_CODE}).'
+        )
 
     def shadow_batch(self, batch_idx: int) -> None:
         """On a rank whose data ran out, match the collectives of the others' step, then step alike."""

@@ -28,6 +28,7 @@ from syncline.trainer.nonfinite import NONFINITE_LOSS
 from syncline.trainer.optim import OptimizerSetup, parse_optimizers
 from syncline.trainer.persistence import CKPT_READ
 from syncline.trainer.precision import PRECISIONS, Precision
+from syncline.trainer.preemption import PREEMPTION_SIGNALS, PreemptionWatch, TrainingPreempted
 from syncline.trainer.results import ResultCollection
 from syncline.trainer.seed import seed_everything, set_deterministic
 from syncline.trainer.state import TrainerState, isolated_rng
@@ -81,6 +82,12 @@ class Trainer:
             shadows the others' steps with zero gradients until every rank ran out (as torch's DDP
             `join()`; strategies that are `Joinable`, e.g. bucketed_ddp; accumulate_grad_batches=1;
             no sync_dist logging in training_step); "off" skips the check.
+        max_restarts: with `devices` > 1 (outside torchrun), restart the worker group this many times after
+            a worker fails; a restarted `fit` resumes from the newest ``last.ckpt``, as under
+            ``torchrun --max-restarts``.
+        preemption_signal: "SIGTERM", "SIGUSR1" or "SIGUSR2": on this signal (or Ctrl-C) to any rank,
+            every rank stops after the current optimizer step, writes ``last.ckpt`` and exits with
+            status 75 (`TrainingPreempted`); None: only Ctrl-C does.
     """
 
     def __init__(
@@ -109,6 +116,8 @@ class Trainer:
         ckpt_read: str = "every_rank",
         nonfinite_loss: str = "raise",
         uneven_inputs: str = "check",
+        max_restarts: int = 0,
+        preemption_signal: str | None = "SIGTERM",
     ) -> None:
         _check_options(locals())
         if ckpt_read not in CKPT_READ:
@@ -121,6 +130,11 @@ class Trainer:
         if uneven_inputs not in UNEVEN_INPUTS:
             raise OptionError(
                 f"Trainer(uneven_inputs={uneven_inputs!r}): uneven_inputs must be one of {', '.join(UNEVEN_INPUTS)}."
+            )
+        if preemption_signal is not None and preemption_signal not in PREEMPTION_SIGNALS:
+            raise OptionError(
+                f"Trainer(preemption_signal={preemption_signal!r}): use one of {', '.join(PREEMPTION_SIGNALS)}, "
+                "or None for Ctrl-C only."
             )
         if str(precision) not in PRECISIONS:
             raise ValueError(f"Unknown precision {precision!r}. Valid values: {', '.join(PRECISIONS)}.")
@@ -145,6 +159,8 @@ class Trainer:
         self.ckpt_read = ckpt_read
         self.nonfinite_loss = nonfinite_loss
         self.uneven_inputs = uneven_inputs
+        self.max_restarts = max_restarts
+        self.preemption = PreemptionWatch(preemption_signal)
         self.strategy = resolve_strategy(strategy, devices)
         if uneven_inputs == "join":
             _check_joinable(self.strategy, accumulate_grad_batches)
@@ -405,8 +421,11 @@ class Trainer:
             status = "success"
             return result
         except BaseException as error:
-            if isinstance(error, KeyboardInterrupt):
+            if isinstance(error, (KeyboardInterrupt, TrainingPreempted)):
                 status = "interrupted"
+            if not isinstance(error, TrainingPreempted):
+                # Every rank stops together on a preemption; after anything else the others may be stuck.
+                self.strategy.on_stage_failure()
             self.dispatcher.fire(Callback.on_exception, error)
             raise
         finally:
@@ -421,6 +440,10 @@ class Trainer:
 
     def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: Any) -> None:
         task, strategy = self.task, self.strategy
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            # An elastic agent restarted the group after a failure: continue from the newest last.ckpt
+            # (collective), or from where the first attempt started when none was written yet.
+            ckpt_path = persistence.find_last_checkpoint(self) or ckpt_path
         checkpoint = persistence.read_checkpoint(self, ckpt_path)
         if checkpoint is not None:
             for logger, state in zip(self.loggers, checkpoint.get("loggers", [])):
@@ -448,9 +471,11 @@ class Trainer:
         # pausing the loop for the whole heap (100-200 ms each on a heap with torch imported).
         gc.collect()
         gc.freeze()
+        self.preemption.install()
         try:
             self._fit_loop.run()
         finally:
+            self.preemption.uninstall()
             gc.unfreeze()
         self.dispatcher.fire(Callback.on_fit_end)
 
@@ -580,6 +605,14 @@ class Trainer:
         # Collective: nobody reads the file before rank 0 has finished writing it.
         self.strategy.barrier()
 
+    def save_preemption_checkpoint(self) -> str:
+        """Write ``last.ckpt`` where the first ModelCheckpoint keeps it (else `default_root_dir`); return its path."""
+        callback = self.checkpoint_callback
+        directory = getattr(callback, "dirpath", None) or self.default_root_dir
+        path = os.path.join(directory, "last.ckpt")
+        self.save_checkpoint(path)  # collective
+        return path
+
     # -------------------------------------------------------------------- data
     def _prepare_loader(self, loader: Any, evaluation: bool = False) -> Any:
         if not (self.use_distributed_sampler and isinstance(loader, DataLoader)):
@@ -640,6 +673,7 @@ def _check_options(options: dict[str, Any]) -> None:
     check_int("Trainer", "log_every_n_steps", options["log_every_n_steps"], 1)
     check_int("Trainer", "num_sanity_val_steps", options["num_sanity_val_steps"], -1, meaning="-1 for all batches")
     check_int("Trainer", "seed", options["seed"], 0, none_ok=True)
+    check_int("Trainer", "max_restarts", options["max_restarts"], 0, meaning="restarts of the worker group")
     for name in ("limit_train_batches", "limit_val_batches"):
         limit = options[name]
         if isinstance(limit, float):
