@@ -127,9 +127,13 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
 
 @contextlib.contextmanager
 def _quiet_elastic() -> Iterator[None]:
-    """Silence the elastic agent's logs (its own failure report spans dozens of lines) during a launch."""
+    """Silence the elastic agent's logs (its own failure report spans dozens of lines) during a launch.
+
+    Also puts back the environment variable in which the launch API passes the signals it handles.
+    """
     loggers = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
     levels = [logger.level for logger in loggers]
+    signals = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
     for logger in loggers:
         logger.setLevel(logging.CRITICAL + 1)
     try:
@@ -137,6 +141,10 @@ def _quiet_elastic() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+        if signals is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        else:
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals
 
 
 @contextlib.contextmanager
