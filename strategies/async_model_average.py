@@ -150,7 +150,7 @@ class AsyncModelAverage(ModelAveraging):
                     nbytes += average.numel() * average.element_size()
                     result.append((tensors, average, then))
                 with self._lock:
-                    self.bytes.add(nbytes + flag.numel() * flag.element_size())
+                    self.comm_counter.add(nbytes + flag.numel() * flag.element_size())
                     self.rounds += 1
                     self._applied.clear()
                     self._result = result

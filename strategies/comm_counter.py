@@ -47,6 +47,19 @@ class CommCounter:
         self.step_bytes = self.open_bytes
         self.open_bytes = 0
 
+    def reset(self) -> None:
+        """Start counting from zero (a new run), keeping this object (collectives may hold it)."""
+        self.step_bytes = self.total_bytes = self.open_bytes = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Return the counters, for a checkpoint (so a resumed run logs the same totals)."""
+        return {"step_bytes": self.step_bytes, "total_bytes": self.total_bytes, "open_bytes": self.open_bytes}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore the counters saved by `state_dict`."""
+        self.step_bytes, self.total_bytes = int(state["step_bytes"]), int(state["total_bytes"])
+        self.open_bytes = int(state.get("open_bytes", 0))
+
     def as_dict(self) -> dict[str, float]:
         """Return ``{"comm/bytes": ..., "comm/total_bytes": ...}`` as the loop logs them."""
         return {"comm/bytes": float(self.step_bytes), "comm/total_bytes": float(self.total_bytes)}

@@ -125,7 +125,7 @@ class Decentralized(ModelAveraging):
         self.rounds += 1
         if self.peers == "all" and self.compression is None:
             # Collective: one coalesced all-reduce of the parameters.
-            average_parameters(self._params, counter=self.bytes)
+            average_parameters(self._params, counter=self.comm_counter)
         elif self.peers == "all":
             self._average_all_quantized()
         else:
@@ -155,7 +155,7 @@ class Decentralized(ModelAveraging):
         works = [dist.isend(tensor, dst=partner), dist.irecv(received, src=partner)]
         for work in works:
             work.wait()
-        self.bytes.add(tensor.numel() * tensor.element_size())
+        self.comm_counter.add(tensor.numel() * tensor.element_size())
         return received
 
     def _average_all_quantized(self) -> None:
@@ -167,7 +167,7 @@ class Decentralized(ModelAveraging):
             gathered = [torch.empty_like(payload) for _ in range(world)]
             # Collective: every rank's quantized difference (all payloads have the same size).
             dist.all_gather(gathered, payload)
-            self.bytes.add(payload.numel())
+            self.comm_counter.add(payload.numel())
             for peer, received in enumerate(gathered):
                 self.estimates[str(peer)][index] += minmax_dequantize(
                     unpack(_split_payload(received, quantized.sizes)), flat.dtype

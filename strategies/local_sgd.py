@@ -43,7 +43,7 @@ class LocalSGD(ModelAveraging):
         """Average every parameter across ranks at the end of each period; nothing in between."""
         if local_step % self.period == 0:
             # Collective: one coalesced all-reduce of the parameters (per dtype).
-            average_parameters(self._params, counter=self.bytes)
+            average_parameters(self._params, counter=self.comm_counter)
 
     def __repr__(self) -> str:
         return f"LocalSGD(period={self.period}, warmup_steps={self.warmup_steps})"

@@ -27,45 +27,12 @@ from torch import Tensor
 
 from syncline.options import check_int
 from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.comm_counter import CommCounter
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
 
-__all__ = ["ByteCounter", "ModelAveraging", "average_parameters", "flatten_by_dtype"]
-
-
-class ByteCounter:
-    """`comm/bytes` (bytes handed to collectives for the last optimizer step) and `comm/total_bytes`.
-
-    Private to the averaging strategies until the shared counter of every strategy lands; the names and
-    meaning are the same.
-    """
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.total = 0
-        self._current = 0
-
-    def add(self, nbytes: int) -> None:
-        """Count `nbytes` handed to a collective during the current optimizer step."""
-        self._current += nbytes
-        self.total += nbytes
-
-    def end_step(self) -> None:
-        """Close the current optimizer step: its bytes become `comm/bytes`."""
-        self.step, self._current = self._current, 0
-
-    def as_dict(self) -> dict[str, float]:
-        """Return the counters under the keys the loop logs."""
-        return {"comm/bytes": float(self.step), "comm/total_bytes": float(self.total)}
-
-    def state_dict(self) -> dict[str, int]:
-        """Return the counters, for a checkpoint."""
-        return {"step": self.step, "total": self.total}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore the counters saved by `state_dict`."""
-        self.step, self.total, self._current = int(state["step"]), int(state["total"]), 0
+__all__ = ["ModelAveraging", "average_parameters", "flatten_by_dtype"]
 
 
 def flatten_by_dtype(tensors: Iterable[Tensor]) -> list[tuple[list[Tensor], Tensor]]:
@@ -83,7 +50,7 @@ def unflatten_into(tensors: list[Tensor], flat: Tensor) -> None:
             tensor.copy_(value.view_as(tensor))
 
 
-def average_parameters(params: list[Tensor], group: Any = None, counter: ByteCounter | None = None) -> None:
+def average_parameters(params: list[Tensor], group: Any = None, counter: CommCounter | None = None) -> None:
     """Replace `params` by their mean over the ranks of `group`: one coalesced all-reduce per dtype.
 
     As torch's `average_parameters`, the flat copy is divided before the sum, so low precision cannot
@@ -117,7 +84,6 @@ class ModelAveraging(BucketedDDP):
         self.warmup_steps = warmup_steps
         #: Optimizer steps taken since setup (restored from checkpoints).
         self.steps = 0
-        self.bytes = ByteCounter()
         self._params: list[Tensor] = []
 
     @property
@@ -132,7 +98,7 @@ class ModelAveraging(BucketedDDP):
         self._params = [p for p in task.parameters() if p.requires_grad]
         # A new run; a resumed one gets its counters back from `load_state_dict` after this.
         self.steps = 0
-        self.bytes = ByteCounter()
+        self.comm_counter.reset()
 
     # -------------------------------------------------------------- train step
     def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
@@ -141,14 +107,11 @@ class ModelAveraging(BucketedDDP):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> None:
         """Step on this rank's gradients, then let the strategy average the models."""
-        synced = not self.local
         step()
         self.steps += 1
-        if synced and self._reducer is not None:
-            self.bytes.add(self._reducer.stats().bytes)
         if self.steps > self.warmup_steps:
             self.average_after_step(self.steps - self.warmup_steps)
-        self.bytes.end_step()
+        self.comm_counter.close_step()
 
     def average_after_step(self, local_step: int) -> None:
         """Average parameters after local step number `local_step` (1, 2, ...) as the algorithm says."""
@@ -162,14 +125,14 @@ class ModelAveraging(BucketedDDP):
     # -------------------------------------------------------------- reporting
     def communication_stats(self) -> dict[str, float]:
         """`comm/bytes` of the last optimizer step and `comm/total_bytes` since setup."""
-        return self.bytes.as_dict()
+        return self.comm_counter.as_dict()
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Return this rank's part of the strategy's state (the trainer gathers every rank's)."""
-        return {"steps": self.steps, "bytes": self.bytes.state_dict()}
+        return {"steps": self.steps, "bytes": self.comm_counter.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
         self.steps = int(state["steps"])
-        self.bytes.load_state_dict(state["bytes"])
+        self.comm_counter.load_state_dict(state["bytes"])
