@@ -20,7 +20,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["CAPACITY", "COLLECTIVES", "CollectiveLog", "first_divergence"]
+__all__ = ["CAPACITY", "COLLECTIVES", "CollectiveLog", "diagnosis_wait", "first_divergence"]
 
 #: Collectives each rank remembers.
 CAPACITY = 64
@@ -72,6 +72,17 @@ class CollectiveLog:
                 missing.append(other)
                 wait_s = 0.1  # do not wait the full time again for every silent rank
         return " " + describe(logs, missing, self.strategy)
+
+
+def diagnosis_wait(error: BaseException | None, timeout: float) -> float:
+    """Seconds to wait for the other ranks' logs after `error` (None: the collective timed out).
+
+    A timeout means the peers are alive but elsewhere: they report within seconds of their own timeout,
+    so wait up to 30 s. A broken connection means a peer is gone and will never report: wait briefly, so
+    a rank that died or raised ends the others in seconds.
+    """
+    text = str(error).lower() if error is not None else "timed out"
+    return min(timeout, 30.0) if ("timed out" in text or "timeout" in text) else min(timeout, 2.0)
 
 
 def first_divergence(logs: dict[int, list[tuple[int, str]]]) -> tuple[int, dict[int, str]] | None:

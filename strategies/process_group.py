@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 
 from syncline.options import check_number
-from syncline.strategies.collective_log import COLLECTIVES
+from syncline.strategies.collective_log import COLLECTIVES, diagnosis_wait
 from syncline.strategies.reducer_errors import CollectiveError
 from syncline.strategies.strategy import ReduceOp, Strategy
 
@@ -326,9 +326,10 @@ class ProcessGroupStrategy(Strategy):
         except RuntimeError as error:
             if isinstance(error, CollectiveError):
                 raise
+            diagnosis = COLLECTIVES.diagnose(diagnosis_wait(error, self.timeout))
             raise CollectiveError(
                 f"Rank {self.global_rank}: {what} failed or did not complete within {self.timeout:g} s: "
-                f"{next(iter(str(error).splitlines()), '')}." + COLLECTIVES.diagnose(min(self.timeout, 30.0))
+                f"{next(iter(str(error).splitlines()), '')}." + diagnosis
             ) from error
 
     def _require_group(self) -> None:

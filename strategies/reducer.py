@@ -46,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from syncline.strategies.autograd_graph import grad_accumulators, parameters_reached
 from syncline.strategies.buckets import Bucket, Slot, assign_buckets
-from syncline.strategies.collective_log import COLLECTIVES
+from syncline.strategies.collective_log import COLLECTIVES, diagnosis_wait
 from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
 from syncline.strategies.reducer_errors import (
@@ -565,7 +565,7 @@ class Reducer:
             if not done.wait(self._timeout):
                 raise CollectiveError(
                     f"{what} ({bucket.nbytes} bytes) did not complete within {self._timeout:g} s; "
-                    "another rank is probably stuck or launched different collectives." + self._diagnose()
+                    "another rank is probably stuck or launched different collectives." + self._diagnose(None)
                 )
         try:
             # Not value(): on NCCL a future can be done once the collective is enqueued; wait() also
@@ -573,7 +573,7 @@ class Reducer:
             # bucket (as torch's reducer does). On CPU it returns at once.
             return future.wait()
         except RuntimeError as error:
-            raise CollectiveError(f"{what} ({bucket.nbytes} bytes) failed: {error}." + self._diagnose()) from error
+            raise CollectiveError(f"{what} ({bucket.nbytes} bytes) failed: {error}." + self._diagnose(error)) from error
 
     def _wait_used_map(self) -> list[bool]:
         """Return, per parameter, whether any rank used it since the last synchronized backward."""
@@ -584,14 +584,14 @@ class Reducer:
         except RuntimeError as error:
             raise CollectiveError(
                 f"Rank {self._rank}: all-reduce of the used-parameter map of step {self.sync_steps} failed: {error}."
-                + self._diagnose()
+                + self._diagnose(error)
             ) from error
         # Host sync: read the counts back to the CPU.
         return [count > 0 for count in self._used_map.tolist()]
 
-    def _diagnose(self) -> str:
-        """Compare the ranks' collective logs (waiting for theirs at most 30 s) for a timeout's message."""
-        return COLLECTIVES.diagnose(min(self._timeout, 30.0))
+    def _diagnose(self, error: BaseException | None) -> str:
+        """Compare the ranks' collective logs for the message of `error` (None: a timeout)."""
+        return COLLECTIVES.diagnose(diagnosis_wait(error, self._timeout))
 
     def _unused_message(self) -> str:
         not_ready = [i for i, ready in enumerate(self._ready) if not ready]
