@@ -35,7 +35,7 @@ from syncline.strategies.sparse_gradients import sparse_gradient_parameters
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
 
-__all__ = ["BucketedDDP"]
+__all__ = ["BlockingHookDDP", "BucketedDDP"]
 
 _CAP_MEANING = "MiB per bucket; 0 gives every parameter its own bucket"
 
@@ -224,3 +224,36 @@ class BucketedDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
             f"gradient_as_bucket_view={self.gradient_as_bucket_view}, overlap={self.overlap}, "
             f"static_graph={self.static_graph})"
         )
+
+
+class BlockingHookDDP(BucketedDDP):
+    """`BucketedDDP` whose comm hook compresses a bucket and blocks until it is averaged (ByteGrad, PowerSGD).
+
+    Such a hook buys no overlap from a small first bucket, so every bucket gets `bucket_cap_mb`; and its
+    per-parameter state is keyed by name, so `setup` gives the hook state a ``names`` map (id -> name).
+    """
+
+    def __init__(
+        self,
+        comm_hook: CommHook,
+        comm_state: Any,
+        bucket_cap_mb: float,
+        find_unused_parameters: bool,
+        backend: str | None,
+        timeout: float,
+    ) -> None:
+        super().__init__(
+            bucket_cap_mb=bucket_cap_mb,
+            # The hook blocks until its bucket is averaged: a small first bucket would buy no overlap.
+            first_bucket_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            comm_hook=comm_hook,
+            comm_state=comm_state,
+            backend=backend,
+            timeout=timeout,
+        )
+
+    def setup(self, task: Task) -> None:
+        """Build the reducer with the hook, and name every parameter for the hook's per-parameter state."""
+        super().setup(task)
+        self.comm_state.names = {id(param): name for name, param in task.named_parameters()}

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import check_number
-from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.bucketed_ddp import BlockingHookDDP
 from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import GradBucket
 from syncline.strategies.compression import ErrorFeedback, minmax_dequantize, minmax_quantize, pack, unpack
@@ -129,7 +129,7 @@ def _per_parameter(bucket: GradBucket, state: ByteGradState, compensate: Any) ->
     return torch.cat([compensate(name, bucket.buffer[start:end]) for name, start, end in _spans(bucket, state)])
 
 
-class ByteGrad(BucketedDDP):
+class ByteGrad(BlockingHookDDP):
     """Average gradients with BAGUA's 8-bit scatter-reduce and all-gather, bucket by bucket.
 
     Args:
@@ -158,21 +158,7 @@ class ByteGrad(BucketedDDP):
         check_number("ByteGrad", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
         self.error_feedback = error_feedback
         state = ByteGradState(error_feedback=ErrorFeedback() if error_feedback else None)
-        super().__init__(
-            bucket_cap_mb=bucket_cap_mb,
-            # The hook blocks until its bucket is averaged: a small first bucket would buy no overlap.
-            first_bucket_mb=bucket_cap_mb,
-            find_unused_parameters=find_unused_parameters,
-            comm_hook=bytegrad_hook,
-            comm_state=state,
-            backend=backend,
-            timeout=timeout,
-        )
-
-    def setup(self, task: Any) -> None:
-        """Build the reducer with the ByteGrad hook and name every parameter for the error feedback."""
-        super().setup(task)
-        self.comm_state.names = {id(param): name for name, param in task.named_parameters()}
+        super().__init__(bytegrad_hook, state, bucket_cap_mb, find_unused_parameters, backend, timeout)
 
     def state_dict(self) -> dict[str, Any]:
         """Return this rank's error-feedback memory and the world size it belongs to."""

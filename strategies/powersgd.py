@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import check_int, check_number
-from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.bucketed_ddp import BlockingHookDDP
 from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import GradBucket, count_bytes
 from syncline.strategies.compression import ErrorFeedback
@@ -144,7 +144,7 @@ def _all_reduce_mean(tensors: list[Tensor], state: PowerSGDState, world: int) ->
     return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
-class PowerSGD(BucketedDDP):
+class PowerSGD(BlockingHookDDP):
     """Average gradients as rank-`rank` factors per matrix (PowerSGD), exactly for vectors.
 
     Args:
@@ -191,21 +191,7 @@ class PowerSGD(BucketedDDP):
             warm_start=warm_start,
             error_feedback=ErrorFeedback() if error_feedback else None,
         )
-        super().__init__(
-            bucket_cap_mb=bucket_cap_mb,
-            # The hook blocks until its bucket is averaged: a small first bucket would buy no overlap.
-            first_bucket_mb=bucket_cap_mb,
-            find_unused_parameters=find_unused_parameters,
-            comm_hook=powersgd_hook,
-            comm_state=state,
-            backend=backend,
-            timeout=timeout,
-        )
-
-    def setup(self, task: Any) -> None:
-        """Build the reducer with the PowerSGD hook and name every parameter for the per-matrix state."""
-        super().setup(task)
-        self.comm_state.names = {id(param): name for name, param in task.named_parameters()}
+        super().__init__(powersgd_hook, state, bucket_cap_mb, find_unused_parameters, backend, timeout)
 
     def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
         """Back-propagate as `BucketedDDP` does, and count the synchronized steps (for `start_iter`)."""
