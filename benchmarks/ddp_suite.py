@@ -42,8 +42,10 @@ __all__ = [
     "Variant",
     "device_variants",
     "plan_variants",
+    "rank_timings",
     "run_ddp_workload",
     "run_device_workload",
+    "summarize_job",
     "variant_name",
 ]
 
@@ -205,7 +207,7 @@ class _Runner:
         return [self.step((i + 1) % k == 0) for i in range(steps)]
 
 
-def _rank(
+def rank_timings(
     rank: int, world_size: int, workload_name: str, size: str, variants, plan: DDPPlan, timeout: float, device: str
 ):
     from syncline.strategies.process_group import init_process_group_from_env
@@ -251,7 +253,14 @@ def _run_job(
     workload_name: str, size: str, plan: DDPPlan, variants: list[Variant], world_size: int, device: str, timeout: float
 ) -> dict[str, Any]:
     args = (workload_name, size, variants, plan, timeout, device)
-    per_rank = run_ranks(_rank, world_size, args, timeout=timeout)
+    per_rank = run_ranks(rank_timings, world_size, args, timeout=timeout)
+    return summarize_job(workload_name, size, plan, variants, per_rank)
+
+
+def summarize_job(
+    workload_name: str, size: str, plan: DDPPlan, variants: list[Variant], per_rank: list[dict[str, list]]
+) -> dict[str, Any]:
+    """Summarize every variant of a job from each rank's timings (what `_rank` returns), exposed wait included."""
     workload = build(workload_name, size)
     batch = workload.config["batch"]
     results = {}

@@ -1,0 +1,147 @@
+"""The DDP paper's overlap and bucket-size experiments again, on shaped links (docs/performance.md, §9).
+
+The same job as `benchmarks/ddp_suite.py` (every variant trains its own copy of the workload on a fixed
+batch, blocks rotated per repeat, each step counted with its slower rank's phases), but as a two-node
+torchrun job in the network lab (`benchmarks/cluster.py`), so that the wire, not the two shared cores,
+is what communication waits for. At each rate it reports the step time per variant, the overlap gain
+(no-overlap / overlap at the same cap) and the bucket-size effect (slowest cap / fastest cap), next to
+the link's bound for the step's bytes.
+
+    python -m benchmarks.lab_ddp --rates 1gbit 100mbit --workload bert --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.cluster import namespaces_unavailable, parse_rate, run_lab
+from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, Variant, rank_timings, summarize_job
+
+__all__ = ["lab_variants", "run_lab_ddp"]
+
+CAPS_MB = (0.0, 1.0, 4.0, 25.0, ALL_IN_ONE_MB)
+
+
+def lab_variants(caps_mb: tuple[float, ...] = CAPS_MB) -> list[Variant]:
+    """`local`, torch's DDP at its defaults, and BucketedDDP at each cap with and without overlap."""
+    variants = [Variant("local", "local"), Variant("native default", "native"), Variant("bucketed default", "bucketed")]
+    for cap in caps_mb:
+        variants += [
+            Variant(f"bucketed cap={cap:g}", "bucketed", cap),
+            Variant(f"bucketed cap={cap:g} no-overlap", "bucketed", cap, overlap=False),
+        ]
+    return variants
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    """One rank of the job: time every variant, gather the timings on rank 0, which writes them."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    plan = DDPPlan(**spec["plan"])
+    variants = [Variant(**v) for v in spec["variants"]]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timings = rank_timings(rank, world, spec["workload"], spec["size"], variants, plan, spec["timeout"], "cpu")
+    everyone: list[Any] = [None] * world
+    # Collective: every rank's timings, for rank 0 to write.
+    dist.all_gather_object(everyone, timings)
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps(everyone))
+
+
+def run_lab_ddp(
+    rate: str | None, workload: str, plan: DDPPlan, variants: list[Variant], nodes: int = 2, timeout: float = 3000.0
+) -> dict[str, Any]:
+    """Run the variants as a `nodes`-node job at `rate`; return `summarize_job`'s result plus the link's figures."""
+    work = Path(tempfile.mkdtemp(prefix="syncline-lab-ddp-"))
+    spec = {
+        "plan": asdict(plan),
+        "variants": [asdict(v) for v in variants],
+        "workload": workload,
+        "size": "full",
+        "timeout": timeout,
+        "out": str(work / "timings.json"),
+    }
+    (work / "spec.json").write_text(json.dumps(spec))
+    lab = run_lab(
+        ["-m", "benchmarks.lab_ddp", "--worker", str(work / "spec.json")],
+        nodes=nodes,
+        rate=rate,
+        timeout=timeout,
+        log_dir=work,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    if not lab.ok:
+        logs = "\n".join(Path(n.log).read_text()[-3000:] for n in lab.node_results if n.returncode)
+        raise RuntimeError(f"lab job at {rate} failed:\n{logs}")
+    per_rank = json.loads(Path(spec["out"]).read_text())
+    result = summarize_job(workload, "full", plan, variants, per_rank)
+    result["rate"] = rate or "unshaped"
+    result["timings_file"] = spec["out"]
+    result["nodes"] = nodes
+    gradient_bytes = result["workload"]["parameters"] * 4
+    if rate:
+        # A ring all-reduce sends 2(n-1)/n of the gradients from every node.
+        result["wire_bound_ms"] = round(2 * (nodes - 1) / nodes * gradient_bytes * 8 / parse_rate(rate) * 1e3, 1)
+    return result
+
+
+def _report(result: dict[str, Any]) -> str:
+    variants = result["variants"]
+    step = {name: v["step"]["median_ms"] for name, v in variants.items()}
+    lines = [f"\n{result['nodes']} nodes, {result['rate']}: wire bound {result.get('wire_bound_ms', '-')} ms, "
+             f"local step {step['local']:.1f} ms"]  # fmt: skip
+    lines.append("| variant | step ms (median) | exposed comm ms |")
+    lines.append("|---|---|---|")
+    for name, v in variants.items():
+        lines.append(f"| {name} | {v['step']['median_ms']:.1f} | {v.get('exposed_comm_ms', '-')} |")
+    lines.append("overlap gain (no-overlap / overlap): " + ", ".join(
+        f"cap {name.split('=')[1]}: {step[name + ' no-overlap'] / step[name]:.2f}"
+        for name in step if name.startswith("bucketed cap=") and not name.endswith("no-overlap")
+    ))  # fmt: skip
+    caps = [step[n] for n in step if n.startswith("bucketed cap=") and not n.endswith("no-overlap")]
+    lines.append(f"bucket-size effect (slowest / fastest cap, overlap on): {max(caps) / min(caps):.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep at each rate; print the tables and write the JSON."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        _worker(json.loads(Path(argv[1]).read_text()))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"], help="tc rates, or none")
+    parser.add_argument("--workload", default="bert", choices=["bert", "cnn"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per repeat")
+    parser.add_argument("--caps", type=float, nargs="+", default=list(CAPS_MB))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_ddp.json")
+    args = parser.parse_args(argv)
+    reason = namespaces_unavailable()
+    if reason is not None:
+        print(f"lab_ddp: skipped: {reason}")
+        return 0
+    plan = DDPPlan(caps_mb=tuple(args.caps), sync_every=(1,), repeats=args.repeats, steps=args.steps)
+    variants = lab_variants(tuple(args.caps))
+    results = []
+    for rate in args.rates:
+        result = run_lab_ddp(None if rate == "none" else rate, args.workload, plan, variants)
+        print(_report(result), flush=True)
+        results.append(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Every strategy against its link's bound, in the network lab (docs/performance.md, "Strategies on shaped links").
+
+For each node count and link rate the lab (`benchmarks/cluster.py`) builds a cluster and runs one torchrun
+job across it; the job trains the default example's CharGPT, widened so that its gradients weigh several
+MB, with each strategy in turn (one process per node, one thread each). For every strategy it records,
+after a few untimed steps:
+
+- the step time: the median over the timed optimizer steps of the slowest rank's step;
+- the bytes each node sent per step, read off its own interface (``/sys/class/net/eth0``) around the
+  timed steps, so setup and rendezvous do not count, next to the bytes the strategy says it handed to
+  collectives (`comm/bytes`);
+- the bound: ``max(local step time, busiest node's bytes per step * 8 / rate)``, where the local step
+  time is that of the same job with no communication at all (``local``: local SGD that never averages),
+  all nodes computing at once on the same cores as in the other runs.
+
+measured / bound near 1 means the strategy waits for nothing but its own bytes on the wire (or its own
+compute); well above 1 means it leaves the link idle while it waits, or waits on something else.
+
+    python -m benchmarks.lab_strategies --nodes 2 4 --rates none 1gbit 100mbit --steps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.cluster import link_bound, namespaces_unavailable, parse_rate, run_lab
+
+__all__ = ["DEFAULT_MODEL", "DEFAULT_STRATEGIES", "lab_rows", "run_strategies"]
+
+#: CharGPT widened to 3.2 M parameters (12.6 MB of fp32 gradients) on short batches, so that at 100 Mbit
+#: a step's bytes take longer than its compute and at 1 Gbit they do not.
+DEFAULT_MODEL = {
+    "n_layer": 4,
+    "n_head": 4,
+    "n_embd": 256,
+    "block_size": 64,
+    "batch_size": 8,
+    "max_chars": 200_000,
+    "sample_chars": 0,
+}
+
+#: (label, registered name, options). `local` is the reference without communication.
+DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
+    ("local", "local_sgd", {"period": 1_000_000}),
+    ("bucketed_ddp", "bucketed_ddp", {}),
+    ("native_ddp", "native_ddp", {}),
+    ("bucketed_ddp bf16", "bucketed_ddp", {"comm_hook": "bf16"}),
+    ("bytegrad", "bytegrad", {}),
+    ("powersgd", "powersgd", {"start_iter": 2}),
+    ("qadam", "qadam", {"warmup_steps": 2}),
+    ("local_sgd", "local_sgd", {"period": 4}),
+    ("decentralized", "decentralized", {}),
+    ("decentralized all uint8", "decentralized", {"peers": "all", "compression": "uint8"}),
+    ("async_model_average", "async_model_average", {}),
+]
+
+
+# ------------------------------------------------------------------ inside the torchrun job
+def _link_counters(interface: str) -> tuple[int, int]:
+    """(bytes sent, bytes received) of this node's interface; zeros where there is none (unshaped runs)."""
+    base = Path("/sys/class/net") / interface / "statistics"
+    try:
+        return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
+    except OSError:
+        return 0, 0
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    """Train every strategy of `spec` in this torchrun job; rank 0 writes the records to spec["out"]."""
+    import torch
+    import torch.distributed as dist
+
+    from syncline.callbacks import Callback
+    from syncline.examples.char_gpt import CharGPT
+    from syncline.strategies import STRATEGIES
+    from syncline.trainer import Trainer
+
+    torch.set_num_threads(1)
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "eth0")
+    warmup, steps = spec["warmup"], spec["steps"]
+
+    class LinkRecorder(Callback):
+        """After each optimizer step: the time, the link's counters and the strategy's `comm/bytes`."""
+
+        def __init__(self) -> None:
+            self.marks: list[tuple[float, int, int, float]] = []
+
+        def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+            sent, received = _link_counters(interface)
+            comm = trainer.strategy.communication_stats().get("comm/bytes", 0.0)
+            self.marks.append((time.perf_counter(), sent, received, comm))
+
+    results = []
+    for label, name, options in spec["strategies"]:
+        torch.manual_seed(0)
+        task = CharGPT(**spec["model"])
+        recorder = LinkRecorder()
+        trainer = Trainer(
+            max_steps=warmup + steps,
+            strategy=STRATEGIES[name](**options),
+            callbacks=[recorder],
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+        )
+        trainer.fit(task)
+        marks = recorder.marks[warmup - 1 :]  # the end of the last untimed step starts the window
+        times = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
+        mine = {
+            "step_s": times,
+            "sent_per_step": (marks[-1][1] - marks[0][1]) / steps,
+            "received_per_step": (marks[-1][2] - marks[0][2]) / steps,
+            "comm_bytes_per_step": statistics.mean(m[3] for m in marks[1:]),
+            "loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
+        }
+        everyone: list[Any] = [None] * dist.get_world_size()
+        # Collective: every rank's record, for rank 0 to write.
+        dist.all_gather_object(everyone, mine)
+        # A step is as slow as its slowest rank: take the slowest at each step, then the median.
+        slowest = [max(per_rank) for per_rank in zip(*(r["step_s"] for r in everyone))]
+        results.append(
+            {
+                "label": label,
+                "strategy": name,
+                "options": options,
+                "step_s": statistics.median(slowest),
+                "ranks": everyone,
+            }
+        )
+    if dist.get_rank() == 0:
+        Path(spec["out"]).write_text(json.dumps(results, indent=1) + "\n")
+
+
+# ------------------------------------------------------------------ the parent
+def run_strategies(
+    nodes: int,
+    rate: str | None,
+    strategies: list[tuple[str, str, dict[str, Any]]] | None = None,
+    steps: int = 12,
+    warmup: int = 4,
+    model: dict[str, Any] | None = None,
+    timeout: float = 1800.0,
+) -> list[dict[str, Any]]:
+    """Run every strategy on a lab cluster of `nodes` nodes at `rate`; return one row per strategy."""
+    work = Path(tempfile.mkdtemp(prefix="syncline-lab-strategies-"))
+    spec = {
+        "strategies": strategies or DEFAULT_STRATEGIES,
+        "steps": steps,
+        "warmup": warmup,
+        "model": model or DEFAULT_MODEL,
+        "out": str(work / "records.json"),
+    }
+    (work / "spec.json").write_text(json.dumps(spec))
+    lab = run_lab(
+        ["-m", "benchmarks.lab_strategies", "--worker", str(work / "spec.json")],
+        nodes=nodes,
+        rate=rate,
+        timeout=timeout,
+        log_dir=work,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    if not lab.ok:
+        logs = "\n".join(Path(n.log).read_text()[-3000:] for n in lab.node_results if n.returncode)
+        raise RuntimeError(f"lab job on {nodes} nodes at {rate} failed:\n{logs}")
+    records = json.loads(Path(spec["out"]).read_text())
+    return lab_rows(records, nodes, rate)
+
+
+def lab_rows(records: list[dict[str, Any]], nodes: int, rate: str | None) -> list[dict[str, Any]]:
+    """Add to each strategy's record the busiest node's bytes, the link bound and measured/bound."""
+    rate_bps = parse_rate(rate) if rate else None
+    local = next((r["step_s"] for r in records if r["label"] == "local"), None)
+    rows = []
+    for record in records:
+        sent = [r["sent_per_step"] for r in record["ranks"]]
+        comm = [r["comm_bytes_per_step"] for r in record["ranks"]]
+        row = {
+            "label": record["label"],
+            "nodes": nodes,
+            "rate": rate or "unshaped",
+            "step_s": round(record["step_s"], 4),
+            "busiest_sent_per_step": max(sent),
+            "comm_bytes_per_step": max(comm),
+            "wire_over_comm": round(max(sent) / max(comm), 3) if max(comm) else None,
+        }
+        if local is not None:
+            bound = link_bound(local, sent, rate_bps) if rate_bps else local
+            row["bound_s"] = round(bound, 4)
+            row["measured_over_bound"] = round(record["step_s"] / bound, 3)
+        rows.append(row)
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = "| strategy | nodes | link | s/step | busiest node sent/step | comm/bytes | wire/comm | bound s | measured/bound |"  # noqa: E501
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r["wire_over_comm"] if r["wire_over_comm"] is not None else "-"
+        cells = [
+            r["label"],
+            r["nodes"],
+            r["rate"],
+            f"{r['step_s']:.3f}",
+            f"{r['busiest_sent_per_step'] / 1e6:.2f} MB",
+            f"{r['comm_bytes_per_step'] / 1e6:.2f} MB",
+            ratio,
+            f"{r.get('bound_s', float('nan')):.3f}",
+            f"{r.get('measured_over_bound', float('nan')):.2f}",
+        ]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the lab for every node count and rate asked for; print the tables and write the JSON."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        _worker(json.loads(Path(argv[1]).read_text()))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rates", nargs="+", default=["none", "1gbit", "100mbit"], help="tc rates, or none")
+    parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per strategy")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed optimizer steps before them")
+    parser.add_argument("--only", nargs="*", help="labels of the strategies to run (default: all)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_strategies.json")
+    args = parser.parse_args(argv)
+    reason = namespaces_unavailable()
+    if reason is not None:
+        print(f"lab_strategies: skipped: {reason}")
+        return 0
+    strategies = [s for s in DEFAULT_STRATEGIES if not args.only or s[0] in args.only or s[0] == "local"]
+    rows: list[dict[str, Any]] = []
+    for nodes in args.nodes:
+        for rate in args.rates:
+            rate = None if rate == "none" else rate
+            started = time.monotonic()
+            new = run_strategies(nodes, rate, strategies, args.steps, args.warmup)
+            print(
+                f"\n{nodes} nodes, {rate or 'unshaped'} ({time.monotonic() - started:.0f} s)\n{_table(new)}", flush=True
+            )
+            rows += new
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"steps": args.steps, "warmup": args.warmup, "model": DEFAULT_MODEL, "rows": rows}, indent=1) + "\n"
+    )
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
