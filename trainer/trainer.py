@@ -411,7 +411,7 @@ class Trainer:
         self.state.stage = stage
         self.dispatcher = CallbackDispatcher(self, task, self.callbacks)
         self.strategy.setup_environment()
-        self.precision = Precision(self.precision_name, self.strategy.root_device)
+        self.precision = Precision(self.precision_name, self.strategy.root_device, self.strategy)
         self._train_results = ResultCollection(True, self.strategy, self.callback_metrics, self.progress_bar_metrics)
         self._eval_results = ResultCollection(False, self.strategy, self.callback_metrics, self.progress_bar_metrics)
         self.results = self._train_results
