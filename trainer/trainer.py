@@ -53,7 +53,7 @@ class Trainer:
         accumulate_grad_batches: micro-batches per optimizer step; the loss is divided by it and only the
             last micro-batch of a window synchronizes gradients.
         gradient_clip_val: clip the gradients' global 2-norm to this value before each step.
-        precision: "32", "bf16-mixed" or "16-mixed" (CUDA only).
+        precision: "32", "bf16-mixed" or "16-mixed" (fp16 autocast with loss scaling, CPU or CUDA).
         callbacks: `Callback` instances, called in this order after the task's own hooks.
         logger: True for a TensorBoardLogger under the run directory, False for none, or Logger(s).
         default_root_dir: where logs and checkpoints go; the working directory when None.
