@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from _averaging import fit, flat_params
+from _averaging import fit, flat_params, straight_and_resumed
 from _dist import run_distributed
 from torch import nn
 
@@ -45,8 +45,8 @@ def _partly_unused_step(strategy, rank: int) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
-def _against_bucketed_ddp(rank: int, world_size: int) -> dict:
-    results = {}
+def _against_bucketed_ddp(rank: int, world_size: int, tmp: str) -> dict:
+    results = {"resume": straight_and_resumed(rank, world_size, tmp, TensorFusion, 3, 6)}
     settings = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
     for optimizer, task_class in (("sgd", SkewedRegressor), ("adam", AdamRegressor)):
         _, reference = fit(BucketedDDP(), task_class, max_steps=6, **settings)
@@ -66,9 +66,14 @@ def _against_bucketed_ddp(rank: int, world_size: int) -> dict:
     return results
 
 
-def test_same_parameters_as_bucketed_ddp_with_accumulation_clipping_momentum_adam_and_unused_parameters():
-    ranks = run_distributed(_against_bucketed_ddp, world_size=2, timeout=90)
+def test_same_parameters_as_bucketed_ddp_with_accumulation_clipping_momentum_adam_unused_parameters_and_resume(
+    tmp_path,
+):
+    ranks = run_distributed(_against_bucketed_ddp, world_size=2, args=(str(tmp_path),), timeout=90)
     for result in ranks:
+        resume = result["resume"]
+        assert torch.equal(resume["resumed"]["weights"], resume["straight"]["weights"])
+        assert resume["resumed"]["state"] == resume["straight"]["state"]
         for optimizer in ("sgd", "adam"):
             for label in ("alone", "fused"):
                 got, want = result[f"{optimizer}/{label}"], result[f"{optimizer}/reference"]
