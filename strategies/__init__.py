@@ -11,6 +11,7 @@ from syncline.strategies.qadam import QAdam
 from syncline.strategies.registry import STRATEGIES, register_strategy, resolve_strategy
 from syncline.strategies.single_device import SingleDevice
 from syncline.strategies.strategy import Strategy
+from syncline.strategies.tensor_fusion import TensorFusion
 
 __all__ = [
     "STRATEGIES",
@@ -24,6 +25,7 @@ __all__ = [
     "QAdam",
     "SingleDevice",
     "Strategy",
+    "TensorFusion",
     "register_strategy",
     "resolve_strategy",
 ]

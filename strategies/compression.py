@@ -116,8 +116,12 @@ class ErrorFeedback:
         return values.clone() if held is None else values + held.to(values.dtype)
 
     def remember(self, key: str, intended: Tensor, sent: Tensor) -> None:
-        """Keep ``intended - sent`` under `key`: what this step's compression dropped."""
-        self.memory[key] = (intended - sent.to(intended.dtype)).detach()
+        """Keep ``intended - sent`` under `key`: what this step's compression dropped.
+
+        Entries that are inf or NaN are kept as 0: they come from a step that fp16's loss scaler skips,
+        and carried on they would poison every later step.
+        """
+        self.memory[key] = (intended - sent.to(intended.dtype)).detach().nan_to_num_(0.0, 0.0, 0.0)
 
     def reset(self) -> None:
         """Forget every memory (e.g. when a warm-up ends or the world size changes)."""

@@ -110,7 +110,9 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> Future[Tensor]:
             if state.error_feedback is not None:
                 state.error_feedback.remember(name, matrix, approximation)
             if state.warm_start:
-                state.factors[name] = q
+                # An overflowed step (skipped by fp16's loss scaler) leaves Q inf or NaN, alike on every
+                # rank; zeros instead restart the power iteration from QR(0) = the first unit vectors.
+                state.factors[name] = q.nan_to_num(0.0, 0.0, 0.0)
             buffer[start:end] = approximation.reshape(-1).to(buffer.dtype)
 
     future: Future[Tensor] = Future()

@@ -29,6 +29,7 @@ from syncline.options import check_int, check_number
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.bytegrad import compressed_average
 from syncline.strategies.compression import ErrorFeedback
+from syncline.strategies.strategy import replace_step
 
 __all__ = ["QAdam"]
 
@@ -91,7 +92,13 @@ class QAdam(BucketedDDP):
             if self.steps == self.warmup_steps:
                 # Stage change: the variance freezes now; nothing compressed so far is owed.
                 self.error_feedback.reset()
-            self._momentum_step(optimizer)
+            if getattr(step, "__self__", None) is optimizer:
+                # A hand-written loop passed `optimizer.step` itself: there is no loss scaler around it.
+                self._momentum_step(optimizer)
+            else:
+                # Through `step`, so fp16's loss scaler skips the update on overflow and moves its scale.
+                with replace_step(optimizer, lambda: self._momentum_step(optimizer)):
+                    step()
         self.steps += 1
         self.comm_counter.close_step()
 

@@ -15,6 +15,7 @@ from syncline.strategies.powersgd import PowerSGD
 from syncline.strategies.qadam import QAdam
 from syncline.strategies.single_device import SingleDevice
 from syncline.strategies.strategy import Strategy
+from syncline.strategies.tensor_fusion import TensorFusion
 
 __all__ = ["STRATEGIES", "register_strategy", "resolve_strategy"]
 
@@ -39,6 +40,7 @@ register_strategy(QAdam)
 register_strategy(LocalSGD)
 register_strategy(Decentralized)
 register_strategy(AsyncModelAverage)
+register_strategy(TensorFusion)
 
 
 def resolve_strategy(strategy: str | Strategy, devices: int = 1, **kwargs: Any) -> Strategy:

@@ -10,7 +10,8 @@ SGD or a parameter server can replace one another without the loop noticing.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -21,7 +22,7 @@ from syncline.strategies.comm_counter import CommCounter
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
 
-__all__ = ["ReduceOp", "Strategy", "move_to_device"]
+__all__ = ["ReduceOp", "Strategy", "move_to_device", "replace_step"]
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 
@@ -154,6 +155,16 @@ class Strategy(ABC):
         """
         return lambda: tensor
 
+    def any_rank_found_inf(self, found_inf: Tensor) -> Tensor:
+        """Return 1 if any rank's fp16 gradients had an inf or NaN, else 0: the loss scaler's agreed verdict.
+
+        `found_inf` is this rank's one-element float flag, as `GradScaler.unscale_` left it. With the
+        agreed flag every rank skips the step, or takes it, and moves its scale alike. The default is
+        one all-reduce (max) of the flag on the default group (nothing with one process); a strategy
+        that cannot run a collective there at that moment overrides it.
+        """
+        return self.reduce(found_inf, "max")
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object from every process, in rank order."""
         return [obj]
@@ -217,6 +228,26 @@ class Strategy(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+@contextmanager
+def replace_step(optimizer: torch.optim.Optimizer, update: Callable[[], Any]) -> Iterator[None]:
+    """Make ``optimizer.step()`` run `update` instead, inside the block.
+
+    For strategies whose update is not the optimizer's (QAdam after its warm-up): calling the step
+    function the loop hands to `Strategy.optimizer_step` inside this block keeps the loss scaler's
+    part (skip on overflow, scale update) around the strategy's own update.
+    """
+    had_own = "step" in optimizer.__dict__
+    own = optimizer.__dict__.get("step")
+    optimizer.step = lambda *args, **kwargs: update()  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had_own:
+            optimizer.step = own  # type: ignore[method-assign]
+        else:
+            del optimizer.step
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:

@@ -30,6 +30,7 @@ __all__ = [
     "QAdamConf",
     "SingleDeviceConf",
     "SynclineConf",
+    "TensorFusionConf",
     "TrainerConf",
     "register_configs",
 ]
@@ -196,6 +197,18 @@ class AsyncModelAverageConf:
     timeout: float = 300.0
 
 
+@dataclass
+class TensorFusionConf:
+    """``strategy=tensor_fusion``: `strategies.TensorFusion`, Horovod's negotiated, dynamically fused all-reduce."""
+
+    _target_: str = "syncline.strategies.tensor_fusion.TensorFusion"
+    fusion_threshold_mb: float = 64.0
+    cycle_time_ms: float = 5.0
+    find_unused_parameters: bool = False
+    backend: str | None = None
+    timeout: float = 300.0
+
+
 #: The config of each strategy, by the name it has in `strategies.STRATEGIES` ("auto" is the Trainer's).
 STRATEGY_CONFS: dict[str, type] = {
     "auto": AutoStrategyConf,
@@ -208,6 +221,7 @@ STRATEGY_CONFS: dict[str, type] = {
     "local_sgd": LocalSGDConf,
     "decentralized": DecentralizedConf,
     "async_model_average": AsyncModelAverageConf,
+    "tensor_fusion": TensorFusionConf,
 }
 
 

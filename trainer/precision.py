@@ -1,15 +1,27 @@
-"""Numeric precision of the forward and backward: full fp32, bf16 autocast, or fp16 autocast + scaling."""
+"""Numeric precision of the forward and backward: full fp32, bf16 autocast, or fp16 autocast + scaling.
+
+With fp16 and several processes, the loss scaler's verdict must be the same on every rank: a step is
+skipped everywhere or nowhere, and every rank's scale moves alike. Gradients averaged by an all-reduce
+carry one rank's inf to every rank, but local steps (local SGD, decentralized, asynchronous averaging,
+QAdam after its warm-up) and compressed gradients need not. So after `unscale_` has looked at this
+rank's gradients, the strategy's `any_rank_found_inf` combines every rank's flag (one all-reduce (max)
+of one number) before `scaler.step` reads it.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["PRECISIONS", "Precision"]
+if TYPE_CHECKING:
+    from syncline.strategies.strategy import Strategy
+
+__all__ = ["PRECISIONS", "Precision", "fp16_autocast_available"]
 
 #: Accepted spellings, each mapped to its canonical name.
 PRECISIONS: dict[str, str] = {
@@ -26,19 +38,21 @@ class Precision:
     Args:
         precision: "32", "bf16-mixed" or "16-mixed" (int 32 and "32-true" also mean fp32).
         device: the device the task computes on; some precisions need CUDA.
+        strategy: the run's strategy, whose `any_rank_found_inf` makes the loss scaler's verdict the
+            same on every rank; None for one process.
 
     Raises:
         ValueError: the precision is unknown or this device cannot run it.
     """
 
-    def __init__(self, precision: str | int, device: torch.device) -> None:
+    def __init__(self, precision: str | int, device: torch.device, strategy: Strategy | None = None) -> None:
         name = PRECISIONS.get(str(precision))
         if name is None:
             raise ValueError(f"Unknown precision {precision!r}. Valid values: {', '.join(sorted(set(PRECISIONS)))}.")
-        if name == "16-mixed" and device.type != "cuda":
+        if name == "16-mixed" and not fp16_autocast_available(device.type):
             raise ValueError(
-                f"precision='16-mixed' needs a CUDA device (this run is on {device.type}): fp16 autocast "
-                "with loss scaling is a GPU technique. Use precision='bf16-mixed' on the CPU."
+                f"precision='16-mixed' needs float16 autocast on {device.type}, which this torch "
+                f"({torch.__version__}) does not offer. Use precision='bf16-mixed' (no loss scaling needed)."
             )
         if name == "bf16-mixed" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError(
@@ -47,6 +61,7 @@ class Precision:
             )
         self.name = name
         self.device = device
+        self.strategy = strategy
         self.scaler = torch.amp.GradScaler(device.type) if name == "16-mixed" else None
         self._dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(name)
 
@@ -61,14 +76,35 @@ class Precision:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        """Bring gradients back to their true scale before clipping or inspection."""
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+        """Bring gradients back to their true scale, and agree across ranks on whether any was inf or NaN.
+
+        Call once per optimizer step, before clipping or inspection and before `step`.
+        """
+        if self.scaler is None:
+            return
+        self.scaler.unscale_(optimizer)
+        if self.strategy is None or self.strategy.world_size == 1:
+            return
+        # GradScaler keeps unscale_'s verdict per device in its per-optimizer state, where step() reads
+        # it; torch's own ShardedGradScaler (FSDP) reduces the same tensors across ranks.
+        found = self.scaler._found_inf_per_device(optimizer)
+        local = torch.stack([flag.to(self.device) for flag in found.values()]).amax() if found else None
+        if local is None:
+            local = torch.zeros((), device=self.device)
+        # Collective (inside): every rank learns whether any rank's gradients overflowed.
+        anywhere = self.strategy.any_rank_found_inf(local.reshape(1).float())
+        for flag in found.values():
+            flag.copy_(anywhere.reshape(()).to(flag.device))
 
     def step(self, optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
-        """Return the function that takes the optimizer step (skipping it on fp16 overflow)."""
+        """Return the function that takes the optimizer step (skipping it on fp16 overflow).
+
+        The function calls ``optimizer.step()`` when it runs (not a bound method taken now), so a
+        strategy that replaces the update for one step (`strategies.strategy.replace_step`) still goes
+        through the loss scaler: skipped on overflow, the scale updated either way.
+        """
         if self.scaler is None:
-            return optimizer.step
+            return lambda: optimizer.step()
         scaler = self.scaler
 
         def scaled_step() -> None:
@@ -85,3 +121,18 @@ class Precision:
         """Restore the loss scaler's state."""
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+def fp16_autocast_available(device_type: str) -> bool:
+    """Whether `torch.autocast(device_type, dtype=torch.float16)` really runs in float16 here.
+
+    torch builds that lack it warn and disable autocast instead of raising; the probe reads the result.
+    """
+    if device_type == "cuda":
+        return True
+    if not torch.amp.is_autocast_available(device_type):
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autocast(device_type, dtype=torch.float16):
+            return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16

@@ -53,7 +53,7 @@ class Trainer:
         accumulate_grad_batches: micro-batches per optimizer step; the loss is divided by it and only the
             last micro-batch of a window synchronizes gradients.
         gradient_clip_val: clip the gradients' global 2-norm to this value before each step.
-        precision: "32", "bf16-mixed" or "16-mixed" (CUDA only).
+        precision: "32", "bf16-mixed" or "16-mixed" (fp16 autocast with loss scaling, CPU or CUDA).
         callbacks: `Callback` instances, called in this order after the task's own hooks.
         logger: True for a TensorBoardLogger under the run directory, False for none, or Logger(s).
         default_root_dir: where logs and checkpoints go; the working directory when None.
@@ -411,7 +411,7 @@ class Trainer:
         self.state.stage = stage
         self.dispatcher = CallbackDispatcher(self, task, self.callbacks)
         self.strategy.setup_environment()
-        self.precision = Precision(self.precision_name, self.strategy.root_device)
+        self.precision = Precision(self.precision_name, self.strategy.root_device, self.strategy)
         self._train_results = ResultCollection(True, self.strategy, self.callback_metrics, self.progress_bar_metrics)
         self._eval_results = ResultCollection(False, self.strategy, self.callback_metrics, self.progress_bar_metrics)
         self.results = self._train_results
