@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.trainer.test_cli import _cli
@@ -32,22 +31,28 @@ def _run(run: Path, *overrides: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize(
-    ("options", "first_stop"),
-    [
-        (["trainer.val_check_interval=1.0"], "trainer.max_epochs=1"),
-        ([], "trainer.max_epochs=1"),  # the default: validate after every quarter, the last at the epoch end
-        ([], "trainer.max_steps=24"),  # ends at the validation after batch 8 of epoch 1
-        (["trainer.devices=2", "strategy=bucketed_ddp"], "trainer.max_epochs=1"),
-    ],
-    ids=["val-at-epoch-end", "val-within-epoch", "stopped-mid-epoch", "two-processes"],
-)
-def test_cli_resume_recipe_is_bit_exact(tmp_path, options, first_stop):
-    _run(tmp_path / "straight", "trainer.max_epochs=2", *options)
-    _run(tmp_path / "split", first_stop, *options)
-    _run(tmp_path / "split", "trainer.max_epochs=2", "ckpt_path=last", "seed=5", *options)
-    straight, resumed = _weights(tmp_path / "straight"), _weights(tmp_path / "split")
-    worst = max((straight[name] - resumed[name]).abs().max().item() for name in straight)
-    assert worst == 0.0, f"final weights differ by up to {worst:.4g}"
-    for name, value in straight.items():
+def _assert_same_weights(straight: Path, split: Path) -> None:
+    expected, resumed = _weights(straight), _weights(split)
+    worst = max((expected[name] - resumed[name]).abs().max().item() for name in expected)
+    assert worst == 0.0, f"{split.name}: final weights differ by up to {worst:.4g}"
+    for name, value in expected.items():
         assert torch.equal(resumed[name], value), name
+
+
+def test_cli_resume_recipe_is_bit_exact_stopped_at_an_epoch_end_and_mid_epoch(tmp_path):
+    """One process, validation after every quarter epoch (the default); one uninterrupted run, two split ones."""
+    _run(tmp_path / "straight", "trainer.max_epochs=2")
+    # Stopped at the epoch end (after its last validation), and mid-epoch (at the validation after batch 8).
+    for split, first_stop in (("epoch-end", "trainer.max_epochs=1"), ("mid-epoch", "trainer.max_steps=24")):
+        _run(tmp_path / split, first_stop)
+        _run(tmp_path / split, "trainer.max_epochs=2", "ckpt_path=last", "seed=5")
+        assert not (tmp_path / split / "logs" / "version_1").exists()  # resumed in the same log version
+        _assert_same_weights(tmp_path / "straight", tmp_path / split)
+
+
+def test_cli_resume_recipe_is_bit_exact_on_two_processes(tmp_path):
+    options = ["trainer.devices=2", "strategy=bucketed_ddp"]
+    _run(tmp_path / "straight", "trainer.max_epochs=2", *options)
+    _run(tmp_path / "split", "trainer.max_epochs=1", *options)
+    _run(tmp_path / "split", "trainer.max_epochs=2", "ckpt_path=last", "seed=5", *options)
+    _assert_same_weights(tmp_path / "straight", tmp_path / "split")
