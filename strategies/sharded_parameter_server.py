@@ -18,7 +18,9 @@ their hyperparameters, and their parameters become this rank's slices (flat view
 the parameters, whose `.grad` are views into the reduced buckets). Its state then covers 1/W of the
 parameters. This is exact for optimizers whose update is elementwise (SGD, Adam, AdamW, RMSprop, ...),
 which are the ones accepted. Checkpoints hold the whole state as one ordinary `optimizer.state_dict()`,
-gathered on save and sliced again on load, so a run resumes on any number of processes.
+gathered on save and sliced again on load, so a run resumes on any number of processes. The optimizer
+stays sharded after `fit` (a checkpoint saved then is still whole); `optimizer.state_dict()` itself
+describes this rank's slices only.
 
 With a loss scaler (``precision="16-mixed"``) a rank sees only its slice of the gradients: after the
 backward the ranks agree whether any slice holds inf or NaN, and if one does, every rank's slice is set
@@ -228,14 +230,6 @@ class ShardedParameterServer(BucketedDDP):
                 p for p in params if not p.requires_grad
             ]
         self._sharded = optimizer
-
-    def teardown(self) -> None:
-        """Give the optimizer its whole parameters back (its state stays per slice), then tear down."""
-        if self._sharded is not None:
-            for group, params in zip(self._sharded.param_groups, self._group_params):
-                group["params"] = params
-            self._sharded = None
-        super().teardown()
 
     # -------------------------------------------------------------- train step
     def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
