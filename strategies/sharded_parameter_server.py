@@ -282,7 +282,8 @@ class ShardedParameterServer(BucketedDDP):
         """Point every slice's `.grad` at its reduced chunk; if any rank's chunk is not finite, poison all."""
         slices = self._all_slices()
         for s in slices:
-            s.value.grad = s.grad
+            # A parameter no rank used (find_unused_parameters) keeps .grad None, so the optimizer skips it.
+            s.value.grad = None if s.param.grad is None else s.grad
         finite = torch.stack([torch.isfinite(s.grad).all() for s in slices]).all() if slices else torch.tensor(True)
         flag = finite.logical_not().float().reshape(1).to(self.root_device)
         self.comm_counter.add_tensors(flag)

@@ -6,9 +6,11 @@ clipping; where the optimizer state lives; bytes per step; a loss scaler skippin
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+from syncline.options import OptionError
 from syncline.strategies import BucketedDDP, ParameterServer, ShardedParameterServer
 from tests.strategies._dist import run_distributed
 
@@ -151,3 +153,13 @@ def test_both_servers_match_bucketed_ddp_hold_their_share_of_state_count_bytes_a
 
 def _model_params() -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
+
+
+def test_bad_options_and_optimizers_fail_early_with_the_fix():
+    with pytest.raises(OptionError, match="server_rank must be an int >= 0"):
+        ParameterServer(server_rank=-1)
+    with pytest.raises(ValueError, match=r"server_rank=1\) needs at least 2 processes.*the job has 1"):
+        ParameterServer(server_rank=1).setup(_model())
+    lbfgs = torch.optim.LBFGS(_model().parameters())
+    with pytest.raises(TypeError, match="elementwise.*torch.optim.lbfgs.LBFGS.*strategy=parameter_server"):
+        ShardedParameterServer().setup_optimizer(lbfgs)
