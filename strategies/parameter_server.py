@@ -184,18 +184,5 @@ class ParameterServer(BucketedDDP):
         """Give the server the whole state; workers keep only the hyperparameters (learning rates...)."""
         optimizer.load_state_dict(state if self.is_server else {"state": {}, "param_groups": state["param_groups"]})
 
-    def state_dict(self) -> dict[str, Any]:
-        """Return this rank's byte counters (the optimizer state is in the checkpoint's optimizer entry)."""
-        return {"bytes": self.comm_counter.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's byte counters."""
-        self.comm_counter.load_state_dict(state["bytes"])
-
-    def load_state_from_other_world(self, states: list[dict[str, Any]]) -> None:
-        """Carry rank 0's byte counters over (the optimizer state is whole in the checkpoint)."""
-        if states and states[0]:
-            self.comm_counter.load_state_dict(states[0]["bytes"])
-
     def __repr__(self) -> str:
         return f"ParameterServer(server_rank={self.server_rank}, bucket_cap_mb={self.bucket_cap_mb})"

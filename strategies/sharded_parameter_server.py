@@ -372,19 +372,6 @@ class ShardedParameterServer(BucketedDDP):
                 for s in self._slices.get(id(param), []):
                     optimizer.state[s.value] = {k: _slice_of(k, v, param, s) for k, v in entry.items()}
 
-    def state_dict(self) -> dict[str, Any]:
-        """Return this rank's byte counters (the optimizer state is in the checkpoint's optimizer entry)."""
-        return {"bytes": self.comm_counter.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's byte counters."""
-        self.comm_counter.load_state_dict(state["bytes"])
-
-    def load_state_from_other_world(self, states: list[dict[str, Any]]) -> None:
-        """Carry rank 0's byte counters over (the optimizer state is whole in the checkpoint)."""
-        if states and states[0]:
-            self.comm_counter.load_state_dict(states[0]["bytes"])
-
     def __repr__(self) -> str:
         return f"ShardedParameterServer(bucket_cap_mb={self.bucket_cap_mb})"
 
