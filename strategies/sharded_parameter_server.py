@@ -255,8 +255,8 @@ class ShardedParameterServer(BucketedDDP):
         total = squares.sqrt().reshape(())
         # As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), never up.
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, scale)
+        for grad in grads:
+            grad.mul_(scale)
         return total
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
