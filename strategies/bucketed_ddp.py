@@ -160,8 +160,9 @@ class BucketedDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
     def training_step(self, task: Task, batch: Any, batch_idx: int) -> Any:
         """Refresh buffers from rank 0 if a synchronized step changed them, then run the forward."""
         if self.broadcast_buffers and self._buffers and self._buffers_stale:
-            # Collective: every rank's forward sees rank 0's buffers, as torch's DDP does.
-            broadcast_coalesced(self._buffers)
+            # Collective: every rank's forward sees rank 0's buffers, as torch's DDP does (under join,
+            # the highest rank's that still has data).
+            broadcast_coalesced(self._buffers, src=self.buffer_source)
             self.comm_counter.add_tensors(*self._buffers)
             self._buffers_stale = False
         return task.training_step(batch, batch_idx)
@@ -181,11 +182,19 @@ class BucketedDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         if sync:
             self._buffers_stale = True
 
+    def finish_join(self) -> None:
+        """Give every rank the last joiner's buffers (the parameters are already equal)."""
+        if self.broadcast_buffers and self._buffers:
+            # Collective: the buffers of the rank that had data last, to every rank.
+            broadcast_coalesced(self._buffers, src=self.buffer_source)
+            self.comm_counter.add_tensors(*self._buffers)
+            self._buffers_stale = False
+
     def shadow_forward(self) -> None:
         """Shadow `training_step`'s buffer broadcast on a rank whose data ran out."""
         if self.broadcast_buffers and self._buffers and self._buffers_stale:
             # Collective: the same broadcast the ranks with data run before their forward.
-            broadcast_coalesced(self._buffers)
+            broadcast_coalesced(self._buffers, src=self.buffer_source)
             self._buffers_stale = False
 
     def shadow_backward(self) -> None:
@@ -232,6 +241,8 @@ class BlockingHookDDP(BucketedDDP):
     Such a hook buys no overlap from a small first bucket, so every bucket gets `bucket_cap_mb`; and its
     per-parameter state is keyed by name, so `setup` gives the hook state a ``names`` map (id -> name).
     """
+
+    supports_join = False  # a zero bucket still carries the joined rank's error-feedback memory
 
     def __init__(
         self,

@@ -74,6 +74,8 @@ class ModelAveraging(BucketedDDP):
         kwargs: passed to `BucketedDDP` (the warm-up's reducer): `bucket_cap_mb`, `backend`, `timeout`, ...
     """
 
+    supports_join = False  # a joined rank has no parameters of its own to average
+
     #: Replicas hold different parameters between averagings: checkpoints keep every rank's, and its
     #: optimizer state. Resuming on another number of processes is refused (`load_state_from_other_world`).
     replicas_differ = True

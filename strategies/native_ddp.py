@@ -19,6 +19,15 @@ communication path: a synchronized backward hands every dense gradient to its bu
 (the buckets' layout does not change their total), plus, with `find_unused_parameters`, its used-parameter
 bitmap (one int32 per parameter; with `static_graph` only in the first synchronized backward); a forward
 that broadcasts buffers hands them to a broadcast.
+
+Uneven inputs (`Trainer(uneven_inputs="join")`) use torch's own join protocol, the one its `Join`
+context manager drives through `DistributedDataParallel.join_hook()`: the ranks with data run DDP with
+its join configuration enabled (each forward all-reduces "do I sync?" and takes the buffers from the
+highest rank with data), and a rank whose data ran out launches the matching collectives of the hook's
+`main_hook`. The hook is called here in two halves, because syncline's loop runs its own per-step
+collectives (the batch agreement, the non-finite-loss check) between the forward and the backward, where
+`Join.__exit__`'s tight loop would not. Unlike torch's `Join`, the joined rank also keeps the averaged
+gradients and steps on them, so every replica stays equal without a final broadcast.
 """
 
 from __future__ import annotations
@@ -28,10 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel import DistributedDataParallel
 
 from syncline.options import check_number
 from syncline.strategies.backward_sync import BackwardSyncControl
+from syncline.strategies.join import Joinable
 from syncline.strategies.process_group import ProcessGroupStrategy
 
 if TYPE_CHECKING:
@@ -51,7 +62,7 @@ class _TrainingStepModule(nn.Module):
         return self.task.training_step(batch, batch_idx)
 
 
-class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
+class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
     """Average gradients with `torch.nn.parallel.DistributedDataParallel`.
 
     Process-group handling, identity and the metric collectives are shared with `BucketedDDP`; only
@@ -75,6 +86,7 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
         self._ddp: DistributedDataParallel | None = None
         self._forward_synced: bool | None = None
         self._synced_backwards = 0
+        self._join = False
 
     @property
     def ddp(self) -> DistributedDataParallel:
@@ -90,6 +102,10 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
         device_ids = [self.root_device] if self.root_device.type == "cuda" else None
         # Collective: torch's DDP broadcasts rank 0's parameters and buffers as it is built.
         self._ddp = DistributedDataParallel(_TrainingStepModule(task), device_ids=device_ids, **self.ddp_kwargs)
+        if self._join:
+            # What `Join([ddp])` sets on entry, except that syncline's loop, not Join's, says who joined.
+            self._ddp._join_config = _JoinConfig(enable=True, throw_on_early_termination=False, is_first_joinable=False)
+            self._ddp._divide_by_initial_world_size = True
 
     def teardown(self) -> None:
         """Drop the DDP wrapper; the process group stays for later stages."""
@@ -139,6 +155,69 @@ class NativeDDP(BackwardSyncControl, ProcessGroupStrategy):
         if (self.ddp_kwargs.get("find_unused_parameters") and not static) or (static and first):
             # Collective (inside torch's reducer): the used-parameter bitmap, one int32 per parameter.
             self.comm_counter.add(4 * len(params))
+
+    # -------------------------------------------------------------------- join
+    def enable_join(self) -> None:
+        """Run DDP with torch's join protocol, so that ranks whose data ran out can shadow the others.
+
+        Raises:
+            ValueError: `static_graph=True`, whose first-iteration bookkeeping a joined rank cannot shadow.
+        """
+        if self.ddp_kwargs.get("static_graph"):
+            raise ValueError(
+                "NativeDDP(static_graph=True) cannot run with uneven_inputs='join' (torch's DDP join does not "
+                "support a static graph); drop static_graph, or use uneven_inputs='check' with even data."
+            )
+        self._join = True
+
+    def finish_join(self) -> None:
+        """Give every rank the last joiner's buffers, as torch's join hook's `post_hook` does."""
+        ddp = self.ddp
+        if ddp.forward_sync_buffers and ddp.modules_buffers:
+            # Collective: the buffers of the rank that had data last, to every rank.
+            ddp._default_broadcast_coalesced(authoritative_rank=self.buffer_source)
+            self.comm_counter.add_tensors(*ddp.modules_buffers)
+
+    def shadow_forward(self) -> None:
+        """Launch what DDP's forward launches on the ranks with data (the first half of torch's join hook)."""
+        ddp = self.ddp
+        # Collective (once per run): the rebuilt bucket order, broadcast from rank 0.
+        ddp.reducer._rebuild_buckets()
+        if ddp._check_sync_bufs_pre_fwd():
+            self.comm_counter.add_tensors(*ddp.modules_buffers)
+        # Collectives: agree on the rank whose buffers are broadcast (never this one), then the broadcast.
+        ddp._check_and_sync_module_buffers()
+        # Collective: whether the ranks with data synchronize this backward (they always do under join).
+        ddp.require_forward_param_sync = ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
+
+    def shadow_backward(self) -> None:
+        """Match the others' bucket all-reduces with zeros and keep their average as this rank's gradients."""
+        ddp = self.ddp
+        buckets = ddp.reducer._get_zeros_like_grad_buckets()
+        # Collectives: one all-reduce per bucket, in the reducer's order; the others' gradients arrive
+        # already divided by the world size, so the sum is their average over every rank.
+        futures = [ddp.reducer._run_comm_hook(bucket) for bucket in buckets]
+        averages = []
+        for future in futures:
+            value = future.wait()
+            averages.append(value[0] if isinstance(value, list) else value)
+        used = None
+        if ddp.find_unused_parameters:
+            used = ddp.reducer._get_local_used_map()
+            # Collective: the used-parameter bitmap, to which this rank adds nothing.
+            ddp.process_group.allreduce(used).wait()
+        ddp.reducer._push_all_rebuilt_params()
+        index = {id(p): i for i, p in enumerate(ddp.parameters())}
+        for bucket, average in zip(buckets, averages):
+            offset = 0
+            for param in bucket.parameters():
+                count = param.numel()
+                if used is not None and not used[index[id(param)]]:
+                    param.grad = None  # unused on every rank: DDP leaves its gradient untouched
+                else:
+                    param.grad = average[offset : offset + count].view_as(param).clone()
+                offset += count
+        self._count_synchronized_backward()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Set gradients to None, as a single process does.

@@ -51,6 +51,8 @@ class QAdam(BucketedDDP):
             amsgrad or maximize.
     """
 
+    supports_join = False  # after the warm-up the compressed momentum is not a gradient a joined rank could zero
+
     name = "qadam"
 
     def __init__(

@@ -80,7 +80,7 @@ class Trainer:
             before every batch that each has one (one small all-reduce), and raise the same error on every
             rank, naming the rank that ran out first, instead of hanging; "join": a rank whose data ran out
             shadows the others' steps with zero gradients until every rank ran out (as torch's DDP
-            `join()`; strategies that are `Joinable`, e.g. bucketed_ddp; accumulate_grad_batches=1;
+            `join()`; strategies that are `Joinable`: bucketed_ddp, native_ddp; accumulate_grad_batches=1;
             no sync_dist logging in training_step); "off" skips the check.
         max_restarts: with `devices` > 1 (outside torchrun), restart the worker group this many times after
             a worker fails; a restarted `fit` resumes from the newest ``last.ckpt``, as under
@@ -651,10 +651,10 @@ def _device_type(accelerator: str, devices: int) -> str | None:
 
 def _check_joinable(strategy: Strategy, accumulate_grad_batches: int) -> None:
     """Refuse uneven_inputs="join" where a joined rank could not shadow the others' collectives."""
-    if not isinstance(strategy, Joinable):
+    if not (isinstance(strategy, Joinable) and strategy.supports_join):
         raise OptionError(
             f"Trainer(uneven_inputs='join'): strategy {strategy.name or type(strategy).__name__!r} cannot shadow "
-            "its collectives on a rank whose data ran out. Use strategy='bucketed_ddp', or "
+            "its collectives on a rank whose data ran out. Use strategy='bucketed_ddp' or 'native_ddp', or "
             "uneven_inputs='check' with the same number of batches on every rank."
         )
     if accumulate_grad_batches != 1:
@@ -662,6 +662,10 @@ def _check_joinable(strategy: Strategy, accumulate_grad_batches: int) -> None:
             f"Trainer(uneven_inputs='join', accumulate_grad_batches={accumulate_grad_batches}): join shadows "
             "one step per batch; use accumulate_grad_batches=1, or uneven_inputs='check' with even data."
         )
+    try:
+        strategy.enable_join()
+    except ValueError as error:
+        raise OptionError(str(error)) from None
 
 
 def _check_options(options: dict[str, Any]) -> None:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DistributedSampler
 
+from syncline.strategies.join import Joinable
+
 if TYPE_CHECKING:
     from syncline.strategies.strategy import Strategy
 
@@ -64,8 +66,12 @@ def agreed_batches(
         flags = strategy.reduce(flags, "sum").tolist()  # host sync: decides what every rank runs next
         have, last = flags[:world], flags[world:]
         if not any(have):
+            if join and isinstance(strategy, Joinable):
+                strategy.finish_join()  # collective
             return
         if join:
+            if isinstance(strategy, Joinable):
+                strategy.buffer_source = max(r for r in range(world) if have[r])
             final = all(not have[r] or last[r] for r in range(world))
             if item is None:
                 batch_idx += 1

@@ -74,9 +74,13 @@ def test_short_run_writes_logs_checkpoints_and_resolved_config(tmp_path):
 
 
 def test_two_devices_share_one_output_directory_and_config(tmp_path):
-    """`trainer.devices=2` launches two workers from the one Hydra job: one run dir, one config, one log dir."""
+    """`trainer.devices=2` launches two workers from the one Hydra job: one run dir, one config, one log dir.
+
+    With a relaxed strategy and its options from the command line, whose replicas differ between averagings.
+    """
     out = tmp_path / "run"
-    result = _cli(f"hydra.run.dir={out}", "trainer.devices=2", "trainer.max_steps=3", *SMALL, cwd=tmp_path)
+    strategy = ["strategy=local_sgd", "strategy.period=2", "strategy.warmup_steps=1"]
+    result = _cli(f"hydra.run.dir={out}", "trainer.devices=2", "trainer.max_steps=3", *strategy, *SMALL, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("sample after 3 steps") == 1  # rank 0 alone prints
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
@@ -85,6 +89,8 @@ def test_two_devices_share_one_output_directory_and_config(tmp_path):
     checkpoint = torch.load(out / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["progress"]["global_step"] == 3
     assert len(checkpoint["rng"]) == 2  # both ranks' random streams
+    assert checkpoint["strategy"]["name"] == "local_sgd"
+    assert len(checkpoint["replicas_by_rank"]) == 2  # step 3 is inside a period: both replicas kept
 
 
 def _assert_short_error(result: subprocess.CompletedProcess, code: int, *expected: str) -> None:

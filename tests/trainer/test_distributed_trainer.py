@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from syncline.callbacks import Callback
-from syncline.strategies import BucketedDDP, NativeDDP
+from syncline.strategies import STRATEGIES, BucketedDDP, NativeDDP
 from syncline.trainer import Trainer
 from tests.strategies._dist import run_distributed
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
@@ -187,6 +187,13 @@ def test_devices_2_launches_workers_and_returns_rank_zero_weights(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary == {"steps": 8, "strategy": "BucketedDDP"}
+    names = [name for name, cls in STRATEGIES.items() if cls.multi_process]
+    assert len(names) >= 8
+    for name in names:
+        # The asynchronous averager's first round comes after 100 ms, later than 4 steps of this model.
+        sent = "" if name == "async_model_average" else " sent=True"
+        for rank in range(2):
+            assert f"rank={rank} {name} steps=4{sent}" in done.stdout, (name, done.stderr[-3000:])
     weights = torch.load(tmp_path / "weights.pt")
     for name, value in _single(8).items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-5)
@@ -239,6 +246,21 @@ def test_torchrun_starts_the_workers(tmp_path):
             print(f"rank={trainer.global_rank} world={trainer.world_size} steps={trainer.global_step}", flush=True)
             if trainer.global_rank == 0:
                 torch.save(task.state_dict(), os.environ["OUT"])
+            # Every multi-process strategy in the same torchrun job, under accumulation and clipping, on a
+            # model with a layer no step uses (find_unused_parameters).
+            from syncline.strategies import STRATEGIES
+            for name, cls in STRATEGIES.items():
+                if not cls.multi_process:
+                    continue
+                torch.manual_seed(0)
+                task = Regressor(optimizer="adam", lr=0.05)
+                task.unused = torch.nn.Linear(2, 2)
+                options = dict(accumulate_grad_batches=2, gradient_clip_val=1.0)
+                strategy = cls(find_unused_parameters=True)
+                trainer = Trainer(max_steps=4, strategy=strategy, **options, **quiet())
+                trainer.fit(task, loader(regression_data(64), 4))
+                sent = trainer.strategy.communication_stats()["comm/total_bytes"] > 0
+                print(f"rank={trainer.global_rank} {name} steps={trainer.global_step} sent={sent}", flush=True)
             """
         )
     )
@@ -258,6 +280,13 @@ def test_torchrun_starts_the_workers(tmp_path):
         "rank=0 world=2 steps=8",
         "rank=1 world=2 steps=8",
     ]
+    names = [name for name, cls in STRATEGIES.items() if cls.multi_process]
+    assert len(names) >= 8
+    for name in names:
+        # The asynchronous averager's first round comes after 100 ms, later than 4 steps of this model.
+        sent = "" if name == "async_model_average" else " sent=True"
+        for rank in range(2):
+            assert f"rank={rank} {name} steps=4{sent}" in done.stdout, (name, done.stderr[-3000:])
     weights = torch.load(tmp_path / "weights.pt")
     for name, value in _single(8).items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-5)

@@ -6,8 +6,10 @@ import time
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
+from syncline.strategies import BucketedDDP, NativeDDP
 from syncline.trainer import Trainer
 from tests.strategies._dist import run_distributed, run_ranks
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
@@ -50,17 +52,26 @@ def test_equal_unsharded_data_trains(tmp_path):
 
 
 class _PlainSGD(Regressor):
+    """Plain SGD (torch's joined ranks take no step, so momentum would make its replicas differ), with
+    batch-norm buffers (broadcast from the highest rank that has data) and a layer no step uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+        self.unused = nn.Linear(3, 3)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def _fit_join(rank, world_size, per_rank, tmp):
+def _fit_join(rank, world_size, per_rank, tmp, strategy="bucketed_ddp"):
     torch.manual_seed(0)
     task = _PlainSGD()
     data = loader(regression_data(per_rank[rank], seed=rank), 4)
+    strategy = {"bucketed_ddp": BucketedDDP, "native_ddp": NativeDDP}[strategy](find_unused_parameters=True)
     trainer = Trainer(
         max_epochs=2,
-        strategy="bucketed_ddp",
+        strategy=strategy,
         use_distributed_sampler=False,
         uneven_inputs="join",
         **quiet(default_root_dir=tmp),
@@ -77,7 +88,7 @@ def _torch_join(rank, world_size, per_rank):
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     task = _PlainSGD()
-    ddp = DistributedDataParallel(task)
+    ddp = DistributedDataParallel(task, find_unused_parameters=True)
     optimizer = torch.optim.SGD(task.parameters(), lr=task.lr)
     for _ in range(2):
         with Join([ddp]):
@@ -90,17 +101,24 @@ def _torch_join(rank, world_size, per_rank):
 
 def test_join_equals_torch_ddp_join(tmp_path):
     per_rank = (24, 12)  # 6 and 3 batches per epoch
-    ours = run_distributed(_fit_join, 2, args=(per_rank, str(tmp_path)), timeout=60)
     reference = run_distributed(_torch_join, 2, args=(per_rank,), timeout=60)
-    assert [steps for _, steps in ours] == [12, 12]
-    for rank in range(2):
-        for name, value in reference[0].items():
-            torch.testing.assert_close(ours[rank][0][name], value, rtol=1e-6, atol=1e-7)
+    for strategy in ("bucketed_ddp", "native_ddp"):
+        # Bit for bit what torch's Join gives: parameters, the last joiner's buffers, the unused layer.
+        ours = run_distributed(_fit_join, 2, args=(per_rank, str(tmp_path / strategy), strategy), timeout=60)
+        assert [steps for _, steps in ours] == [12, 12], strategy
+        # Both replicas equal torch's Join run (whose joined rank takes the final model by broadcast).
+        for rank in range(2):
+            for name, value in reference[0].items():
+                torch.testing.assert_close(ours[rank][0][name], value, rtol=0, atol=0, msg=strategy)
     # Not the run without the shorter rank's data: the shadowed steps averaged over both ranks.
     alone = run_distributed(_fit_join, 1, args=((24,), str(tmp_path / "alone")), timeout=60)
     assert not torch.allclose(alone[0][0]["net.0.weight"], ours[0][0]["net.0.weight"])
 
 
 def test_join_needs_a_joinable_strategy():
-    with pytest.raises(ValueError, match="uneven_inputs='join'.*'native_ddp' cannot shadow"):
-        Trainer(strategy="native_ddp", uneven_inputs="join")
+    with pytest.raises(ValueError, match="uneven_inputs='join'.*'local_sgd' cannot shadow"):
+        Trainer(strategy="local_sgd", uneven_inputs="join")
+    with pytest.raises(ValueError, match="uneven_inputs='join'.*'bytegrad' cannot shadow"):
+        Trainer(strategy="bytegrad", uneven_inputs="join")
+    with pytest.raises(ValueError, match="static_graph=True.*uneven_inputs='join'"):
+        Trainer(strategy=NativeDDP(static_graph=True), uneven_inputs="join")
