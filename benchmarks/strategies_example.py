@@ -35,6 +35,8 @@ STRATEGIES: dict[str, list[str]] = {
     "bytegrad": ["strategy=bytegrad"],
     "powersgd": ["strategy=powersgd"],
     "qadam": ["strategy=qadam"],
+    "parameter_server": ["strategy=parameter_server"],
+    "sharded_parameter_server": ["strategy=sharded_parameter_server"],
 }
 OUT = ROOT / "benchmarks" / "results" / "strategies_example.json"
 

@@ -6,9 +6,11 @@ from syncline.strategies.bytegrad import ByteGrad
 from syncline.strategies.decentralized import Decentralized
 from syncline.strategies.local_sgd import LocalSGD
 from syncline.strategies.native_ddp import NativeDDP
+from syncline.strategies.parameter_server import ParameterServer
 from syncline.strategies.powersgd import PowerSGD
 from syncline.strategies.qadam import QAdam
 from syncline.strategies.registry import STRATEGIES, register_strategy, resolve_strategy
+from syncline.strategies.sharded_parameter_server import ShardedParameterServer
 from syncline.strategies.single_device import SingleDevice
 from syncline.strategies.strategy import Strategy
 from syncline.strategies.tensor_fusion import TensorFusion
@@ -21,8 +23,10 @@ __all__ = [
     "Decentralized",
     "LocalSGD",
     "NativeDDP",
+    "ParameterServer",
     "PowerSGD",
     "QAdam",
+    "ShardedParameterServer",
     "SingleDevice",
     "Strategy",
     "TensorFusion",

@@ -11,8 +11,10 @@ from syncline.strategies.bytegrad import ByteGrad
 from syncline.strategies.decentralized import Decentralized
 from syncline.strategies.local_sgd import LocalSGD
 from syncline.strategies.native_ddp import NativeDDP
+from syncline.strategies.parameter_server import ParameterServer
 from syncline.strategies.powersgd import PowerSGD
 from syncline.strategies.qadam import QAdam
+from syncline.strategies.sharded_parameter_server import ShardedParameterServer
 from syncline.strategies.single_device import SingleDevice
 from syncline.strategies.strategy import Strategy
 from syncline.strategies.tensor_fusion import TensorFusion
@@ -41,6 +43,8 @@ register_strategy(LocalSGD)
 register_strategy(Decentralized)
 register_strategy(AsyncModelAverage)
 register_strategy(TensorFusion)
+register_strategy(ParameterServer)
+register_strategy(ShardedParameterServer)
 
 
 def resolve_strategy(strategy: str | Strategy, devices: int = 1, **kwargs: Any) -> Strategy:

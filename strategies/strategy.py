@@ -130,6 +130,9 @@ class Strategy(ABC):
         """
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Adopt the task's optimizer once it exists, before any step or restore (a sharded strategy shards it)."""
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> None:
         """Take one optimizer step by calling `step` (which applies precision scaling).
 
@@ -221,6 +224,18 @@ class Strategy(ABC):
                 f"{self.world_size} processes; resume on {len(states)} processes, or start a new run from the "
                 "weights (Task.load_from_checkpoint)."
             )
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Return the whole optimizer state as one ordinary `optimizer.state_dict()`, for a checkpoint.
+
+        A collective for strategies whose optimizer state is spread over ranks (a parameter server, a
+        sharded one); call it on every rank. The default is this rank's own `optimizer.state_dict()`.
+        """
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Restore the whole optimizer state that `optimizer_state_dict` returned (each rank keeps its part)."""
+        optimizer.load_state_dict(state)
 
     def communication_stats(self) -> dict[str, float]:
         """Counters of the last optimizer step: at least `comm/bytes` and `comm/total_bytes`."""

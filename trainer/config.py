@@ -26,8 +26,10 @@ __all__ = [
     "DecentralizedConf",
     "LocalSGDConf",
     "NativeDDPConf",
+    "ParameterServerConf",
     "PowerSGDConf",
     "QAdamConf",
+    "ShardedParameterServerConf",
     "SingleDeviceConf",
     "SynclineConf",
     "TensorFusionConf",
@@ -209,6 +211,29 @@ class TensorFusionConf:
     timeout: float = 300.0
 
 
+@dataclass
+class ParameterServerConf:
+    """``strategy=parameter_server``: `strategies.ParameterServer`, gradients reduced to one rank that steps."""
+
+    _target_: str = "syncline.strategies.parameter_server.ParameterServer"
+    server_rank: int = 0
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    backend: str | None = None
+    timeout: float = 300.0
+
+
+@dataclass
+class ShardedParameterServerConf:
+    """``strategy=sharded_parameter_server``: `strategies.ShardedParameterServer`, each rank steps its slice."""
+
+    _target_: str = "syncline.strategies.sharded_parameter_server.ShardedParameterServer"
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    backend: str | None = None
+    timeout: float = 300.0
+
+
 #: The config of each strategy, by the name it has in `strategies.STRATEGIES` ("auto" is the Trainer's).
 STRATEGY_CONFS: dict[str, type] = {
     "auto": AutoStrategyConf,
@@ -222,6 +247,8 @@ STRATEGY_CONFS: dict[str, type] = {
     "decentralized": DecentralizedConf,
     "async_model_average": AsyncModelAverageConf,
     "tensor_fusion": TensorFusionConf,
+    "parameter_server": ParameterServerConf,
+    "sharded_parameter_server": ShardedParameterServerConf,
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -50,16 +51,24 @@ class OptimizerSetup:
             else:
                 config.scheduler.step()
 
-    def state_dict(self) -> dict[str, Any]:
-        """Return optimizer and scheduler states."""
+    def state_dict(
+        self, optimizer_state_dict: Callable[[torch.optim.Optimizer], dict[str, Any]] = torch.optim.Optimizer.state_dict
+    ) -> dict[str, Any]:
+        """Return optimizer and scheduler states; `optimizer_state_dict` reads the optimizer's (the strategy's hook)."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state_dict(self.optimizer),
             "lr_schedulers": [config.scheduler.state_dict() for config in self.schedulers],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned."""
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        load_optimizer_state_dict: Callable[[torch.optim.Optimizer, dict[str, Any]], None] = (
+            torch.optim.Optimizer.load_state_dict
+        ),
+    ) -> None:
+        """Restore what `state_dict` returned; `load_optimizer_state_dict` (the strategy's hook) loads the optimizer."""
+        load_optimizer_state_dict(self.optimizer, state["optimizer"])
         saved = state["lr_schedulers"]
         if len(saved) != len(self.schedulers):
             raise ValueError(

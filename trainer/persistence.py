@@ -57,7 +57,8 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
     if sampler_seed is not None:
         checkpoint["sampler_seed"] = sampler_seed
     if trainer.optim is not None:
-        checkpoint["optimizer"] = trainer.optim.state_dict()
+        # Collective for strategies that spread the optimizer state over ranks: the whole state, gathered.
+        checkpoint["optimizer"] = trainer.optim.state_dict(trainer.strategy.optimizer_state_dict)
         checkpoint["precision"] = trainer.precision.state_dict()
         checkpoint["results"] = trainer._train_results.state_dict(task)
     strategy = trainer.strategy
@@ -186,7 +187,7 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     check_model_shapes(task, checkpoint["state_dict"], checkpoint.get("loaded_from", "The checkpoint"))
     trainer.dispatcher.fire(Callback.on_load_checkpoint, checkpoint)
     task.load_state_dict(checkpoint["state_dict"])
-    trainer.optim.load_state_dict(checkpoint["optimizer"])
+    trainer.optim.load_state_dict(checkpoint["optimizer"], trainer.strategy.load_optimizer_state_dict)
     trainer.precision.load_state_dict(checkpoint.get("precision", {}))
     trainer.state.load_state_dict(checkpoint["progress"])
     trainer._train_results.load_state_dict(checkpoint.get("results", {}), task)

@@ -458,6 +458,7 @@ class Trainer:
         self._set_val_loaders(val_dataloaders if val_dataloaders is not None else task.val_dataloader())
         strategy.setup(task)
         self.optim = parse_optimizers(task.configure_optimizers(), type(task).__name__)
+        strategy.setup_optimizer(self.optim.optimizer)
         self._fit_loop = FitLoop(self)
         if checkpoint is not None:
             persistence.restore(self, checkpoint)

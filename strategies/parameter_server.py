@@ -1,0 +1,188 @@
+"""A parameter server: one rank holds the optimizer, the others only compute gradients.
+
+Algorithm (server rank s, world size W):
+
+    every rank:   g_r = gradient of its micro-batches (accumulated without communication)
+                  reduce  g = sum_r g_r / W  onto rank s, bucket by bucket, during the backward
+    rank s:       clip g, step the optimizer (the only optimizer state in the job)
+    every rank:   broadcast the updated parameters x from rank s
+
+The reduction reuses the bucketed reducer of `BucketedDDP` with a comm hook that reduces to the server
+instead of all-reducing, so it overlaps the backward and skips communication inside an accumulation
+window exactly as data parallel does; the result is data parallel's update, computed once. Workers never
+let their optimizer see a gradient, so it allocates no state (no momentum, no Adam moments).
+
+With a loss scaler (``precision="16-mixed"``) every rank must skip the same steps: the server, which
+alone holds the reduced gradients, tells the others after the backward whether any of them is inf or
+NaN, and the workers' (otherwise meaningless) gradients are set to NaN or zero accordingly, so that each
+rank's scaler finds what the server's finds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from syncline.options import check_int, check_number
+from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.comm_counter import CommCounter
+from syncline.strategies.comm_hooks import GradBucket, count_bytes
+from syncline.strategies.process_group import broadcast_coalesced
+
+if TYPE_CHECKING:
+    from syncline.trainer.task import Task
+
+__all__ = ["ParameterServer", "ReduceToServerState", "reduce_to_server_hook"]
+
+
+@dataclass
+class ReduceToServerState:
+    """What `reduce_to_server_hook` needs: the group, the rank that receives the average, the counter."""
+
+    server_rank: int = 0
+    process_group: dist.ProcessGroup | None = None
+    counter: CommCounter | None = None
+
+
+def reduce_to_server_hook(state: ReduceToServerState, bucket: GradBucket) -> Future[Tensor]:
+    """Average the bucket onto the server rank with one asynchronous reduce.
+
+    Returns:
+        A future whose value is `bucket.buffer`: the average on the server, scratch on the other ranks.
+    """
+    buffer = bucket.buffer
+    # Divide before the reduce so low-precision sums cannot overflow.
+    buffer.div_(dist.get_world_size(state.process_group))
+    count_bytes(state, buffer)
+    # Collective: asynchronous reduce of the whole bucket onto the server.
+    work = dist.reduce(buffer, dst=state.server_rank, group=state.process_group, async_op=True)
+    return work.get_future().then(lambda _: buffer)
+
+
+class ParameterServer(BucketedDDP):
+    """Reduce gradients to one server rank, step there alone, broadcast the parameters back.
+
+    Args:
+        server_rank: the rank that holds the optimizer state and steps.
+        bucket_cap_mb: the most MiB of gradients per bucket (one reduce each).
+        find_unused_parameters: as in `BucketedDDP`.
+        backend: "gloo", "nccl", ...; None picks NCCL with CUDA, else gloo.
+        timeout: seconds a collective may take before it fails with an error.
+
+    Raises:
+        ValueError: at setup, when `server_rank` is not a rank of the job.
+    """
+
+    name = "parameter_server"
+
+    def __init__(
+        self,
+        server_rank: int = 0,
+        bucket_cap_mb: float = 25,
+        find_unused_parameters: bool = False,
+        backend: str | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        check_int("ParameterServer", "server_rank", server_rank, 0, meaning="the rank that steps the optimizer")
+        check_number("ParameterServer", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
+        super().__init__(
+            bucket_cap_mb=bucket_cap_mb,
+            # As data parallel: a small first bucket starts communication early (never above the cap).
+            first_bucket_mb=min(1.0, bucket_cap_mb),
+            find_unused_parameters=find_unused_parameters,
+            comm_hook=reduce_to_server_hook,
+            comm_state=ReduceToServerState(server_rank),
+            backend=backend,
+            timeout=timeout,
+        )
+        self.server_rank = server_rank
+        self._params: list[Tensor] = []
+
+    @property
+    def is_server(self) -> bool:
+        """Whether this rank holds the optimizer state and steps."""
+        return self.global_rank == self.server_rank
+
+    def setup(self, task: Task) -> None:
+        """Check the server is a rank of the job, then set up the reducer as `BucketedDDP` does."""
+        if self.server_rank >= self.world_size:
+            raise ValueError(
+                f"ParameterServer(server_rank={self.server_rank}) needs at least {self.server_rank + 1} processes, "
+                f"but the job has {self.world_size}; pick a server_rank below {self.world_size}."
+            )
+        super().setup(task)
+        self._params = [p for p in task.parameters() if p.requires_grad]
+
+    # -------------------------------------------------------------- train step
+    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
+        """Back-propagate; at a window's end, reduce the gradients onto the server and agree on their finiteness."""
+        super().backward(loss, sync=sync, retain_graph=retain_graph)
+        if self._backward_syncs(sync):
+            self._agree_on_finiteness()
+
+    def shadow_backward(self) -> None:
+        """Shadow a synchronized backward with zero gradients (a rank whose data ran out)."""
+        super().shadow_backward()
+        self._agree_on_finiteness()
+
+    def clip_gradients(self, parameters: list[Tensor], max_norm: float) -> Tensor:
+        """Clip on the server, which holds the averaged gradients; workers, which hold none, return 0."""
+        if self.is_server:
+            return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return torch.zeros((), device=self.root_device)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
+        """Step on the server alone, then broadcast its parameters to every rank."""
+        if self.is_server:
+            step()
+        else:
+            # The loss scaler (if any) has read the gradients already; with none left, the optimizer
+            # changes nothing and allocates no state, while the scaler still skips or not as the server does.
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            grads = [p.grad for p in params]
+            for param in params:
+                param.grad = None
+            step()
+            for param, grad in zip(params, grads):
+                param.grad = grad
+        # Collective: the server's updated parameters to every rank, one broadcast per dtype.
+        broadcast_coalesced(self._params, src=self.server_rank)
+        self.comm_counter.add_tensors(*self._params)
+        self.comm_counter.close_step()
+
+    def _agree_on_finiteness(self) -> None:
+        """Make every rank's gradients inf/NaN-free exactly when the server's reduced ones are."""
+        buffers = [bucket.buffer for bucket in self.reducer.buckets]
+        if self.is_server:
+            flag = torch.stack([torch.isfinite(buffer).all() for buffer in buffers]).all().logical_not().float()
+        else:
+            flag = torch.zeros((), device=self.root_device)
+        flag = flag.reshape(1)
+        self.comm_counter.add_tensors(flag)
+        # Collective: the server's verdict to every rank (the workers contribute 0).
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not self.is_server:
+            # Host sync: the verdict decides what the workers' scratch gradients become.
+            value = float("nan") if flag.item() else 0.0
+            for buffer in buffers:
+                buffer.fill_(value)
+
+    # ------------------------------------------------------------ checkpoints
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Return the server's optimizer state on every rank (a collective when the server is not rank 0)."""
+        if self.server_rank == 0:
+            return optimizer.state_dict()
+        # Collective: the server's state to rank 0, which writes the checkpoint.
+        return self.broadcast_object(optimizer.state_dict() if self.is_server else None, src=self.server_rank)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Give the server the whole state; workers keep only the hyperparameters (learning rates...)."""
+        optimizer.load_state_dict(state if self.is_server else {"state": {}, "param_groups": state["param_groups"]})
+
+    def __repr__(self) -> str:
+        return f"ParameterServer(server_rank={self.server_rank}, bucket_cap_mb={self.bucket_cap_mb})"

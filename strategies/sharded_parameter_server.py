@@ -1,0 +1,413 @@
+"""A sharded parameter server: every rank serves one slice of the parameters (ZeRO stage 1, Rajbhandari et al. 2020).
+
+Algorithm (world size W, rank r; every gradient bucket b of n_b elements cut into W chunks of
+c_b = ceil(n_b / W), chunk r belonging to rank r):
+
+    every rank:   g_r = gradient of its micro-batches (accumulated without communication)
+                  reduce-scatter  g[b, chunk r] = sum_r' g_r'[b, chunk r] / W, bucket by bucket, during the backward
+    rank r:       clip with the global norm  ||g|| = sqrt(all-reduce of the shards' squared norms)
+                  step the optimizer on its chunks only (1/W of the optimizer state)
+    every rank:   all-gather the updated chunks into every parameter
+
+The reduce-scatter is a comm hook of the bucketed reducer, so it overlaps the backward and skips
+communication inside an accumulation window as data parallel does. The buckets keep the layout of
+construction, so each rank serves the same slice of every parameter for the whole run.
+
+The user's optimizer object stays the one the Trainer and the LR schedulers hold: its param groups keep
+their hyperparameters, and their parameters become this rank's slices (flat views that share storage with
+the parameters, whose `.grad` are views into the reduced buckets). Its state then covers 1/W of the
+parameters. This is exact for optimizers whose update is elementwise (SGD, Adam, AdamW, RMSprop, ...),
+which are the ones accepted. Checkpoints hold the whole state as one ordinary `optimizer.state_dict()`,
+gathered on save and sliced again on load, so a run resumes on any number of processes. The optimizer
+stays sharded after `fit` (a checkpoint saved then is still whole); `optimizer.state_dict()` itself
+describes this rank's slices only.
+
+With a loss scaler (``precision="16-mixed"``) a rank sees only its slice of the gradients: after the
+backward the ranks agree whether any slice holds inf or NaN, and if one does, every rank's slice is set
+to NaN, so that every rank's scaler skips the step.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from syncline.options import check_number
+from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.comm_counter import CommCounter
+from syncline.strategies.comm_hooks import GradBucket, count_bytes
+
+if TYPE_CHECKING:
+    from syncline.trainer.task import Task
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ReduceScatterState", "ShardedParameterServer", "reduce_scatter_hook"]
+
+#: Optimizers whose update of an element depends on that element alone, so a slice can be stepped alone.
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,  # AdamW is a subclass
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Rprop,
+)
+
+
+@dataclass
+class ReduceScatterState:
+    """What `reduce_scatter_hook` needs: the group and the counter of bytes."""
+
+    process_group: dist.ProcessGroup | None = None
+    counter: CommCounter | None = None
+
+
+def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Return the [start, stop) of `rank`'s chunk of a bucket of `numel` elements (empty past the end)."""
+    chunk = math.ceil(numel / world_size)
+    return min(rank * chunk, numel), min((rank + 1) * chunk, numel)
+
+
+def reduce_scatter_hook(state: ReduceScatterState, bucket: GradBucket) -> Future[Tensor]:
+    """Average the bucket so that each rank gets its own chunk, with one asynchronous reduce-scatter.
+
+    Returns:
+        A future whose value is `bucket.buffer`, holding the average in this rank's chunk (the rest is scratch).
+    """
+    buffer = bucket.buffer
+    world_size, rank = dist.get_world_size(state.process_group), dist.get_rank(state.process_group)
+    # Divide before the reduction so low-precision sums cannot overflow.
+    buffer.div_(world_size)
+    chunk = math.ceil(buffer.numel() / world_size)
+    padding = chunk * world_size - buffer.numel()
+    full = torch.cat([buffer, buffer.new_zeros(padding)]) if padding else buffer
+    mine = buffer.new_empty(chunk)
+    count_bytes(state, full)
+    # Collective: asynchronous reduce-scatter of the bucket, chunk r to rank r.
+    work = dist.reduce_scatter_single(mine, full, group=state.process_group, async_op=True)
+    start, stop = shard_range(buffer.numel(), rank, world_size)
+
+    def write_chunk(_: Future[Any]) -> Tensor:
+        buffer[start:stop].copy_(mine[: stop - start])
+        return buffer
+
+    return future_of(work).then(write_chunk)
+
+
+def future_of(work: dist.Work) -> Future[Any]:
+    """Return a future of `work`; where the backend has none (gloo's reduce-scatter), one a thread completes."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        pass
+    future: Future[Any] = Future()
+
+    def wait() -> None:
+        try:
+            # Host sync (in this thread only, without the GIL): the collective has completed.
+            work.wait()
+        except RuntimeError as error:
+            future.set_exception(error)
+            return
+        future.set_result(None)
+
+    threading.Thread(target=wait, name="syncline-reduce-scatter", daemon=True).start()
+    return future
+
+
+@dataclass(eq=False)
+class Slice:
+    """The part of one parameter this rank serves: elements [start, stop) of its flattened value."""
+
+    param: Tensor
+    start: int
+    stop: int
+    #: The elements themselves (a flat view sharing storage with `param`): what the optimizer steps.
+    value: Tensor
+    #: Their reduced gradient (a view into the bucket).
+    grad: Tensor
+
+
+class ShardedParameterServer(BucketedDDP):
+    """Reduce-scatter gradients, step each rank's slice of the parameters, all-gather them back.
+
+    Args:
+        bucket_cap_mb: the most MiB of gradients per bucket (one reduce-scatter and one all-gather each).
+        find_unused_parameters: as in `BucketedDDP`.
+        backend: "gloo", "nccl", ...; None picks NCCL with CUDA, else gloo.
+        timeout: seconds a collective may take before it fails with an error.
+
+    Raises:
+        TypeError: when the task's optimizer is not one whose update is elementwise (`ELEMENTWISE_OPTIMIZERS`).
+        ValueError: a parameter is not contiguous in memory.
+    """
+
+    name = "sharded_parameter_server"
+    # Each rank serves fixed slices of fixed buckets: rebuilding the buckets would move optimizer state.
+    rebuild_buckets = False
+
+    def __init__(
+        self,
+        bucket_cap_mb: float = 25,
+        find_unused_parameters: bool = False,
+        backend: str | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        check_number("ShardedParameterServer", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
+        super().__init__(
+            bucket_cap_mb=bucket_cap_mb,
+            # As data parallel: a small first bucket starts communication early (never above the cap).
+            first_bucket_mb=min(1.0, bucket_cap_mb),
+            find_unused_parameters=find_unused_parameters,
+            comm_hook=reduce_scatter_hook,
+            comm_state=ReduceScatterState(),
+            backend=backend,
+            timeout=timeout,
+        )
+        self._slices: dict[int, list[Slice]] = {}  # by id of the parameter
+        self._sharded: torch.optim.Optimizer | None = None
+        #: Each param group's own parameters, as the task's optimizer had them before sharding.
+        self._group_params: list[list[Tensor]] = []
+
+    # --------------------------------------------------------------- lifecycle
+    def setup(self, task: Task) -> None:
+        """Set up the reducer as `BucketedDDP` does, then find this rank's slice of every bucket."""
+        super().setup(task)
+        self._sharded, self._group_params = None, []
+        rank, world_size = self.global_rank, self.world_size
+        slices: dict[int, list[Slice]] = {}
+        for bucket in self.reducer.buckets:
+            start, stop = shard_range(bucket.buffer.numel(), rank, world_size)
+            for param, offset in zip(bucket.parameters, bucket.offsets):
+                if not param.is_contiguous():
+                    raise ValueError(
+                        f"ShardedParameterServer needs contiguous parameters; {_name(task, param)} is not. "
+                        "Make it contiguous (param.data = param.data.contiguous()) before training."
+                    )
+                first, last = max(start, offset) - offset, min(stop, offset + param.numel()) - offset
+                if first < last:
+                    flat = param.detach().view(-1)
+                    grad = bucket.buffer[offset + first : offset + last]
+                    slices.setdefault(id(param), []).append(Slice(param, first, last, flat[first:last], grad))
+        self._slices = slices
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer` step this rank's slices: each param group keeps its hyperparameters.
+
+        Raises:
+            TypeError: the optimizer's update is not elementwise, so a slice cannot be stepped alone.
+            ValueError: the optimizer has stepped already (it holds state for whole parameters).
+        """
+        if self._sharded is optimizer:
+            return
+        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+            raise TypeError(
+                f"ShardedParameterServer steps each rank's slice of the parameters alone, which is exact only for "
+                f"optimizers whose update is elementwise ({names}); configure_optimizers returned "
+                f"{type(optimizer).__module__}.{type(optimizer).__name__}. Use one of those, or "
+                "strategy=parameter_server, which steps whole parameters."
+            )
+        if optimizer.state:
+            raise ValueError(
+                "ShardedParameterServer must shard the optimizer before its first step, but it holds state already; "
+                "pass a fresh optimizer (load a checkpoint through the Trainer's ckpt_path instead)."
+            )
+        self._group_params = [list(group["params"]) for group in optimizer.param_groups]
+        for group, params in zip(optimizer.param_groups, self._group_params):
+            # Parameters outside the reducer (frozen ones) stay whole: they never get a gradient.
+            group["params"] = [s.value for p in params for s in self._slices.get(id(p), [])] + [
+                p for p in params if not p.requires_grad
+            ]
+        self._sharded = optimizer
+
+    # -------------------------------------------------------------- train step
+    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
+        """Back-propagate; at the end of a window, reduce-scatter the gradients and agree on their finiteness."""
+        super().backward(loss, sync=sync, retain_graph=retain_graph)
+        if self._backward_syncs(sync):
+            self._attach_and_agree()
+
+    def shadow_backward(self) -> None:
+        """Shadow a synchronized backward with zero gradients (a rank whose data ran out)."""
+        super().shadow_backward()
+        self._attach_and_agree()
+
+    def clip_gradients(self, parameters: list[Tensor], max_norm: float) -> Tensor:
+        """Clip every rank's slices by the global 2-norm of all gradients (all-reduced squared norms)."""
+        grads = [s.grad for s in self._slices_of(parameters)]
+        squares = torch.zeros(1, dtype=torch.float32, device=self.root_device)
+        if grads:
+            squares += torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum()
+        self.comm_counter.add_tensors(squares)
+        # Collective: the sum of every rank's squared norm is the squared norm of the whole gradient.
+        dist.all_reduce(squares)
+        total = squares.sqrt().reshape(())
+        # As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), never up.
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.mul_(scale)
+        return total
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
+        """Step this rank's slices, then all-gather every bucket's updated slices into the parameters."""
+        self.setup_optimizer(optimizer)
+        step()
+        self._gather_parameters()
+        self.comm_counter.close_step()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Reset the whole parameters' gradients (the buckets the slices' gradients view)."""
+        groups = self._group_params if self._sharded is optimizer else [g["params"] for g in optimizer.param_groups]
+        self.reducer.zero_grad([p for params in groups for p in params])
+
+    # ----------------------------------------------------------------- helpers
+    def _slices_of(self, parameters: Iterable[Tensor]) -> list[Slice]:
+        return [s for p in parameters for s in self._slices.get(id(p), [])]
+
+    def _all_slices(self) -> list[Slice]:
+        return [s for slices in self._slices.values() for s in slices]
+
+    def _attach_and_agree(self) -> None:
+        """Point every slice's `.grad` at its reduced chunk; if any rank's chunk is not finite, poison all."""
+        slices = self._all_slices()
+        for s in slices:
+            # A parameter no rank used (find_unused_parameters) keeps .grad None, so the optimizer skips it.
+            s.value.grad = None if s.param.grad is None else s.grad
+        finite = torch.stack([torch.isfinite(s.grad).all() for s in slices]).all() if slices else torch.tensor(True)
+        flag = finite.logical_not().float().reshape(1).to(self.root_device)
+        self.comm_counter.add_tensors(flag)
+        # Collective: whether any rank's slice of the gradients holds inf or NaN.
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        # Host sync: the verdict decides whether this rank's slice must carry the others' inf.
+        if flag.item() and finite:
+            for s in slices:
+                s.grad.fill_(float("nan"))
+
+    @torch.no_grad()
+    def _gather_parameters(self) -> None:
+        """All-gather each bucket's chunks of updated parameter values, then copy them into the parameters."""
+        world_size, rank = self.world_size, self.global_rank
+        pending = []
+        for bucket in self.reducer.buckets:
+            numel = bucket.buffer.numel()
+            chunk = math.ceil(numel / world_size)
+            start, stop = shard_range(numel, rank, world_size)
+            pieces = [
+                param.detach().view(-1)[max(start, offset) - offset : min(stop, offset + param.numel()) - offset]
+                for param, offset in zip(bucket.parameters, bucket.offsets)
+                if max(start, offset) < min(stop, offset + param.numel())
+            ]
+            mine = bucket.buffer.new_zeros(chunk, dtype=bucket.parameters[0].dtype)
+            if pieces:
+                torch.cat(pieces, out=mine[: stop - start])
+            gathered = mine.new_empty(chunk * world_size)
+            self.comm_counter.add_tensors(mine)
+            # Collective: asynchronous all-gather of every rank's updated chunk of this bucket.
+            work = dist.all_gather_single(gathered, mine, async_op=True)
+            pending.append((bucket, gathered, work))
+        for bucket, gathered, work in pending:
+            work.wait()
+            for param, offset in zip(bucket.parameters, bucket.offsets):
+                param.view(-1).copy_(gathered[offset : offset + param.numel()])
+
+    # ------------------------------------------------------------ checkpoints
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Gather every rank's slices of the optimizer state into one ordinary, whole `state_dict` (a collective)."""
+        self.setup_optimizer(optimizer)
+        params = [p for group in self._group_params for p in group]
+        mine: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}
+        for index, param in enumerate(params):
+            for s in self._slices.get(id(param), []):
+                if s.value in optimizer.state:
+                    state = {k: _to_cpu(v) for k, v in optimizer.state[s.value].items()}
+                    mine.setdefault(index, []).append((s.start, s.stop, state))
+        # Collective: every rank's slices of the state (pickled; rank 0 writes the checkpoint).
+        everyone = self.all_gather_object(mine)
+        state: dict[int, dict[str, Any]] = {}
+        for index, param in enumerate(params):
+            pieces = sorted((piece for theirs in everyone for piece in theirs.get(index, [])), key=lambda p: p[0])
+            if pieces:
+                state[index] = _join_slices(type(optimizer).__name__, param, pieces)
+        groups, first = [], 0
+        for group, group_params in zip(optimizer.param_groups, self._group_params):
+            saved = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**saved, "params": list(range(first, first + len(group_params)))})
+            first += len(group_params)
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a whole `state_dict` (from any number of processes): hyperparameters, and this rank's slices.
+
+        Raises:
+            ValueError: the saved param groups do not match the optimizer's.
+        """
+        self.setup_optimizer(optimizer)
+        saved_groups = state["param_groups"]
+        if [len(g["params"]) for g in saved_groups] != [len(params) for params in self._group_params]:
+            raise ValueError(
+                "The checkpoint's optimizer has param groups of "
+                f"{[len(g['params']) for g in saved_groups]} parameters, the task's optimizer "
+                f"{[len(params) for params in self._group_params]}; resume with the same configure_optimizers()."
+            )
+        for group, saved in zip(optimizer.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        optimizer.state.clear()
+        saved_state = state["state"]
+        for saved, params in zip(saved_groups, self._group_params):
+            for index, param in zip(saved["params"], params):
+                entry = saved_state.get(index, saved_state.get(str(index)))
+                if entry is None:
+                    continue
+                for s in self._slices.get(id(param), []):
+                    optimizer.state[s.value] = {k: _slice_of(k, v, param, s) for k, v in entry.items()}
+
+    def __repr__(self) -> str:
+        return f"ShardedParameterServer(bucket_cap_mb={self.bucket_cap_mb})"
+
+
+def _join_slices(optimizer: str, param: Tensor, pieces: list[tuple[int, int, dict[str, Any]]]) -> dict[str, Any]:
+    """Join the ranks' slices of one parameter's state into the state of the whole parameter."""
+    covered = [(start, stop) for start, stop, _ in pieces]
+    if covered[0][0] != 0 or covered[-1][1] != param.numel() or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
+        raise RuntimeError(f"The ranks' slices of a parameter of {tuple(param.shape)} do not cover it: {covered}.")
+    joined: dict[str, Any] = {}
+    for key, value in pieces[0][2].items():
+        # As torch's Optimizer.load_state_dict, "step" is the one entry that is not per element.
+        if key != "step" and isinstance(value, Tensor) and value.dim() == 1:
+            joined[key] = torch.cat([state[key] for _, _, state in pieces]).view(param.shape)
+            continue
+        if key != "step" and isinstance(value, Tensor) and value.numel() != pieces[0][1] - pieces[0][0]:
+            raise TypeError(
+                f"{optimizer} keeps state {key!r} of shape {tuple(value.shape)} for a slice of "
+                f"{pieces[0][1] - pieces[0][0]} elements: not an elementwise state ShardedParameterServer can join."
+            )
+        joined[key] = value
+    return joined
+
+
+def _slice_of(key: str, value: Any, param: Tensor, piece: Slice) -> Any:
+    """Return this rank's slice of one entry of a whole parameter's state ("step" and non-tensors stay whole)."""
+    if not isinstance(value, Tensor):
+        return value
+    if key != "step" and value.shape == param.shape:
+        return value.reshape(-1)[piece.start : piece.stop].to(piece.value.device, copy=True)
+    return value.clone()
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, Tensor) else value
+
+
+def _name(task: Task, param: Tensor) -> str:
+    return next((f"parameter {name!r}" for name, p in task.named_parameters() if p is param), "a parameter")
