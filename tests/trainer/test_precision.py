@@ -11,8 +11,10 @@ from syncline.strategies import (
     BucketedDDP,
     ByteGrad,
     LocalSGD,
+    ParameterServer,
     PowerSGD,
     QAdam,
+    ShardedParameterServer,
     TensorFusion,
 )
 from syncline.trainer import Trainer
@@ -58,7 +60,7 @@ class StepRecorder(Callback):
         self.after.append(self._now(trainer, task))
 
 
-#: A representative set: exact, compressed (8-bit, low rank, 8-bit momentum), averaging, fused.
+#: A representative set: exact, compressed (8-bit, low rank, 8-bit momentum), averaging, fused, served.
 FP16_STRATEGIES = {
     "bucketed_ddp": BucketedDDP,
     "bytegrad": ByteGrad,
@@ -66,6 +68,8 @@ FP16_STRATEGIES = {
     "qadam": lambda: QAdam(warmup_steps=1),  # the poisoned step is its first compressed-momentum step
     "local_sgd": lambda: LocalSGD(period=2),
     "tensor_fusion": TensorFusion,
+    "parameter_server": lambda: ParameterServer(server_rank=0),  # the inf is on a worker's gradient
+    "sharded_parameter_server": ShardedParameterServer,
 }
 
 
