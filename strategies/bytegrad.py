@@ -155,7 +155,8 @@ class ByteGrad(BlockingHookDDP):
         backend: str | None = None,
         timeout: float = 300.0,
     ) -> None:
-        check_number("ByteGrad", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
+        if bucket_cap_mb != "auto":  # BucketedDDP refuses "auto" with the reason
+            check_number("ByteGrad", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
         self.error_feedback = error_feedback
         state = ByteGradState(error_feedback=ErrorFeedback() if error_feedback else None)
         super().__init__(bytegrad_hook, state, bucket_cap_mb, find_unused_parameters, backend, timeout)
