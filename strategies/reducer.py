@@ -6,7 +6,8 @@ The reducer averages those gradients across ranks while the backward pass is sti
 1. **Buckets.** Parameters are grouped into flat buffers of at most `bucket_cap_mb` (the first one
    smaller, so communication starts early), in reverse registration order as a guess of the order in
    which gradients become ready. After the first synchronized backward the buckets are rebuilt once
-   in the order rank 0 actually observed.
+   in the order rank 0 actually observed. `set_bucket_cap` lays them out again with another cap
+   (bucket autotuning, `strategies/bucket_autotune.py`), between synchronized backwards.
 2. **Views.** With `gradient_as_bucket_view`, each `param.grad` *is* a view into its bucket, so
    autograd accumulates straight into the buffer and no copy is made per step.
 3. **Overlap.** A post-accumulate-grad hook records each parameter as it arrives (a C `list.append`
