@@ -105,7 +105,8 @@ class BucketedDDPConf:
     timeout: float = 300.0
     overlap: bool = True
     static_graph: bool = False
-    autotune_caps_mb: list[float] = field(default_factory=lambda: [1.0, 5.0, 25.0, 100.0])
+    # A list of MiB (the constructor's default is a tuple; BucketedDDP checks every value).
+    autotune_caps_mb: Any = (1.0, 5.0, 25.0, 100.0)
     autotune_steps: int = 2
 
 
