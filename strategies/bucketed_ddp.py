@@ -40,7 +40,7 @@ from syncline.trainer.rank_zero import rank_zero_info
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
 
-__all__ = ["BlockingHookDDP", "BucketedDDP"]
+__all__ = ["BlockingHookDDP", "BucketedDDP", "refuse_autotune"]
 
 _CAP_MEANING = "MiB per bucket; 0 gives every parameter its own bucket"
 
@@ -149,11 +149,7 @@ class BucketedDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
     def _check_autotune(self, caps_mb: Sequence[float], steps: int) -> None:
         """Refuse "auto" where the strategy cannot tune its buckets, or with bad trial options."""
         name = type(self).__name__
-        if self.autotune_refusal is not None:
-            raise OptionError(
-                f"{name}(bucket_cap_mb='auto'): {self.autotune_refusal}; give a number of MiB instead, "
-                "e.g. bucket_cap_mb=25 (autotuning is for bucketed_ddp)."
-            )
+        refuse_autotune(type(self), AUTO)
         if isinstance(caps_mb, str) or not caps_mb:
             raise OptionError(f"{name}(autotune_caps_mb={caps_mb!r}): give a non-empty list of caps in MiB.")
         for cap in caps_mb:
@@ -332,6 +328,21 @@ class BucketedDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
             f"find_unused_parameters={self.find_unused_parameters}, "
             f"gradient_as_bucket_view={self.gradient_as_bucket_view}, overlap={self.overlap}, "
             f"static_graph={self.static_graph})"
+        )
+
+
+def refuse_autotune(strategy: type[BucketedDDP], bucket_cap_mb: Any) -> None:
+    """Raise if `bucket_cap_mb` is "auto" and `strategy` cannot tune its buckets (its `autotune_refusal`).
+
+    Subclasses that check `bucket_cap_mb` themselves call this first, so "auto" gets its reason.
+
+    Raises:
+        OptionError: naming the strategy, why, and the fix.
+    """
+    if bucket_cap_mb == AUTO and strategy.autotune_refusal is not None:
+        raise OptionError(
+            f"{strategy.__name__}(bucket_cap_mb='auto'): {strategy.autotune_refusal}; give a number of MiB "
+            "instead, e.g. bucket_cap_mb=25 (autotuning is for bucketed_ddp)."
         )
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from syncline.options import check_int, check_number
-from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
 from syncline.strategies.bytegrad import compressed_average
 from syncline.strategies.comm_events import collective_span
 from syncline.strategies.compression import ErrorFeedback
@@ -67,8 +67,8 @@ class QAdam(BucketedDDP):
         timeout: float = 300.0,
     ) -> None:
         check_int("QAdam", "warmup_steps", warmup_steps, 1, meaning="Adam steps on exact gradients first")
-        if bucket_cap_mb != "auto":  # BucketedDDP refuses "auto" with the reason
-            check_number("QAdam", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
+        refuse_autotune(QAdam, bucket_cap_mb)
+        check_number("QAdam", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
         super().__init__(
             bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters, backend=backend, timeout=timeout
         )

@@ -11,6 +11,8 @@ from syncline.callbacks import Callback
 from syncline.options import OptionError
 from syncline.strategies import BucketedDDP, ByteGrad, LocalSGD, PowerSGD, QAdam
 from syncline.strategies.bucket_autotune import BucketAutotune, distinct_caps
+from syncline.strategies.parameter_server import ParameterServer
+from syncline.strategies.sharded_parameter_server import ShardedParameterServer
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
@@ -101,6 +103,8 @@ def test_caps_that_cannot_change_the_layout_are_tried_once():
         (lambda: PowerSGD(bucket_cap_mb="auto"), "PowerSGD(bucket_cap_mb='auto'): its hook compresses"),
         (lambda: QAdam(bucket_cap_mb="auto"), "QAdam(bucket_cap_mb='auto'): its buckets all-reduce"),
         (lambda: LocalSGD(bucket_cap_mb="auto"), "LocalSGD(bucket_cap_mb='auto'): its buckets all-reduce"),
+        (lambda: ParameterServer(bucket_cap_mb="auto"), "ParameterServer(bucket_cap_mb='auto'): the time"),
+        (lambda: ShardedParameterServer(bucket_cap_mb="auto"), "ShardedParameterServer(bucket_cap_mb='auto'): each"),
         (lambda: BucketedDDP(bucket_cap_mb="fast"), "BucketedDDP(bucket_cap_mb='fast'): bucket_cap_mb must be"),
         (lambda: BucketedDDP(bucket_cap_mb="auto", autotune_caps_mb=[]), "give a non-empty list"),
         (lambda: BucketedDDP(bucket_cap_mb="auto", autotune_steps=0), "autotune_steps must be an int >= 1"),
