@@ -9,12 +9,14 @@ from syncline.callbacks.logger import Logger
 from syncline.callbacks.lr_monitor import LearningRateMonitor
 from syncline.callbacks.progress import ProgressBar
 from syncline.callbacks.tensorboard import TensorBoardLogger
+from syncline.callbacks.timeline import CommunicationTimeline
 from syncline.callbacks.versioned_logger import VersionedLogger
 
 __all__ = [
     "CSVLogger",
     "Callback",
     "CallbackDispatcher",
+    "CommunicationTimeline",
     "EarlyStopping",
     "EquivalenceCheck",
     "EquivalenceError",

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import check_number
-from syncline.strategies.bucketed_ddp import BlockingHookDDP
+from syncline.strategies.bucketed_ddp import BlockingHookDDP, refuse_autotune
 from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import GradBucket
 from syncline.strategies.compression import ErrorFeedback, minmax_dequantize, minmax_quantize, pack, unpack
@@ -155,6 +155,7 @@ class ByteGrad(BlockingHookDDP):
         backend: str | None = None,
         timeout: float = 300.0,
     ) -> None:
+        refuse_autotune(ByteGrad, bucket_cap_mb)
         check_number("ByteGrad", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
         self.error_feedback = error_feedback
         state = ByteGradState(error_feedback=ErrorFeedback() if error_feedback else None)

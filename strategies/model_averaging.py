@@ -28,6 +28,7 @@ from torch import Tensor
 from syncline.options import check_int
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.comm_counter import CommCounter
+from syncline.strategies.comm_events import collective_span
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -75,6 +76,7 @@ class ModelAveraging(BucketedDDP):
     """
 
     supports_join = False  # a joined rank has no parameters of its own to average
+    autotune_refusal = "its buckets all-reduce gradients only during the warm-up (warmup_steps, 0 by default)"
 
     #: Replicas hold different parameters between averagings: checkpoints keep every rank's, and its
     #: optimizer state. Resuming on another number of processes is refused (`load_state_from_other_world`).
@@ -112,7 +114,8 @@ class ModelAveraging(BucketedDDP):
         step()
         self.steps += 1
         if self.steps > self.warmup_steps:
-            self.average_after_step(self.steps - self.warmup_steps)
+            with collective_span(self.comm_events, "model averaging"):
+                self.average_after_step(self.steps - self.warmup_steps)
         self.comm_counter.close_step()
 
     def average_after_step(self, local_step: int) -> None:

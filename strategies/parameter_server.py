@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import check_int, check_number
-from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
 from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import GradBucket, count_bytes
 from syncline.strategies.process_group import broadcast_coalesced
@@ -79,6 +79,10 @@ class ParameterServer(BucketedDDP):
     """
 
     name = "parameter_server"
+    autotune_refusal = (
+        "the time autotuning compares (the backward's) leaves out its parameter broadcast after the step, "
+        "which the cap does not shape"
+    )
 
     def __init__(
         self,
@@ -89,6 +93,7 @@ class ParameterServer(BucketedDDP):
         timeout: float = 300.0,
     ) -> None:
         check_int("ParameterServer", "server_rank", server_rank, 0, meaning="the rank that steps the optimizer")
+        refuse_autotune(ParameterServer, bucket_cap_mb)
         check_number("ParameterServer", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
         super().__init__(
             bucket_cap_mb=bucket_cap_mb,

@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from syncline.options import check_int, check_number
-from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
 from syncline.strategies.bytegrad import compressed_average
+from syncline.strategies.comm_events import collective_span
 from syncline.strategies.compression import ErrorFeedback
 from syncline.strategies.strategy import replace_step
 
@@ -55,6 +56,7 @@ class QAdam(BucketedDDP):
     supports_join = False  # after the warm-up the compressed momentum is not a gradient a joined rank could zero
 
     name = "qadam"
+    autotune_refusal = "its buckets all-reduce gradients only during the warm-up (warmup_steps)"
 
     def __init__(
         self,
@@ -65,6 +67,7 @@ class QAdam(BucketedDDP):
         timeout: float = 300.0,
     ) -> None:
         check_int("QAdam", "warmup_steps", warmup_steps, 1, meaning="Adam steps on exact gradients first")
+        refuse_autotune(QAdam, bucket_cap_mb)
         check_number("QAdam", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
         super().__init__(
             bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters, backend=backend, timeout=timeout
@@ -122,8 +125,9 @@ class QAdam(BucketedDDP):
                 entries.append((group, param, state))
         momenta = [state["exp_avg"] for _, _, state in entries]
         corrected = self.error_feedback.compensate("momentum", torch.cat([m.reshape(-1).float() for m in momenta]))
-        # Collectives (inside): 8-bit all-to-all and all-gather of the flat momentum.
-        average, sent = compressed_average(corrected, None, self.comm_counter)
+        with collective_span(self.comm_events, "compressed momentum"):
+            # Collectives (inside): 8-bit all-to-all and all-gather of the flat momentum.
+            average, sent = compressed_average(corrected, None, self.comm_counter)
         self.error_feedback.remember("momentum", corrected, sent)
         for momentum, piece in zip(momenta, average.split([m.numel() for m in momenta])):
             momentum.copy_(piece.view_as(momentum))

@@ -6,7 +6,8 @@ The reducer averages those gradients across ranks while the backward pass is sti
 1. **Buckets.** Parameters are grouped into flat buffers of at most `bucket_cap_mb` (the first one
    smaller, so communication starts early), in reverse registration order as a guess of the order in
    which gradients become ready. After the first synchronized backward the buckets are rebuilt once
-   in the order rank 0 actually observed.
+   in the order rank 0 actually observed. `set_bucket_cap` lays them out again with another cap
+   (bucket autotuning, `strategies/bucket_autotune.py`), between synchronized backwards.
 2. **Views.** With `gradient_as_bucket_view`, each `param.grad` *is* a view into its bucket, so
    autograd accumulates straight into the buffer and no copy is made per step.
 3. **Overlap.** A post-accumulate-grad hook records each parameter as it arrives (a C `list.append`
@@ -48,6 +49,7 @@ from syncline.strategies.autograd_graph import grad_accumulators, parameters_rea
 from syncline.strategies.buckets import Bucket, Slot, assign_buckets
 from syncline.strategies.collective_log import COLLECTIVES, diagnosis_wait
 from syncline.strategies.comm_counter import CommCounter
+from syncline.strategies.comm_events import CommEvents
 from syncline.strategies.comm_hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
 from syncline.strategies.reducer_errors import (
     CollectiveError,
@@ -176,8 +178,14 @@ class Reducer:
         # Whether .grad holds a value (a gradient, or the user's) since the last `zero_grad`; a zero
         # bucket view attached for speed does not count.
         self._has_grad = [p.grad is not None for p in self._params]
-        self._build_buckets(list(reversed(range(len(self._params)))), attach_missing=True)
+        # The order buckets are laid out in (rank 0's observed order after the rebuild), and this rank's
+        # own order, which places the triggers; `set_bucket_cap` lays the buckets out again in them.
+        self._order = self._local_order = list(reversed(range(len(self._params))))
+        self._build_buckets(self._order, attach_missing=True)
         self._rebuilt = not rebuild_buckets
+        #: Where bucket launches, completions and the exposed wait are recorded while a timeline listens
+        #: (`strategies/comm_events.py`); None records nothing and costs one attribute test per bucket.
+        self.events: CommEvents | None = None
 
         # Per-backward state, reset by `prepare_for_backward`.
         self._armed = False  # between prepare_for_backward and finalize_backward
@@ -214,7 +222,7 @@ class Reducer:
         # Parameters whose gradients autograd has accumulated and the reducer has not yet processed.
         self._arrivals: list[Tensor] = []
         self._handles: list[RemovableHandle] = []
-        self._install_hooks(list(reversed(range(len(self._params)))))
+        self._install_hooks(self._local_order)
 
     # ------------------------------------------------------------ public API
     @property
@@ -231,6 +239,33 @@ class Reducer:
     def has_rebuilt_buckets(self) -> bool:
         """Whether the buckets follow the observed gradient order yet."""
         return self._rebuilt
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        """The cap (MiB) of every bucket but the first."""
+        return self._bucket_cap_bytes / _MB
+
+    def gradient_group_bytes(self) -> list[int]:
+        """Bytes of the dense gradients of each dtype and device (what one bucket could hold at most)."""
+        groups: dict[tuple[torch.dtype, torch.device], int] = {}
+        for param, sparse in zip(self._params, self._is_sparse):
+            if not sparse:
+                key = (param.dtype, param.device)
+                groups[key] = groups.get(key, 0) + param.numel() * param.element_size()
+        return list(groups.values())
+
+    def set_bucket_cap(self, bucket_cap_mb: float) -> None:
+        """Lay the buckets out again with another cap, in the current order (bucket autotuning).
+
+        Call it between synchronized backwards, at the same step on every rank: the gradients move into
+        the new buffers as they are, so nothing that is averaged changes, only how it is grouped.
+        """
+        if self._armed:
+            raise RuntimeError("Reducer.set_bucket_cap must be called between backwards, not during one.")
+        self._bucket_cap_bytes = int(bucket_cap_mb * _MB)
+        if self._assign(self._order) != [bucket.param_indices for bucket in self._buckets]:
+            self._build_buckets(self._order, attach_missing=False)
+            self._install_hooks(self._local_order)
 
     def stats(self) -> CommStats:
         """Return the communication counters of the last synchronized backward."""
@@ -324,7 +359,10 @@ class Reducer:
             self._drop_unused_zero_grads(globally_used, self._unreached)
         elif not self._as_view:
             self._write_back(None, every)
-        self._step_stats.exposed_ms = (time.perf_counter() - start) * 1e3
+        end = time.perf_counter()
+        self._step_stats.exposed_ms = (end - start) * 1e3
+        if self.events is not None:
+            self.events.span("exposed wait", start, end)
         self._step_stats.bytes = self.counter.total_bytes - self._bytes_before
         self._stats = self._step_stats
         if self._find_unused:
@@ -530,8 +568,11 @@ class Reducer:
         while self._next_bucket < len(buckets) and pending[self._next_bucket] == 0:
             bucket = buckets[self._next_bucket]
             COLLECTIVES.record(f"{self._hook_name} of gradient bucket {bucket.grad.index} of step {self.sync_steps}")
+            launched = time.perf_counter() if self.events is not None else 0.0
             # Collective: the comm hook starts the bucket's asynchronous all-reduce.
             bucket.future = self._hook(self._state, bucket.grad)
+            if self.events is not None:
+                self.events.bucket(bucket.grad.index, bucket.nbytes, launched, bucket.future)
             self._count_collective(0 if self._hook_counts else bucket.nbytes)
             self._next_bucket += 1
         if (
@@ -697,6 +738,7 @@ class Reducer:
         dist.broadcast(order_tensor, group=self._group, group_src=0)
         # Host sync: the order is needed on the CPU to lay out the buffers.
         order = order_tensor.tolist()
+        self._order, self._local_order = order, local_order
         current = [bucket.param_indices for bucket in self._buckets]
         new = self._assign(order)
         if new != current:

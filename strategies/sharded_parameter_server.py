@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import check_number
-from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
 from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import GradBucket, count_bytes
 
@@ -155,6 +155,7 @@ class ShardedParameterServer(BucketedDDP):
     name = "sharded_parameter_server"
     # Each rank serves fixed slices of fixed buckets: rebuilding the buckets would move optimizer state.
     rebuild_buckets = False
+    autotune_refusal = "each rank serves fixed slices of fixed buckets: another layout would move its optimizer state"
 
     def __init__(
         self,
@@ -163,6 +164,7 @@ class ShardedParameterServer(BucketedDDP):
         backend: str | None = None,
         timeout: float = 300.0,
     ) -> None:
+        refuse_autotune(ShardedParameterServer, bucket_cap_mb)
         check_number("ShardedParameterServer", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
         super().__init__(
             bucket_cap_mb=bucket_cap_mb,

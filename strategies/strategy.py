@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from syncline.strategies.comm_counter import CommCounter
+from syncline.strategies.comm_events import CommEvents
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -48,6 +49,10 @@ class Strategy(ABC):
     #: (local SGD in the middle of a period, decentralized or asynchronous averaging). Checkpoints then
     #: keep every rank's weights and optimizer state, and each rank resumes from its own.
     replicas_differ: bool = False
+
+    #: Where the strategy reports its communication while a `CommunicationTimeline` records a step
+    #: (`strategies/comm_events.py`); None, the default, records nothing.
+    comm_events: CommEvents | None = None
 
     # ---------------------------------------------------------------- identity
     @property

@@ -73,7 +73,7 @@ def test_good_values_pass():
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("strategy.bucket_cap_mb=-1", "BucketedDDP(bucket_cap_mb=-1.0): bucket_cap_mb must be a finite number >= 0"),
+        ("strategy.bucket_cap_mb=-1", "BucketedDDP(bucket_cap_mb=-1): bucket_cap_mb must be a finite number >= 0"),
         ("strategy.timeout=0", "BucketedDDP(timeout=0.0): timeout must be a finite number > 0"),
     ],
 )

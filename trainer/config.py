@@ -94,7 +94,8 @@ class BucketedDDPConf:
     """``strategy=bucketed_ddp``: `strategies.BucketedDDP`, syncline's implementation of the DDP paper."""
 
     _target_: str = "syncline.strategies.bucketed_ddp.BucketedDDP"
-    bucket_cap_mb: float = 25.0
+    # A number of MiB, or "auto" (OmegaConf 2.3 has no float-or-str type; BucketedDDP checks the value).
+    bucket_cap_mb: Any = 25.0
     first_bucket_mb: float = 1.0
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
@@ -104,6 +105,9 @@ class BucketedDDPConf:
     timeout: float = 300.0
     overlap: bool = True
     static_graph: bool = False
+    # A list of MiB (the constructor's default is a tuple; BucketedDDP checks every value).
+    autotune_caps_mb: Any = (1.0, 5.0, 25.0, 100.0)
+    autotune_steps: int = 2
 
 
 @dataclass
