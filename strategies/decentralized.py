@@ -26,12 +26,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from syncline.options import OptionError, check_int
 from syncline.strategies.compression import minmax_dequantize, minmax_quantize, pack, unpack
 from syncline.strategies.model_averaging import ModelAveraging, average_parameters, flatten_by_dtype, unflatten_into
+from syncline.strategies.transfers import all_gather_in_pieces, exchange
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -150,11 +150,8 @@ class Decentralized(ModelAveraging):
 
     def _exchange(self, tensor: Tensor, partner: int) -> Tensor:
         """Send `tensor` to `partner` and receive its tensor of the same shape."""
-        received = torch.empty_like(tensor)
-        # Collective (point to point): both ends post their send and receive before waiting on either.
-        works = [dist.isend(tensor, dst=partner), dist.irecv(received, src=partner)]
-        for work in works:
-            work.wait()
+        # Collective (point to point): both ends post their sends and receives before waiting on any.
+        received = exchange(tensor, partner)
         self.comm_counter.add(tensor.numel() * tensor.element_size())
         return received
 
@@ -164,9 +161,8 @@ class Decentralized(ModelAveraging):
         for index, (tensors, flat) in enumerate(flatten_by_dtype(self._params)):
             quantized = minmax_quantize(flat - self.estimates[str(rank)][index], chunks=_chunks(flat))
             payload = torch.cat(pack(quantized))
-            gathered = [torch.empty_like(payload) for _ in range(world)]
             # Collective: every rank's quantized difference (all payloads have the same size).
-            dist.all_gather(gathered, payload)
+            gathered = all_gather_in_pieces(payload, world)[0].split(payload.numel())
             self.comm_counter.add(payload.numel())
             for peer, received in enumerate(gathered):
                 self.estimates[str(peer)][index] += minmax_dequantize(

@@ -44,6 +44,7 @@ from syncline.options import check_number
 from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
 from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import GradBucket, count_bytes
+from syncline.strategies.transfers import all_gather_in_pieces
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -313,13 +314,13 @@ class ShardedParameterServer(BucketedDDP):
             mine = bucket.buffer.new_zeros(chunk, dtype=bucket.parameters[0].dtype)
             if pieces:
                 torch.cat(pieces, out=mine[: stop - start])
-            gathered = mine.new_empty(chunk * world_size)
             self.comm_counter.add_tensors(mine)
             # Collective: asynchronous all-gather of every rank's updated chunk of this bucket.
-            work = dist.all_gather_single(gathered, mine, async_op=True)
-            pending.append((bucket, gathered, work))
-        for bucket, gathered, work in pending:
-            work.wait()
+            gathered, works = all_gather_in_pieces(mine, world_size, async_op=True)
+            pending.append((bucket, gathered, works))
+        for bucket, gathered, works in pending:
+            for work in works:
+                work.wait()
             for param, offset in zip(bucket.parameters, bucket.offsets):
                 param.view(-1).copy_(gathered[offset : offset + param.numel()])
 
