@@ -31,6 +31,7 @@ from syncline.strategies.bucketed_ddp import BlockingHookDDP, refuse_autotune
 from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import GradBucket
 from syncline.strategies.compression import ErrorFeedback, minmax_dequantize, minmax_quantize, pack, unpack
+from syncline.strategies.transfers import all_gather_in_pieces, all_to_all_in_pieces
 
 __all__ = ["ByteGrad", "ByteGradState", "bytegrad_hook", "compressed_average"]
 
@@ -71,23 +72,17 @@ def compressed_average(
     payloads = pack(quantized)
     sizes = [payload.numel() for payload in payloads]
     # Scatter: chunk j goes to rank j; the own chunk is not handed to the collective.
-    send = torch.cat([payload for j, payload in enumerate(payloads) if j != rank])
-    splits_in = [0 if j == rank else sizes[j] for j in range(world)]
-    splits_out = [0 if j == rank else sizes[rank] for j in range(world)]
-    received = send.new_empty(sizes[rank] * (world - 1))
-    _count(counter, send)
-    # Collective: all-to-all of the uint8 chunks (blocking: the reduction below needs them).
-    dist.all_to_all_single(received, send, splits_out, splits_in, group=group)
-    versions = list(received.split(sizes[rank]))
-    versions.insert(rank, payloads[rank])
+    versions = [payload if j == rank else payload.new_empty(sizes[rank]) for j, payload in enumerate(payloads)]
+    _count(counter, *(payload for j, payload in enumerate(payloads) if j != rank))
+    # Collective: all-to-all of the uint8 chunks, in pieces (blocking: the reduction below needs them).
+    all_to_all_in_pieces(payloads, versions, group=group)
     own_chunk = minmax_dequantize(unpack(versions)).view(world, sizes[rank] - 8).mean(dim=0)
 
     # Gather: all-gather needs equal sizes; pad to the largest chunk (tensor_split puts it first).
     requantized = F.pad(pack(minmax_quantize(own_chunk))[0], (0, sizes[0] - sizes[rank]))
-    gathered = [torch.empty_like(requantized) for _ in range(world)]
     _count(counter, requantized)
-    # Collective: all-gather of every rank's averaged, re-quantized chunk.
-    dist.all_gather(gathered, requantized, group=group)
+    # Collective: all-gather of every rank's averaged, re-quantized chunk, in pieces.
+    gathered = all_gather_in_pieces(requantized, world, group=group)[0].split(requantized.numel())
     average = minmax_dequantize(unpack([chunk[:size] for chunk, size in zip(gathered, sizes)]), values.dtype)
     return average, minmax_dequantize(quantized, values.dtype)
 
@@ -111,9 +106,9 @@ def bytegrad_hook(state: ByteGradState, bucket: GradBucket) -> Future[Tensor]:
     return future
 
 
-def _count(counter: CommCounter | None, tensor: Tensor) -> None:
+def _count(counter: CommCounter | None, *tensors: Tensor) -> None:
     if counter is not None:
-        counter.add_tensors(tensor)
+        counter.add_tensors(*tensors)
 
 
 def _spans(bucket: GradBucket, state: ByteGradState) -> list[tuple[str, int, int]]:

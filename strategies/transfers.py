@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["PIECE_BYTES", "all_gather_in_pieces", "exchange", "pieces"]
+__all__ = ["PIECE_BYTES", "all_gather_in_pieces", "all_to_all_in_pieces", "exchange", "pieces"]
 
 #: The size of one piece.
 PIECE_BYTES = 1 << 20
@@ -35,6 +35,31 @@ def exchange(tensor: Tensor, partner: int, group: dist.ProcessGroup | None = Non
     for work in works:
         work.wait()
     return received.view_as(tensor)
+
+
+def all_to_all_in_pieces(
+    sends: list[Tensor | None], receives: list[Tensor | None], group: dist.ProcessGroup | None = None
+) -> None:
+    """Send ``sends[j]`` to rank j and receive rank j's tensor into ``receives[j]``, for every other rank j.
+
+    An all-to-all as point-to-point transfers, every piece posted before waiting on any. Entries for this
+    rank (and None) are skipped; ``receives[j]`` must have the size of what rank j sends here.
+    """
+    rank = dist.get_rank(group)
+    works = []
+    for peer, (send, receive) in enumerate(zip(sends, receives)):
+        if peer == rank:
+            continue
+        if send is not None:
+            for piece in pieces(send.reshape(-1)):
+                # Collective (point to point): this rank's pieces for `peer`.
+                works.append(dist.isend(piece, dst=peer, group=group))
+        if receive is not None:
+            for piece in pieces(receive.view(-1)):
+                # Collective (point to point): `peer`'s pieces for this rank.
+                works.append(dist.irecv(piece, src=peer, group=group))
+    for work in works:
+        work.wait()
 
 
 def all_gather_in_pieces(
