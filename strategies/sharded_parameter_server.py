@@ -44,7 +44,7 @@ from syncline.options import check_number
 from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
 from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import GradBucket, count_bytes
-from syncline.strategies.transfers import all_gather_in_pieces
+from syncline.strategies.transfers import all_gather_in_pieces, all_to_all_in_pieces
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -80,7 +80,10 @@ def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 def reduce_scatter_hook(state: ReduceScatterState, bucket: GradBucket) -> Future[Tensor]:
-    """Average the bucket so that each rank gets its own chunk, with one asynchronous reduce-scatter.
+    """Average the bucket so that each rank gets its own chunk: a scatter of the chunks, then a local sum.
+
+    gloo's own reduce-scatter is an all-reduce underneath (it sends the whole bucket); sending chunk j to
+    rank j, in pieces, sends (W-1)/W of it, as a ring reduce-scatter does.
 
     Returns:
         A future whose value is `bucket.buffer`, holding the average in this rank's chunk (the rest is scratch).
@@ -92,31 +95,30 @@ def reduce_scatter_hook(state: ReduceScatterState, bucket: GradBucket) -> Future
     chunk = math.ceil(buffer.numel() / world_size)
     padding = chunk * world_size - buffer.numel()
     full = torch.cat([buffer, buffer.new_zeros(padding)]) if padding else buffer
-    mine = buffer.new_empty(chunk)
-    count_bytes(state, full)
-    # Collective: asynchronous reduce-scatter of the bucket, chunk r to rank r.
-    work = dist.reduce_scatter_single(mine, full, group=state.process_group, async_op=True)
+    parts = list(full.split(chunk))
+    received = buffer.new_empty(world_size, chunk)
+    count_bytes(state, *(part for peer, part in enumerate(parts) if peer != rank))
+    # Collective (point to point, asynchronous): chunk j to rank j; every rank's version of this rank's chunk.
+    works = all_to_all_in_pieces(parts, list(received), group=state.process_group, async_op=True)
     start, stop = shard_range(buffer.numel(), rank, world_size)
 
     def write_chunk(_: Future[Any]) -> Tensor:
-        buffer[start:stop].copy_(mine[: stop - start])
+        received[rank].copy_(parts[rank])
+        buffer[start:stop].copy_(received.sum(dim=0)[: stop - start])
         return buffer
 
-    return future_of(work).then(write_chunk)
+    return future_of(works).then(write_chunk)
 
 
-def future_of(work: dist.Work) -> Future[Any]:
-    """Return a future of `work`; where the backend has none (gloo's reduce-scatter), one a thread completes."""
-    try:
-        return work.get_future()
-    except RuntimeError:
-        pass
+def future_of(works: list[dist.Work]) -> Future[Any]:
+    """Return a future that completes when every one of `works` has (a thread waits; gloo's p2p has none)."""
     future: Future[Any] = Future()
 
     def wait() -> None:
         try:
-            # Host sync (in this thread only, without the GIL): the collective has completed.
-            work.wait()
+            for work in works:
+                # Host sync (in this thread only, without the GIL): the transfer has completed.
+                work.wait()
         except RuntimeError as error:
             future.set_exception(error)
             return

@@ -38,12 +38,18 @@ def exchange(tensor: Tensor, partner: int, group: dist.ProcessGroup | None = Non
 
 
 def all_to_all_in_pieces(
-    sends: list[Tensor | None], receives: list[Tensor | None], group: dist.ProcessGroup | None = None
-) -> None:
+    sends: list[Tensor | None],
+    receives: list[Tensor | None],
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> list[dist.Work]:
     """Send ``sends[j]`` to rank j and receive rank j's tensor into ``receives[j]``, for every other rank j.
 
     An all-to-all as point-to-point transfers, every piece posted before waiting on any. Entries for this
     rank (and None) are skipped; ``receives[j]`` must have the size of what rank j sends here.
+
+    Returns:
+        With `async_op`, the works to wait on before reading `receives`; else an empty list (all complete).
     """
     rank = dist.get_rank(group)
     works = []
@@ -58,8 +64,11 @@ def all_to_all_in_pieces(
             for piece in pieces(receive.view(-1)):
                 # Collective (point to point): `peer`'s pieces for this rank.
                 works.append(dist.irecv(piece, src=peer, group=group))
+    if async_op:
+        return works
     for work in works:
         work.wait()
+    return []
 
 
 def all_gather_in_pieces(

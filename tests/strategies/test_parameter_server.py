@@ -134,11 +134,11 @@ def test_both_servers_match_bucketed_ddp_hold_their_share_of_state_count_bytes_a
             assert 0.4 <= runs["state_fraction"]["sharded"] <= 0.6
             # Server: each rank reduces every gradient once and broadcasts the parameters once, + a 4-byte flag.
             assert runs["bytes"]["server"] == 2 * result["model_bytes"] + 4
-            # Sharded: the reduce-scatter of every (padded) bucket, the all-gather of this rank's chunk of
-            # each, the finiteness flag and the squared norm for clipping.
+            # Sharded: the other rank's chunk of every (padded) bucket (the scatter), this rank's chunk of each
+            # (the all-gather), the finiteness flag and the squared norm for clipping.
             padded = sum(-(-n // 2) * 2 for n in runs["buckets"])
             assert len(runs["buckets"]) > 1
-            assert runs["bytes"]["sharded"] == 4 * padded + 4 * padded // 2 + 4 + 4
+            assert runs["bytes"]["sharded"] == 4 * padded // 2 + 4 * padded // 2 + 4 + 4
         for name in ("server", "sharded"):
             run = result[f"scaler_{name}"]
             # Step 1 skipped on both ranks: the scale halves once, and the parameters differ from a clean run.
