@@ -30,7 +30,6 @@ to NaN, so that every rank's scaler skips the step.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,7 +43,7 @@ from syncline.options import check_number
 from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
 from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import GradBucket, count_bytes
-from syncline.strategies.transfers import all_gather_in_pieces, all_to_all_in_pieces
+from syncline.strategies.transfers import all_gather_in_pieces, all_to_all_in_pieces, future_of
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -108,24 +107,6 @@ def reduce_scatter_hook(state: ReduceScatterState, bucket: GradBucket) -> Future
         return buffer
 
     return future_of(works).then(write_chunk)
-
-
-def future_of(works: list[dist.Work]) -> Future[Any]:
-    """Return a future that completes when every one of `works` has (a thread waits; gloo's p2p has none)."""
-    future: Future[Any] = Future()
-
-    def wait() -> None:
-        try:
-            for work in works:
-                # Host sync (in this thread only, without the GIL): the transfer has completed.
-                work.wait()
-        except RuntimeError as error:
-            future.set_exception(error)
-            return
-        future.set_result(None)
-
-    threading.Thread(target=wait, name="syncline-reduce-scatter", daemon=True).start()
-    return future
 
 
 @dataclass(eq=False)

@@ -9,11 +9,15 @@ as 1 MiB pieces, both took 1.11-1.12 s. A one-way transfer (a broadcast) is not 
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.futures import Future
 
-__all__ = ["PIECE_BYTES", "all_gather_in_pieces", "all_to_all_in_pieces", "exchange", "pieces"]
+__all__ = ["PIECE_BYTES", "all_gather_in_pieces", "all_to_all_in_pieces", "exchange", "future_of", "pieces"]
 
 #: The size of one piece.
 PIECE_BYTES = 1 << 20
@@ -92,3 +96,21 @@ def all_gather_in_pieces(
             work.wait()
         works = []
     return gathered, works
+
+
+def future_of(works: list[dist.Work]) -> Future[Any]:
+    """Return a future that completes when every one of `works` has (a thread waits; gloo's p2p has none)."""
+    future: Future[Any] = Future()
+
+    def wait() -> None:
+        try:
+            for work in works:
+                # Host sync (in this thread only, without the GIL): the transfer has completed.
+                work.wait()
+        except RuntimeError as error:
+            future.set_exception(error)
+            return
+        future.set_result(None)
+
+    threading.Thread(target=wait, name="syncline-transfer", daemon=True).start()
+    return future
