@@ -18,7 +18,7 @@ Sections (in the order they run):
   synchronizing every k micro-batches: loss curves and final validation loss.
 - `overhead`: Trainer vs hand-written loop vs pytorch-lightning on the tiny MLP, in fresh processes.
 - `strategies`: CharGPT for a fixed number of steps with every registered strategy.
-- `gpt2` (only when named, `--sections gpt2`; about 35 minutes -> results/gpt2_study.json): the GPT-2
+- `gpt2` (only when named, `--sections gpt2`; about 30 minutes -> results/gpt2_study.json): the GPT-2
   data-parallel study (benchmarks/gpt2_study.py): a 4.8 M-parameter CharGPT with single, both parameter
   servers, tensor_fusion, the sharded server and tensor_fusion under bf16-mixed, bucketed_ddp and
   native_ddp: samples per second, memory per rank, bytes per step and time to a target validation loss.
