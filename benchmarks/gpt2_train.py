@@ -9,10 +9,12 @@ the world size). Two callbacks measure:
 - `StudyRecorder` (rank 0): when each step ended, how long each validation took (so that steps can be
   timed without them) and each validation loss, and the strategy's `communication_stats()` after every
   step (`comm/bytes` of the last one is reported).
-- `MemoryProbe` (every rank): at the end of every optimizer step, before gradients are reset, the bytes
-  of the parameters, their gradients and the optimizer's state tensors (`numel * element_size`, each
-  tensor once), and at the end of training the process's peak RSS (`resource.getrusage`). The ranks'
-  figures are all-gathered to rank 0 once, after the last step.
+- `MemoryProbe` (every rank): the largest bytes (`numel * element_size`, each tensor once) of the
+  parameters' gradients after any backward, and of the parameters and the optimizer's state tensors at
+  the end of any optimizer step (before gradients are reset); their sum is the peak the three reach
+  together during a step. At the end of training, the process's peak RSS (`resource.getrusage`). The
+  ranks' figures are all-gathered to rank 0 once, after the last step. Communication buffers outside
+  `.grad` (torch DDP's bucket copies, fusion buffers) are in the RSS only.
 
 The Trainer hands rank 0's callback state back to this process, which writes it as JSON.
 """
@@ -52,17 +54,17 @@ class MemoryProbe(Callback):
         self.peak: dict[str, int] = {"params": 0, "grads": 0, "optimizer_state": 0, "total": 0}
         self.ranks: list[dict[str, Any]] = []
 
+    def on_after_backward(self, trainer, task):
+        # Gradients are counted after the backward: a parameter server's workers drop their `.grad`
+        # before the optimizer step (their gradient buckets stay allocated in the reducer).
+        grads = tensor_bytes([p.grad for p in task.parameters() if p.grad is not None])
+        self.peak["grads"] = max(self.peak["grads"], grads)
+
     def on_before_zero_grad(self, trainer, task, optimizer):
-        params = list(task.parameters())
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
-        now = {
-            "params": tensor_bytes(params),
-            "grads": tensor_bytes([p.grad for p in params if p.grad is not None]),
-            "optimizer_state": tensor_bytes(state),
-        }
-        now["total"] = sum(now.values())
-        if now["total"] >= self.peak["total"]:
-            self.peak = now
+        self.peak["params"] = max(self.peak["params"], tensor_bytes(list(task.parameters())))
+        self.peak["optimizer_state"] = max(self.peak["optimizer_state"], tensor_bytes(state))
+        self.peak["total"] = self.peak["params"] + self.peak["grads"] + self.peak["optimizer_state"]
 
     def on_train_end(self, trainer, task):
         # ru_maxrss is in KiB on Linux.
