@@ -176,6 +176,9 @@ def _gpt2(study: dict[str, Any]) -> dict[str, Any]:
         "samples_per_s_vs_single": (
             {label: round(r["samples_per_s"]["median"] / single, 3) for label, r in results.items()} if single else None
         ),
+        "samples_per_s_fast_quartile": {
+            label: r["samples_per_s_fast_quartile"]["median"] for label, r in results.items()
+        },
         "train_s_to_target": {
             label: r["train_s_to_target"]["median"] if r["train_s_to_target"] else None for label, r in results.items()
         },

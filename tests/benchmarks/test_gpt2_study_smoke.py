@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import math
 
-from benchmarks.gpt2_study import gpt2_table
+from benchmarks.common import ROOT
+from benchmarks.gpt2_study import RESULTS, fill_page, gpt2_table
 from benchmarks.run import run_suite
 
 
@@ -22,6 +23,7 @@ def test_gpt2_study_smoke_plan_measures_every_field(tmp_path):
         assert r["processes"] == (1 if label == "single" else 2)
         assert r["precision"] == ("bf16-mixed" if "bf16" in label else "32")
         assert r["samples_per_s"]["median"] > 0 and r["step_ms_median"] > 0
+        assert r["samples_per_s_fast_quartile"]["median"] >= r["samples_per_s"]["median"]
         assert len(r["memory_per_rank"]) == r["processes"]
         for rank in r["memory_per_rank"]:
             assert rank["params"] == 4 * r["parameters"] and rank["optimizer_state"] > 0
@@ -41,3 +43,10 @@ def test_gpt2_study_smoke_plan_measures_every_field(tmp_path):
     assert results["headline"]["gpt2"]["sharded_state_check_passed"] is True
     assert json.loads((tmp_path / "gpt2.json").read_text())["sections"]["gpt2"]["results"] == study["results"]
     assert "| sharded_ps bf16 | 2 | bf16-mixed |" in gpt2_table(study)
+
+
+def test_performance_page_quotes_the_committed_gpt2_study():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    suite = json.loads(RESULTS.read_text())
+    assert fill_page(page, suite) == page, "run `python -m benchmarks.gpt2_study --write docs/performance.md`"
+    assert suite["mode"] == "full" and suite["sections"]["gpt2"]["sharded_state_check"]["passed"]
