@@ -33,11 +33,11 @@ def test_gpt2_study_smoke_plan_measures_every_field(tmp_path):
         assert [step for step, _ in r["val_curve"]] == list(range(1, plan["steps"] + 1))
         assert math.isfinite(r["final_val_loss"])
         assert r["steps_to_target"] == 1 and r["train_s_to_target"]["median"] > 0
-    # Bytes per step: none for one process; the sharded server reduce-scatters every gradient, all-gathers
-    # half of them, and sends a 4-byte finiteness flag.
+    # Bytes per step: none for one process; the sharded server sends (W-1)/W of the gradients in its
+    # reduce-scatter and as much in its all-gather, plus a 4-byte finiteness flag.
     assert study["results"]["single"]["comm_bytes_per_step"] == 0
     sharded = study["results"]["sharded_ps bf16"]
-    assert sharded["comm_bytes_per_step"] == 1.5 * sharded["memory_per_rank"][0]["grads"] + 4
+    assert sharded["comm_bytes_per_step"] == 2 * (2 - 1) / 2 * sharded["memory_per_rank"][0]["grads"] + 4
     check = study["sharded_state_check"]
     assert check["passed"] and all(0.4 < x <= 0.6 for x in check["configs"]["sharded_ps bf16"]["per_rank"])
     assert results["headline"]["gpt2"]["sharded_state_check_passed"] is True
