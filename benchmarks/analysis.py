@@ -9,7 +9,9 @@
 - one device (world size 1): each reducer's step / local step, BucketedDDP / NativeDDP, and each mixed
   precision's local step / the fp32 one;
 - Trainer / raw loop and Lightning / raw loop, per step and to the first step;
-- strategies: epoch time and validation loss of CharGPT per strategy.
+- strategies: epoch time and validation loss of CharGPT per strategy;
+- the GPT-2 study: samples per second per config and over the single process's, training seconds to the
+  target loss, and whether the sharded server's optimizer state per rank stays within its limit.
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ def headlines(results: dict[str, Any]) -> dict[str, Any]:
             }
             | {f"{loop}_first_step_s": loops[loop]["first_step_s"]["median"] for loop in loops}
         )
+    if "gpt2" in sections:
+        out["gpt2"] = _gpt2(sections["gpt2"])
     if "curves" in sections:
         runs = sections["curves"]["runs"]
         out["curves_val_loss_by_sync_every"] = {k: r["val_loss"]["median"] for k, r in runs.items()}
@@ -161,3 +165,25 @@ def headlines(results: dict[str, Any]) -> dict[str, Any]:
             for name, s in strategies.items()
         }
     return out
+
+
+def _gpt2(study: dict[str, Any]) -> dict[str, Any]:
+    results = study["results"]
+    single = results["single"]["samples_per_s"]["median"] if "single" in results else None
+    check = study["sharded_state_check"]
+    return {
+        "samples_per_s": {label: r["samples_per_s"]["median"] for label, r in results.items()},
+        "samples_per_s_vs_single": (
+            {label: round(r["samples_per_s"]["median"] / single, 3) for label, r in results.items()} if single else None
+        ),
+        "samples_per_s_fast_quartile": {
+            label: r["samples_per_s_fast_quartile"]["median"] for label, r in results.items()
+        },
+        "train_s_to_target": {
+            label: r["train_s_to_target"]["median"] if r["train_s_to_target"] else None for label, r in results.items()
+        },
+        "sharded_optimizer_state_vs_full": (
+            {label: max(c["per_rank"]) for label, c in check["configs"].items()} if check else None
+        ),
+        "sharded_state_check_passed": check["passed"] if check else None,
+    }

@@ -18,6 +18,10 @@ Sections (in the order they run):
   synchronizing every k micro-batches: loss curves and final validation loss.
 - `overhead`: Trainer vs hand-written loop vs pytorch-lightning on the tiny MLP, in fresh processes.
 - `strategies`: CharGPT for a fixed number of steps with every registered strategy.
+- `gpt2` (only when named, `--sections gpt2`; about 30 minutes -> results/gpt2_study.json): the GPT-2
+  data-parallel study (benchmarks/gpt2_study.py): a 4.8 M-parameter CharGPT with single, both parameter
+  servers, tensor_fusion, the sharded server and tensor_fusion under bf16-mixed, bucketed_ddp and
+  native_ddp: samples per second, memory per rank, bytes per step and time to a target validation loss.
 
 Every figure is a median over repeats with its spread; the JSON holds the machine's description and its
 load average at the start and end of every section. `python benchmarks/plot.py` draws the figures and
@@ -45,13 +49,16 @@ from benchmarks.analysis import headlines
 from benchmarks.common import ROOT, load_average, machine
 from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, run_ddp_workload, run_device_workload
 from benchmarks.example_runs import run_example, summarize_runs
+from benchmarks.gpt2_study import GPT2_PLANS, GPT2Plan, run_gpt2_study
 from benchmarks.overhead import run_overhead
 from benchmarks.plot import plot_all
 from benchmarks.report import fill
 
-__all__ = ["PLANS", "SECTIONS", "main"]
+__all__ = ["OPTIONAL_SECTIONS", "PLANS", "SECTIONS", "main"]
 
 SECTIONS = ("ddp", "device", "curves", "overhead", "strategies")
+#: Sections that run only when `--sections` names them, each into its own results file by default.
+OPTIONAL_SECTIONS = {"gpt2": "gpt2_study"}
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "performance.md"
 FIGURES = ROOT / "docs" / "img"
@@ -96,6 +103,7 @@ class Plan:
     overhead_inprocess_steps: int = 1200
     overhead_inprocess_repeats: int = 7
     timeout_s: float = 900.0
+    gpt2: GPT2Plan = GPT2_PLANS["full"]
 
 
 PLANS = {
@@ -136,6 +144,7 @@ PLANS = {
         overhead_inprocess_steps=300,
         overhead_inprocess_repeats=2,
         timeout_s=300.0,
+        gpt2=GPT2_PLANS["quick"],
     ),
     "smoke": Plan(
         size="tiny",
@@ -166,6 +175,7 @@ PLANS = {
         overhead_inprocess_steps=30,
         overhead_inprocess_repeats=1,
         timeout_s=120.0,
+        gpt2=GPT2_PLANS["smoke"],
     ),
 }
 
@@ -287,12 +297,18 @@ def run_overhead_section(plan: Plan, log) -> dict[str, Any]:
     )
 
 
+def run_gpt2(plan: Plan, log) -> dict[str, Any]:
+    """The GPT-2 data-parallel study (benchmarks/gpt2_study.py)."""
+    return run_gpt2_study(plan.gpt2, log)
+
+
 _RUNNERS = {
     "ddp": run_ddp,
     "device": run_device,
     "curves": run_curves,
     "overhead": run_overhead_section,
     "strategies": run_strategies,
+    "gpt2": run_gpt2,
 }
 
 
@@ -304,7 +320,9 @@ def run_suite(mode: str, sections: tuple[str, ...], out: Path, log=print) -> dic
     results: dict[str, Any] = {
         "suite": "syncline benchmarks (the DDP paper's experiments at CPU scale)",
         "mode": mode,
-        "command": "python -m benchmarks" + {"full": "", "quick": " --quick", "smoke": " --smoke"}[mode],
+        "command": "python -m benchmarks"
+        + {"full": "", "quick": " --quick", "smoke": " --smoke"}[mode]
+        + ("" if sections == SECTIONS else f" --sections {','.join(sections)}"),
         "started_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": {**machine(), "load_average_start": load_average()},
         "plan": asdict(plan),
@@ -333,7 +351,11 @@ def main(argv: list[str] | None = None) -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="fewer points and repeats (about 2.5 minutes)")
     mode.add_argument("--smoke", action="store_true", help="tiny models, a couple of steps (for the test suite)")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {SECTIONS}, or of those run only when named: {tuple(OPTIONAL_SECTIONS)}",
+    )
     parser.add_argument("--out", type=Path, help="JSON file (default: benchmarks/results/suite[_quick].json)")
     parser.add_argument(
         "--report",
@@ -348,10 +370,13 @@ def main(argv: list[str] | None = None) -> None:
         # Fail before a 14-minute run, not after it.
         import matplotlib  # noqa: F401  (the bench extra: pip install -e ".[bench]")
     sections = tuple(s for s in args.sections.split(",") if s)
-    unknown = [s for s in sections if s not in SECTIONS]
+    unknown = [s for s in sections if s not in SECTIONS and s not in OPTIONAL_SECTIONS]
     if unknown:
-        parser.error(f"unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
-    out = args.out or RESULTS / {"full": "suite.json", "quick": "suite_quick.json", "smoke": "suite_smoke.json"}[name]
+        parser.error(f"unknown section(s) {', '.join(unknown)}; valid: {', '.join((*SECTIONS, *OPTIONAL_SECTIONS))}")
+    stem = "suite"
+    if len(sections) == 1 and sections[0] in OPTIONAL_SECTIONS:
+        stem = OPTIONAL_SECTIONS[sections[0]]
+    out = args.out or RESULTS / (stem + {"full": ".json", "quick": "_quick.json", "smoke": "_smoke.json"}[name])
 
     def log(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
