@@ -98,7 +98,8 @@ class FitLoop:
         if exhausted or state.should_stop:
             state.batches_done = True
             self.end_epoch()
-        elif trainer.validation_due(state.batch_idx - 1, is_last=True):
+        elif state.batch_idx - 1 != state.validated_after and trainer.validation_due(state.batch_idx - 1, is_last=True):
+            # Not twice: max_steps can end the epoch right after a validation within it.
             self.validate_after(state.batch_idx - 1)
 
     def end_epoch(self) -> None:

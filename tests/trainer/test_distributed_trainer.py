@@ -187,13 +187,6 @@ def test_devices_2_launches_workers_and_returns_rank_zero_weights(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary == {"steps": 8, "strategy": "BucketedDDP"}
-    names = [name for name, cls in STRATEGIES.items() if cls.multi_process]
-    assert len(names) >= 8
-    for name in names:
-        # The asynchronous averager's first round comes after 100 ms, later than 4 steps of this model.
-        sent = "" if name == "async_model_average" else " sent=True"
-        for rank in range(2):
-            assert f"rank={rank} {name} steps=4{sent}" in done.stdout, (name, done.stderr[-3000:])
     weights = torch.load(tmp_path / "weights.pt")
     for name, value in _single(8).items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-5)

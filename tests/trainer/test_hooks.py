@@ -128,3 +128,19 @@ def test_validate_test_and_predict_fire_their_hooks():
     assert calls.count("on_predict_batch_end") == 2
     expected = task(data.tensors[0][:8])
     torch.testing.assert_close(predictions[0], expected)
+
+
+def test_max_steps_right_after_a_validation_within_the_epoch_does_not_validate_twice():
+    class CountValidations(Callback):
+        def __init__(self) -> None:
+            self.after_steps: list[int] = []
+
+        def on_validation_end(self, trainer, task) -> None:
+            self.after_steps.append(trainer.global_step)
+
+    counter = CountValidations()
+    # 8 batches per epoch, validation every 3: after steps 3 and 6; max_steps=6 ends the epoch there.
+    trainer = Trainer(max_steps=6, val_check_interval=3, num_sanity_val_steps=0, callbacks=[counter], **quiet())
+    data = loader(regression_data(64), 8)
+    trainer.fit(Regressor(), data, data)
+    assert counter.after_steps == [3, 6]
