@@ -25,13 +25,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LabResult", "NodeResult", "link_bound", "namespaces_unavailable", "parse_rate", "run_lab"]
+__all__ = ["LabResult", "NodeResult", "link_bound", "namespaces_unavailable", "parse_rate", "run_lab", "run_worker_job"]
 
 SUBNET = "10.77.0"
 MASTER_PORT = 29500
@@ -175,6 +176,32 @@ def run_lab(
     return LabResult(**data)
 
 
+def run_worker_job(module: str, spec: dict[str, Any], nodes: int, rate: str | None, timeout: float) -> Any:
+    """Run ``python -m module --worker SPEC`` on every node of a lab cluster; return what rank 0 wrote.
+
+    `spec` is handed to the workers as a JSON file; it gains ``out``, the file rank 0 writes its JSON
+    result to. One thread per process (``OMP_NUM_THREADS=1``), as in the rest of the suite.
+
+    Raises:
+        RuntimeError: a node's job failed (with the end of its log).
+    """
+    work = Path(tempfile.mkdtemp(prefix="syncline-lab-job-"))
+    spec = {**spec, "out": str(work / "result.json")}
+    (work / "spec.json").write_text(json.dumps(spec))
+    lab = run_lab(
+        ["-m", module, "--worker", str(work / "spec.json")],
+        nodes=nodes,
+        rate=rate,
+        timeout=timeout,
+        log_dir=work,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    if not lab.ok:
+        logs = "\n".join(Path(n.log).read_text()[-3000:] for n in lab.node_results if n.returncode)
+        raise RuntimeError(f"{module} on {nodes} nodes at {rate or 'unshaped'} failed (logs in {work}):\n{logs}")
+    return json.loads(Path(spec["out"]).read_text())
+
+
 # ------------------------------------------------------------------ inside the namespaces
 def _inside(spec: dict[str, Any]) -> None:
     """Build the nodes, run torchrun in each, measure the links, and write the result (runs as the lab)."""
@@ -283,8 +310,6 @@ def _kill_group(pid: int) -> None:
 
 
 def _temporary_dir() -> str:
-    import tempfile
-
     return tempfile.mkdtemp(prefix="syncline-lab-")
 
 

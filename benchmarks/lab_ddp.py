@@ -16,12 +16,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import namespaces_unavailable, parse_rate, run_lab
+from benchmarks.cluster import namespaces_unavailable, parse_rate, run_worker_job
 from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, Variant, rank_timings, summarize_job
 
 __all__ = ["lab_variants", "run_lab_ddp"]
@@ -61,31 +60,16 @@ def run_lab_ddp(
     rate: str | None, workload: str, plan: DDPPlan, variants: list[Variant], nodes: int = 2, timeout: float = 3000.0
 ) -> dict[str, Any]:
     """Run the variants as a `nodes`-node job at `rate`; return `summarize_job`'s result plus the link's figures."""
-    work = Path(tempfile.mkdtemp(prefix="syncline-lab-ddp-"))
     spec = {
         "plan": asdict(plan),
         "variants": [asdict(v) for v in variants],
         "workload": workload,
         "size": "full",
         "timeout": timeout,
-        "out": str(work / "timings.json"),
     }
-    (work / "spec.json").write_text(json.dumps(spec))
-    lab = run_lab(
-        ["-m", "benchmarks.lab_ddp", "--worker", str(work / "spec.json")],
-        nodes=nodes,
-        rate=rate,
-        timeout=timeout,
-        log_dir=work,
-        env={"OMP_NUM_THREADS": "1"},
-    )
-    if not lab.ok:
-        logs = "\n".join(Path(n.log).read_text()[-3000:] for n in lab.node_results if n.returncode)
-        raise RuntimeError(f"lab job at {rate} failed:\n{logs}")
-    per_rank = json.loads(Path(spec["out"]).read_text())
+    per_rank = run_worker_job("benchmarks.lab_ddp", spec, nodes, rate, timeout)
     result = summarize_job(workload, "full", plan, variants, per_rank)
     result["rate"] = rate or "unshaped"
-    result["timings_file"] = spec["out"]
     result["nodes"] = nodes
     gradient_bytes = result["workload"]["parameters"] * 4
     if rate:

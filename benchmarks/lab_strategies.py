@@ -27,12 +27,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import link_bound, namespaces_unavailable, parse_rate, run_lab
+from benchmarks.cluster import link_bound, namespaces_unavailable, parse_rate, run_worker_job
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_STRATEGIES", "lab_rows", "run_strategies"]
 
@@ -152,27 +151,13 @@ def run_strategies(
     timeout: float = 1800.0,
 ) -> list[dict[str, Any]]:
     """Run every strategy on a lab cluster of `nodes` nodes at `rate`; return one row per strategy."""
-    work = Path(tempfile.mkdtemp(prefix="syncline-lab-strategies-"))
     spec = {
         "strategies": strategies or DEFAULT_STRATEGIES,
         "steps": steps,
         "warmup": warmup,
         "model": model or DEFAULT_MODEL,
-        "out": str(work / "records.json"),
     }
-    (work / "spec.json").write_text(json.dumps(spec))
-    lab = run_lab(
-        ["-m", "benchmarks.lab_strategies", "--worker", str(work / "spec.json")],
-        nodes=nodes,
-        rate=rate,
-        timeout=timeout,
-        log_dir=work,
-        env={"OMP_NUM_THREADS": "1"},
-    )
-    if not lab.ok:
-        logs = "\n".join(Path(n.log).read_text()[-3000:] for n in lab.node_results if n.returncode)
-        raise RuntimeError(f"lab job on {nodes} nodes at {rate} failed:\n{logs}")
-    records = json.loads(Path(spec["out"]).read_text())
+    records = run_worker_job("benchmarks.lab_strategies", spec, nodes, rate, timeout)
     return lab_rows(records, nodes, rate)
 
 
