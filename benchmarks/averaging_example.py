@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import machine, run_child
+from benchmarks.common import QUIET_TRAINER, machine, run_child
 from benchmarks.example_runs import StepRecorder
 from syncline.callbacks import Callback
 from syncline.strategies.native_ddp import NativeDDP
@@ -117,10 +117,7 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
         strategy=strategy,
         devices=2,
         callbacks=[steps, recorder],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         seed=0,
     )
     start = time.perf_counter()

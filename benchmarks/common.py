@@ -197,6 +197,26 @@ def spawn_world(run_rank: Callable[..., None], world_size: int, args: Any) -> tu
     return per_rank, {"before": load_before, "after": os.getloadavg()[0]}
 
 
+#: The Trainer arguments of a measured run: no logs, checkpoints or progress output, no sanity validation.
+QUIET_TRAINER: dict[str, Any] = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "num_sanity_val_steps": 0,
+}
+
+
+def child_main(train: Callable[[dict[str, Any]], Any], description: str) -> None:
+    """``python -m <module> --config JSON --out FILE``: write ``train(config)`` as the JSON `run_child` reads."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help="JSON: what to train and how")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.write_text(json.dumps(train(json.loads(args.config))))
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write `data` as indented JSON to `path` (creating its folder) and say so."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,17 +15,15 @@ rank 0's callback state back to the launching process, as it does for every call
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import LAUNCHED_AT, run_child, summary
+from benchmarks.common import LAUNCHED_AT, QUIET_TRAINER, child_main, run_child, summary
 from syncline.callbacks import Callback
 
 __all__ = ["StepRecorder", "run_example"]
@@ -84,10 +82,7 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
         strategy=strategy,
         devices=devices,
         callbacks=[recorder],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         seed=0,
     )
     start = time.perf_counter()
@@ -147,12 +142,7 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Train CharGPT once and write what was measured as JSON.")
-    parser.add_argument("--config", required=True, help="JSON: strategy, devices, accumulate, microbatches, ...")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    result = _train(json.loads(args.config))
-    args.out.write_text(json.dumps(result))
+    child_main(_train, "Train CharGPT once and write what was measured as JSON.")
 
 
 if __name__ == "__main__":

@@ -21,16 +21,14 @@ The Trainer hands rank 0's callback state back to this process, which writes it 
 
 from __future__ import annotations
 
-import argparse
-import json
 import resource
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from benchmarks.common import QUIET_TRAINER, child_main
 from syncline.callbacks import Callback
 
 __all__ = ["MemoryProbe", "StudyRecorder", "tensor_bytes"]
@@ -144,10 +142,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         devices=devices,
         precision=config["precision"],
         callbacks=[recorder, memory],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
         seed=0,
     )
     start = time.perf_counter()
@@ -182,12 +177,7 @@ def step_times(start: float, ends: list[float], validations: list[tuple[int, flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Train CharGPT once for the GPT-2 study; write what was measured.")
-    parser.add_argument("--config", required=True, help="JSON: strategy, devices, precision, steps, ...")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    result = train(json.loads(args.config))
-    args.out.write_text(json.dumps(result))
+    child_main(train, "Train CharGPT once for the GPT-2 study; write what was measured.")
 
 
 if __name__ == "__main__":

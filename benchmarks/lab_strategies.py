@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cluster import link_bound, namespaces_unavailable, parse_rate, run_worker_job
+from benchmarks.common import QUIET_TRAINER
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_STRATEGIES", "lab_rows", "run_strategies"]
 
@@ -114,10 +115,7 @@ def _worker(spec: dict[str, Any]) -> None:
             strategy=STRATEGIES[name](**options),
             callbacks=[recorder],
             limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
+            **QUIET_TRAINER,
         )
         trainer.fit(task)
         marks = recorder.marks[warmup - 1 :]  # the end of the last untimed step starts the window
