@@ -212,13 +212,19 @@ class BucketedDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
     # -------------------------------------------------------------- train step
     def training_step(self, task: Task, batch: Any, batch_idx: int) -> Any:
         """Refresh buffers from rank 0 if a synchronized step changed them, then run the forward."""
-        if self.broadcast_buffers and self._buffers and self._buffers_stale:
-            # Collective: every rank's forward sees rank 0's buffers, as torch's DDP does (under join,
-            # the highest rank's that still has data).
-            broadcast_coalesced(self._buffers, src=self.buffer_source)
+        if self._buffers_stale and self._broadcast_buffers():
             self.comm_counter.add_tensors(*self._buffers)
-            self._buffers_stale = False
         return task.training_step(batch, batch_idx)
+
+    def _broadcast_buffers(self) -> bool:
+        """Give every rank `buffer_source`'s buffers, if buffers are broadcast; return whether they were."""
+        if not (self.broadcast_buffers and self._buffers):
+            return False
+        # Collective: every rank's forward sees rank 0's buffers, as torch's DDP does (under join, the
+        # highest rank's that still has data; the same broadcast on a joined rank and after the last round).
+        broadcast_coalesced(self._buffers, src=self.buffer_source)
+        self._buffers_stale = False
+        return True
 
     def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
         """Back-propagate `loss`; average gradients across ranks only when `sync` is true.
@@ -239,18 +245,13 @@ class BucketedDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
 
     def finish_join(self) -> None:
         """Give every rank the last joiner's buffers (the parameters are already equal)."""
-        if self.broadcast_buffers and self._buffers:
-            # Collective: the buffers of the rank that had data last, to every rank.
-            broadcast_coalesced(self._buffers, src=self.buffer_source)
+        if self._broadcast_buffers():  # collective: from the rank that had data last
             self.comm_counter.add_tensors(*self._buffers)
-            self._buffers_stale = False
 
     def shadow_forward(self) -> None:
         """Shadow `training_step`'s buffer broadcast on a rank whose data ran out."""
-        if self.broadcast_buffers and self._buffers and self._buffers_stale:
-            # Collective: the same broadcast the ranks with data run before their forward.
-            broadcast_coalesced(self._buffers, src=self.buffer_source)
-            self._buffers_stale = False
+        if self._buffers_stale:
+            self._broadcast_buffers()  # collective: the one the ranks with data run before their forward
 
     def shadow_backward(self) -> None:
         """Shadow a synchronized backward with zero gradients on a rank whose data ran out."""
