@@ -121,6 +121,7 @@ def run_lab(
     timeout: float = 600.0,
     log_dir: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
+    slow_start_after_idle: bool = True,
 ) -> LabResult:
     """Build the cluster in a private namespace, run `command` under torchrun on every node, tear it down.
 
@@ -132,6 +133,10 @@ def run_lab(
         timeout: seconds the job may take; then every node is stopped and reported as failed.
         log_dir: where each node's output goes (``node<i>.log``); a temporary folder by default.
         env: extra environment variables for every node.
+        slow_start_after_idle: Linux's default, TCP's congestion window restarting from slow start after a
+            connection idles for a retransmission timeout; False sets the nodes'
+            ``net.ipv4.tcp_slow_start_after_idle=0``, as training clusters often do, so that a gradient
+            burst after a forward pass starts at the window the last one reached.
 
     Raises:
         RuntimeError: the lab cannot be built here (the message says why).
@@ -154,6 +159,7 @@ def run_lab(
         "timeout": timeout,
         "log_dir": str(log_dir),
         "env": env or {},
+        "slow_start_after_idle": slow_start_after_idle,
         "result": str(result_file),
     }
     # The lab runs in a child that owns the private namespaces: when it exits, for whatever reason, the
@@ -176,7 +182,14 @@ def run_lab(
     return LabResult(**data)
 
 
-def run_worker_job(module: str, spec: dict[str, Any], nodes: int, rate: str | None, timeout: float) -> Any:
+def run_worker_job(
+    module: str,
+    spec: dict[str, Any],
+    nodes: int,
+    rate: str | None,
+    timeout: float,
+    slow_start_after_idle: bool = True,
+) -> Any:
     """Run ``python -m module --worker SPEC`` on every node of a lab cluster; return what rank 0 wrote.
 
     `spec` is handed to the workers as a JSON file; it gains ``out``, the file rank 0 writes its JSON
@@ -195,6 +208,7 @@ def run_worker_job(module: str, spec: dict[str, Any], nodes: int, rate: str | No
         timeout=timeout,
         log_dir=work,
         env={"OMP_NUM_THREADS": "1"},
+        slow_start_after_idle=slow_start_after_idle,
     )
     if not lab.ok:
         logs = "\n".join(Path(n.log).read_text()[-3000:] for n in lab.node_results if n.returncode)
@@ -218,6 +232,8 @@ def _inside(spec: dict[str, Any]) -> None:
         _sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{node + 1}/24", "dev", "eth0")
         _sh("ip", "-n", ns, "link", "set", "eth0", "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        if not spec.get("slow_start_after_idle", True):
+            _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
         if rate is not None:
             # Both directions: the node's upload (its eth0) and its download (the bridge's port).
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,

@@ -17,6 +17,7 @@ import os
 import pickle
 import platform
 import queue
+import re
 import signal
 import statistics
 import subprocess
@@ -31,6 +32,7 @@ from typing import Any
 from syncline.strategies.launcher import free_port
 
 __all__ = [
+    "fill_marked_block",
     "LAUNCHED_AT",
     "ROOT",
     "BenchmarkError",
@@ -255,3 +257,15 @@ def run_child(module: str, args: Sequence[str], timeout: float, env: dict[str, s
         if process.returncode != 0 or not out.exists():
             raise BenchmarkError(f"{' '.join(command)} failed ({process.returncode}):\n{output[-3000:]}")
         return json.loads(out.read_text())
+
+
+def fill_marked_block(page: str, marker: str, text: str) -> str:
+    """Return `page` with what lies between ``<!-- marker -->`` and ``<!-- /marker -->`` replaced by `text`.
+
+    Raises:
+        ValueError: the page has no such block.
+    """
+    block = re.compile(rf"(<!-- {re.escape(marker)} -->\n)(?:.*?\n)?(<!-- /{re.escape(marker)} -->)", re.DOTALL)
+    if not block.search(page):
+        raise ValueError(f"the page has no <!-- {marker} --> ... <!-- /{marker} --> block")
+    return block.sub(lambda m: f"{m.group(1)}\n{text}\n\n{m.group(2)}", page)

@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, run_child
+from benchmarks.common import ROOT, fill_marked_block, run_child
 
 __all__ = ["CONFIGS", "GPT2_PLANS", "GPT2Plan", "fill_page", "gpt2_table", "run_gpt2_study", "summarize"]
 
@@ -285,9 +284,6 @@ def gpt2_table(section: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_BLOCK = re.compile(rf"(<!-- {MARKER} -->\n)(?:.*?\n)?(<!-- /{MARKER} -->)", re.DOTALL)
-
-
 def fill_page(page: str, suite: dict[str, Any]) -> str:
     """Return `page` with its `<!-- gpt2-study -->` block replaced by the table of `suite` (a suite run's JSON).
 
@@ -296,10 +292,7 @@ def fill_page(page: str, suite: dict[str, Any]) -> str:
     """
     if "gpt2" not in suite["sections"]:
         raise ValueError("the run has no `gpt2` section: run `python -m benchmarks --sections gpt2`")
-    if not _BLOCK.search(page):
-        raise ValueError(f"the page has no <!-- {MARKER} --> ... <!-- /{MARKER} --> block")
-    table = gpt2_table(suite["sections"]["gpt2"])
-    return _BLOCK.sub(lambda m: f"{m.group(1)}\n{table}\n\n{m.group(2)}", page)
+    return fill_marked_block(page, MARKER, gpt2_table(suite["sections"]["gpt2"]))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -147,6 +147,7 @@ def run_strategies(
     warmup: int = 4,
     model: dict[str, Any] | None = None,
     timeout: float = 1800.0,
+    slow_start_after_idle: bool = True,
 ) -> list[dict[str, Any]]:
     """Run every strategy on a lab cluster of `nodes` nodes at `rate`; return one row per strategy."""
     spec = {
@@ -155,7 +156,7 @@ def run_strategies(
         "warmup": warmup,
         "model": model or DEFAULT_MODEL,
     }
-    records = run_worker_job("benchmarks.lab_strategies", spec, nodes, rate, timeout)
+    records = run_worker_job("benchmarks.lab_strategies", spec, nodes, rate, timeout, slow_start_after_idle)
     return lab_rows(records, nodes, rate)
 
 
@@ -216,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per strategy")
     parser.add_argument("--warmup", type=int, default=4, help="untimed optimizer steps before them")
     parser.add_argument("--only", nargs="*", help="labels of the strategies to run (default: all)")
+    parser.add_argument(
+        "--no-slow-start-after-idle",
+        action="store_true",
+        help="set the nodes' net.ipv4.tcp_slow_start_after_idle=0 (see benchmarks.cluster.run_lab)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_strategies.json")
     args = parser.parse_args(argv)
     reason = namespaces_unavailable()
@@ -228,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         for rate in args.rates:
             rate = None if rate == "none" else rate
             started = time.monotonic()
-            new = run_strategies(nodes, rate, strategies, args.steps, args.warmup)
+            idle_restart = not args.no_slow_start_after_idle
+            new = run_strategies(nodes, rate, strategies, args.steps, args.warmup, slow_start_after_idle=idle_restart)
             print(
                 f"\n{nodes} nodes, {rate or 'unshaped'} ({time.monotonic() - started:.0f} s)\n{_table(new)}", flush=True
             )

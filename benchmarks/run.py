@@ -22,6 +22,11 @@ Sections (in the order they run):
   data-parallel study (benchmarks/gpt2_study.py): a 4.8 M-parameter CharGPT with single, both parameter
   servers, tensor_fusion, the sharded server and tensor_fusion under bf16-mixed, bucketed_ddp and
   native_ddp: samples per second, memory per rank, bytes per step and time to a target validation loss.
+- `lab` (only when named, `--sections lab`; about two hours -> results/lab.json; root and iproute2): the
+  network lab (benchmarks/lab.py): every strategy against its link's bound on 2 and 4 nodes at 1 Gbit/s
+  and 100 Mbit/s, the overlap and bucket-size sweep on shaped links, and BAGUA's trade-off (seconds to a
+  fixed validation loss, strategy x link x nodes). Where namespaces are not permitted it says so in one
+  line and records only that.
 
 Every figure is a median over repeats with its spread; the JSON holds the machine's description and its
 load average at the start and end of every section. `python benchmarks/plot.py` draws the figures and
@@ -50,6 +55,7 @@ from benchmarks.common import ROOT, load_average, machine
 from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, run_ddp_workload, run_device_workload
 from benchmarks.example_runs import run_example, summarize_runs
 from benchmarks.gpt2_study import GPT2_PLANS, GPT2Plan, run_gpt2_study
+from benchmarks.lab import LAB_PLANS, LabPlan, run_lab_section
 from benchmarks.overhead import run_overhead
 from benchmarks.plot import plot_all
 from benchmarks.report import fill
@@ -58,7 +64,7 @@ __all__ = ["OPTIONAL_SECTIONS", "PLANS", "SECTIONS", "main"]
 
 SECTIONS = ("ddp", "device", "curves", "overhead", "strategies")
 #: Sections that run only when `--sections` names them, each into its own results file by default.
-OPTIONAL_SECTIONS = {"gpt2": "gpt2_study"}
+OPTIONAL_SECTIONS = {"gpt2": "gpt2_study", "lab": "lab"}
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "performance.md"
 FIGURES = ROOT / "docs" / "img"
@@ -104,6 +110,7 @@ class Plan:
     overhead_inprocess_repeats: int = 7
     timeout_s: float = 900.0
     gpt2: GPT2Plan = GPT2_PLANS["full"]
+    lab: LabPlan = LAB_PLANS["full"]
 
 
 PLANS = {
@@ -145,6 +152,7 @@ PLANS = {
         overhead_inprocess_repeats=2,
         timeout_s=300.0,
         gpt2=GPT2_PLANS["quick"],
+        lab=LAB_PLANS["quick"],
     ),
     "smoke": Plan(
         size="tiny",
@@ -176,6 +184,7 @@ PLANS = {
         overhead_inprocess_repeats=1,
         timeout_s=120.0,
         gpt2=GPT2_PLANS["smoke"],
+        lab=LAB_PLANS["smoke"],
     ),
 }
 
@@ -302,6 +311,11 @@ def run_gpt2(plan: Plan, log) -> dict[str, Any]:
     return run_gpt2_study(plan.gpt2, log)
 
 
+def run_lab(plan: Plan, log) -> dict[str, Any]:
+    """The network lab (benchmarks/lab.py): strategies against the link's bound, overlap, BAGUA's trade-off."""
+    return run_lab_section(plan.lab, log)
+
+
 _RUNNERS = {
     "ddp": run_ddp,
     "device": run_device,
@@ -309,6 +323,7 @@ _RUNNERS = {
     "overhead": run_overhead_section,
     "strategies": run_strategies,
     "gpt2": run_gpt2,
+    "lab": run_lab,
 }
 
 

@@ -1,0 +1,341 @@
+"""BAGUA's trade-off in the network lab: wall time to a fixed validation loss, strategy x link rate x nodes.
+
+BAGUA's claim is that relaxed synchronization (compressed, delayed or decentralized) reaches a model's
+target quality sooner than exact all-reduce where the network is slow, and costs little where it is not.
+This runs the claim on the default example: `examples/char_gpt.py`'s CharGPT with its default
+hyperparameters and schedule (one epoch of 439 steps of 32 windows), the global batch split over the
+nodes (16 windows per rank on 2 nodes, 8 on 4), one process per node with one thread, in a lab cluster
+(`benchmarks/cluster.py`) whose links are unshaped or shaped to 1 Gbit/s or 100 Mbit/s.
+
+Every strategy trains until the validation loss (the first `val_batches` x 32 windows of the validation
+text, the same windows at any node count, every `val_every` steps) first reaches `target`, or until the
+epoch ends. Reported per run: the training seconds to the target (validations left out; rank 0's clock,
+which every synchronous strategy shares and which the asynchronous ones meet at every validation), the
+steps it took, seconds per step, the bytes per step the strategy handed to collectives (`comm/bytes`),
+and the speed-up over `bucketed_ddp` in the same cell.
+
+    python -m benchmarks.lab_tradeoff --nodes 2 4 --rates none 1gbit 100mbit   # about 50 minutes
+    python -m benchmarks.lab_tradeoff --plot docs/img/tradeoff.png --write docs/performance.md  # from the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.cluster import namespaces_unavailable, run_worker_job
+from benchmarks.common import QUIET_TRAINER, fill_marked_block
+
+__all__ = ["STRATEGIES", "TARGET_LOSS", "fill_page", "grid_tables", "run_cell", "speedups", "table"]
+
+#: The validation loss every run trains to. The default run (`python -m syncline`) ends its epoch at
+#: about 1.69 on 20 validation batches; `bucketed_ddp` reaches this at about 60% of the epoch, which
+#: leaves the relaxations room to take more steps.
+TARGET_LOSS = 1.95
+
+#: (label, registered name, options): every strategy at its defaults, and the bf16 communication hook.
+STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
+    ("bucketed_ddp", "bucketed_ddp", {}),
+    ("native_ddp", "native_ddp", {}),
+    ("bucketed_ddp bf16", "bucketed_ddp", {"comm_hook": "bf16"}),
+    ("tensor_fusion", "tensor_fusion", {}),
+    ("bytegrad", "bytegrad", {}),
+    ("powersgd", "powersgd", {}),
+    ("qadam", "qadam", {}),
+    ("local_sgd", "local_sgd", {}),
+    ("decentralized", "decentralized", {}),
+    ("async_model_average", "async_model_average", {}),
+    ("parameter_server", "parameter_server", {}),
+    ("sharded_parameter_server", "sharded_parameter_server", {}),
+]
+
+GLOBAL_BATCH = 32
+
+
+# ------------------------------------------------------------------ inside the torchrun job
+def _worker(spec: dict[str, Any]) -> None:
+    """Train CharGPT with every strategy of `spec` until the target loss; rank 0 writes the records."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.gpt2_train import StudyRecorder, step_times
+    from syncline.callbacks import Callback
+    from syncline.examples.char_gpt import CharGPT
+    from syncline.strategies import STRATEGIES as REGISTRY
+    from syncline.trainer import Trainer
+    from syncline.trainer.seed import seed_everything
+
+    torch.set_num_threads(1)
+    target = spec["target"]
+
+    class StopAtLoss(Callback):
+        """Stop once the validation loss (reduced over the ranks, so every rank agrees) reaches `target`."""
+
+        def on_validation_end(self, trainer, task) -> None:
+            if float(trainer.callback_metrics["val_loss"]) <= target:
+                trainer.should_stop = True
+
+    records = []
+    for label, name, options in spec["strategies"]:
+        seed_everything(0)
+        world = int(os.environ["WORLD_SIZE"])  # torchrun's; the process group starts in fit
+        task = CharGPT(batch_size=GLOBAL_BATCH // world, sample_chars=0)
+        recorder = StudyRecorder()
+        trainer = Trainer(
+            max_steps=spec["max_steps"],
+            val_check_interval=spec["val_every"],
+            limit_val_batches=spec["val_batches"],  # per rank: val_batches x 32 windows in all
+            strategy=REGISTRY[name](**options),
+            callbacks=[recorder, StopAtLoss()],
+            **QUIET_TRAINER,
+            seed=0,
+        )
+        trainer.fit(task)
+        times = step_times(recorder.start, recorder.step_ends, recorder.validations)
+        reached = next(((s, v) for s, _, v in recorder.validations if v <= target), None)
+        steps = reached[0] if reached else len(recorder.step_ends)
+        records.append(
+            {
+                "label": label,
+                "strategy": name,
+                "options": options,
+                "reached": reached is not None,
+                "steps": steps,
+                "seconds": times["train_s_at_step"][steps - 1],
+                "step_s": round(times["train_s_at_step"][steps - 1] / steps, 4),
+                "validations": [[s, round(v, 4)] for s, _, v in recorder.validations],
+                "train_s_at_validation": [times["train_s_at_step"][s - 1] for s, _, _ in recorder.validations],
+                # Over the whole run: periodic and background strategies send unevenly.
+                "comm_bytes_per_step": recorder.comm.get("comm/total_bytes", 0.0) / len(recorder.step_ends),
+            }
+        )
+        if dist.get_rank() == 0:
+            print(f"{label}: {records[-1]['seconds']:.1f} s, {steps} steps, reached={reached}", flush=True)
+    if dist.get_rank() == 0:
+        Path(spec["out"]).write_text(json.dumps(records, indent=1) + "\n")
+
+
+# ------------------------------------------------------------------ the parent
+def run_cell(
+    nodes: int,
+    rate: str | None,
+    strategies: list[tuple[str, str, dict[str, Any]]] | None = None,
+    target: float = TARGET_LOSS,
+    max_steps: int = 439,
+    val_every: int = 10,
+    val_batches: int = 8,
+    timeout: float = 3600.0,
+) -> list[dict[str, Any]]:
+    """Train every strategy to `target` on a lab cluster of `nodes` nodes at `rate`; one record each."""
+    spec = {
+        "strategies": strategies or STRATEGIES,
+        "target": target,
+        "max_steps": max_steps,
+        "val_every": val_every,
+        "val_batches": val_batches,
+    }
+    records = run_worker_job("benchmarks.lab_tradeoff", spec, nodes, rate, timeout)
+    for record in records:
+        record.update(nodes=nodes, rate=rate or "unshaped")
+    return records
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (nodes, rate, label): its median run by seconds to the target (never reached: slowest).
+
+    The row gains ``repeats`` and ``seconds_runs`` (every run's seconds, a run that never reached the
+    target as inf). With an even number of runs the lower median counts.
+    """
+    groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["nodes"], r["rate"], r["label"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        runs = sorted(runs, key=lambda r: r["seconds"] if r["reached"] else math.inf)
+        median = runs[(len(runs) - 1) // 2]
+        seconds = [r["seconds"] if r["reached"] else math.inf for r in runs]
+        out.append({**median, "repeats": len(runs), "seconds_runs": seconds})
+    return out
+
+
+def speedups(rows: list[dict[str, Any]]) -> dict[tuple[int, str, str], float]:
+    """(nodes, rate, label) -> bucketed_ddp's median seconds to the target over this strategy's (0: never)."""
+    rows = medians(rows)
+    reference = {(r["nodes"], r["rate"]): r["seconds"] for r in rows if r["label"] == "bucketed_ddp" and r["reached"]}
+    out = {}
+    for r in rows:
+        ref = reference.get((r["nodes"], r["rate"]))
+        if ref is not None:
+            out[(r["nodes"], r["rate"], r["label"])] = ref / r["seconds"] if r["reached"] else 0.0
+    return out
+
+
+RATES = ("unshaped", "1gbit", "100mbit")
+MARKER = "lab-tradeoff"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """One markdown row per run: seconds and steps to the target, s/step, bytes/step, speed-up."""
+    ups = speedups(rows)
+    lines = [
+        "| nodes | link | strategy | seconds to target | steps | s/step | comm/bytes per step | vs bucketed_ddp |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        up = ups.get((r["nodes"], r["rate"], r["label"]))
+        cells = [
+            r["nodes"],
+            r["rate"],
+            r["label"],
+            f"{r['seconds']:.1f}" if r["reached"] else f"not reached ({r['seconds']:.0f} s)",
+            r["steps"],
+            f"{r['step_s']:.3f}",
+            f"{r['comm_bytes_per_step'] / 1e6:.2f} MB",
+            _speedup(up),
+        ]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def _speedup(up: float | None) -> str:
+    return "-" if up is None else ("never" if up == 0 else f"{up:.2f}x")
+
+
+def grid_tables(data: dict[str, Any]) -> str:
+    """Per node count, one row per strategy: seconds (steps) to the target and the speed-up, per link rate."""
+    rows, ups = medians(data["rows"]), speedups(data["rows"])
+    labels = [label for label, _, _ in STRATEGIES if any(r["label"] == label for r in rows)]
+    out = []
+    for nodes in sorted({r["nodes"] for r in rows}):
+        rates = [rate for rate in RATES if any(r["nodes"] == nodes and r["rate"] == rate for r in rows)]
+        cells = {(r["rate"], r["label"]): r for r in rows if r["nodes"] == nodes}
+        head = ["strategy"] + [f"{rate}: s (steps) | vs bucketed_ddp" for rate in rates]
+        lines = [
+            f"{nodes} nodes, training seconds to validation loss {data['target']}:",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * (1 + 2 * len(rates)),
+        ]
+        for label in labels:
+            line = [label]
+            for rate in rates:
+                r = cells.get((rate, label))
+                if r is None:
+                    line += ["-", "-"]
+                    continue
+                seconds = f"{r['seconds']:.1f} ({r['steps']})" if r["reached"] else f"> {r['seconds']:.0f} (never)"
+                if r["repeats"] > 1:
+                    finite = [x for x in r["seconds_runs"] if math.isfinite(x)]
+                    seconds += f", {min(finite):.1f}-{max(finite):.1f}" if finite else ""
+                line += [seconds, _speedup(ups.get((nodes, rate, label)))]
+            lines.append("| " + " | ".join(line) + " |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def fill_page(page: str, data: dict[str, Any]) -> str:
+    """Return `page` with its `<!-- lab-tradeoff -->` block replaced by `grid_tables(data)`."""
+    return fill_marked_block(page, MARKER, grid_tables(data))
+
+
+def plot(data: dict[str, Any], out: Path) -> None:
+    """Seconds to the target per strategy, one bar per link rate, one panel per node count (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = medians(data["rows"])
+    node_counts = sorted({r["nodes"] for r in rows})
+    rates = [rate for rate in ("unshaped", "1gbit", "100mbit") if any(r["rate"] == rate for r in rows)]
+    labels = [label for label, _, _ in STRATEGIES if any(r["label"] == label for r in rows)]
+    colors = {"unshaped": "#55A868", "1gbit": "#4C72B0", "100mbit": "#C44E52"}
+    fig, axes = plt.subplots(len(node_counts), 1, figsize=(11, 3.6 * len(node_counts)), squeeze=False)
+    width = 0.8 / len(rates)
+    for ax, nodes in zip(axes[:, 0], node_counts):
+        for i, rate in enumerate(rates):
+            cell = {r["label"]: r for r in rows if r["nodes"] == nodes and r["rate"] == rate}
+            xs = [j + (i - (len(rates) - 1) / 2) * width for j in range(len(labels))]
+            heights = [cell[label]["seconds"] if label in cell else math.nan for label in labels]
+            bars = ax.bar(xs, heights, width, color=colors[rate], label=rate)
+            for bar, label in zip(bars, labels):
+                if label in cell and not cell[label]["reached"]:
+                    bar.set_hatch("//")
+                    bar.set_alpha(0.5)
+        ax.set_yscale("log")
+        ax.set_ylabel("training seconds to target")
+        ax.set_title(f"{nodes} nodes: seconds to validation loss {data['target']} (hatched: not reached)")
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels([label.replace(" ", "\n").replace("_", "_\n", 1) for label in labels], fontsize=8)
+        ax.grid(axis="y", alpha=0.3, which="both")
+        ax.legend(title="link", fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every cell asked for, print its table, and write the JSON (merged into an existing file)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        _worker(json.loads(Path(argv[1]).read_text()))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rates", nargs="+", default=["none", "1gbit", "100mbit"], help="tc rates, or none")
+    parser.add_argument("--only", nargs="*", help="labels of the strategies to run (default: all)")
+    parser.add_argument(
+        "--repeat", action="store_true", help="add these runs to the cells' earlier ones (medians), not replace them"
+    )
+    parser.add_argument("--target", type=float, default=TARGET_LOSS)
+    parser.add_argument("--max-steps", type=int, default=439)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_tradeoff.json")
+    parser.add_argument("--plot", type=Path, help="only draw the figure from --out's JSON into this PNG")
+    parser.add_argument("--write", type=Path, metavar="PAGE", help="only fill PAGE's <!-- lab-tradeoff --> block")
+    args = parser.parse_args(argv)
+    if args.plot or args.write:
+        data = json.loads(args.out.read_text())
+        if args.plot:
+            plot(data, args.plot)
+            print(f"wrote {args.plot}")
+        if args.write:
+            try:
+                args.write.write_text(fill_page(args.write.read_text(), data))
+            except ValueError as error:
+                sys.exit(f"{args.write}: {error}")
+            print(f"{args.write}: filled the trade-off tables from {args.out}")
+        return 0
+    reason = namespaces_unavailable()
+    if reason is not None:
+        print(f"lab_tradeoff: skipped: {reason}")
+        return 0
+    strategies = [s for s in STRATEGIES if not args.only or s[0] in args.only]
+    data = json.loads(args.out.read_text()) if args.out.is_file() else {"target": args.target, "rows": []}
+    if data["target"] != args.target:
+        parser.error(f"{args.out} holds runs to target {data['target']}, not {args.target}: pass another --out")
+    for nodes in args.nodes:
+        for rate in args.rates:
+            rate = None if rate == "none" else rate
+            started = time.monotonic()
+            new = run_cell(nodes, rate, strategies, args.target, args.max_steps)
+            took = time.monotonic() - started
+            print(f"\n{nodes} nodes, {rate or 'unshaped'} ({took:.0f} s)\n{table(new)}", flush=True)
+            done = {(r["nodes"], r["rate"], r["label"]) for r in new}
+            if not args.repeat:
+                data["rows"] = [r for r in data["rows"] if (r["nodes"], r["rate"], r["label"]) not in done]
+            data["rows"] += new
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"\nwrote {args.out}\n{table(medians(data['rows']))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
