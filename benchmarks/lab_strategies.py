@@ -3,7 +3,8 @@
 For each node count and link rate the lab (`benchmarks/cluster.py`) builds a cluster and runs one torchrun
 job across it; the job trains the default example's CharGPT, widened so that its gradients weigh several
 MB, with each strategy in turn (one process per node, one thread each). For every strategy it records,
-after a few untimed steps:
+after a few untimed steps (for `bucket_cap_mb="auto"` also after its trial steps, so that what is timed
+is the cap it chose):
 
 - the step time: the slowest rank's time for the timed optimizer steps, divided by their number;
 - the bytes each node sent per step, read off its own interface (``/sys/class/net/eth0``) around the
@@ -88,11 +89,12 @@ def _worker(spec: dict[str, Any]) -> None:
     from syncline.callbacks import Callback
     from syncline.examples.char_gpt import CharGPT
     from syncline.strategies import STRATEGIES
+    from syncline.strategies.bucket_autotune import AUTO, DEFAULT_CAPS_MB
     from syncline.trainer import Trainer
 
     torch.set_num_threads(1)
     interface = os.environ.get("GLOO_SOCKET_IFNAME", "eth0")
-    warmup, steps = spec["warmup"], spec["steps"]
+    steps = spec["steps"]
 
     class LinkRecorder(Callback):
         """After each optimizer step: the time, the link's counters and the strategy's `comm/bytes`."""
@@ -110,6 +112,11 @@ def _worker(spec: dict[str, Any]) -> None:
         torch.manual_seed(0)
         task = CharGPT(**spec["model"])
         recorder = LinkRecorder()
+        # `bucket_cap_mb="auto"` tries caps in its first steps: time what it chose, not its trials.
+        tuning = (
+            len(DEFAULT_CAPS_MB) * (options.get("autotune_steps", 2) + 1) if options.get("bucket_cap_mb") == AUTO else 0
+        )
+        warmup = spec["warmup"] + tuning
         trainer = Trainer(
             max_steps=warmup + steps,
             strategy=STRATEGIES[name](**options),
@@ -133,7 +140,10 @@ def _worker(spec: dict[str, Any]) -> None:
         # The run is as slow as its slowest rank: its time over the timed steps, per step. (A mean, not a
         # median: strategies that communicate every k-th step, or in the background, pay unevenly.)
         slowest = max(sum(r["step_s"]) for r in everyone) / steps
-        results.append({"label": label, "strategy": name, "options": options, "step_s": slowest, "ranks": everyone})
+        record = {"label": label, "strategy": name, "options": options, "step_s": slowest, "ranks": everyone}
+        if tuning:
+            record["autotune"] = trainer.strategy.autotune.summary()
+        results.append(record)
     if dist.get_rank() == 0:
         Path(spec["out"]).write_text(json.dumps(results, indent=1) + "\n")
 
@@ -177,6 +187,8 @@ def lab_rows(records: list[dict[str, Any]], nodes: int, rate: str | None) -> lis
             "comm_bytes_per_step": max(comm),
             "wire_over_comm": round(max(sent) / max(comm), 3) if max(comm) else None,
         }
+        if "autotune" in record:
+            row["autotune"] = record["autotune"]
         if local is not None:
             bound = link_bound(local, sent, rate_bps) if rate_bps else local
             row["bound_s"] = round(bound, 4)
