@@ -1,0 +1,56 @@
+"""BAGUA's trade-off tables: speed-ups against bucketed_ddp per cell, runs that never reach the target,
+and the performance page quoting the committed results. The lab section skips with one line where
+namespaces are not permitted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import lab
+from benchmarks.lab_tradeoff import fill_page, grid_tables, speedups
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results" / "lab_tradeoff.json"
+
+
+def _row(label: str, nodes: int, rate: str, seconds: float, reached: bool = True) -> dict:
+    return {"label": label, "nodes": nodes, "rate": rate, "seconds": seconds, "steps": 100, "reached": reached}
+
+
+def test_speedups_are_per_cell_and_zero_where_the_target_was_never_reached():
+    rows = [
+        _row("bucketed_ddp", 2, "100mbit", 60.0),
+        _row("powersgd", 2, "100mbit", 20.0),
+        _row("local_sgd", 2, "100mbit", 90.0, reached=False),
+        _row("bucketed_ddp", 4, "100mbit", 100.0),
+        _row("powersgd", 4, "100mbit", 40.0),
+        _row("powersgd", 2, "1gbit", 10.0),  # no bucketed_ddp in this cell: no speed-up
+    ]
+    ups = speedups(rows)
+    assert ups[(2, "100mbit", "powersgd")] == pytest.approx(3.0)
+    assert ups[(4, "100mbit", "powersgd")] == pytest.approx(2.5)
+    assert ups[(2, "100mbit", "local_sgd")] == 0.0
+    assert (2, "1gbit", "powersgd") not in ups
+    text = grid_tables({"target": 1.95, "rows": rows})
+    assert "| powersgd | 10.0 (100) | - | 20.0 (100) | 3.00x |" in text  # columns: 1gbit, then 100mbit
+    assert "| local_sgd | - | - | > 90 (never) | never |" in text
+
+
+def test_performance_page_quotes_the_committed_tradeoff_run():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    data = json.loads(RESULTS.read_text())
+    assert fill_page(page, data) == page, "run `python -m benchmarks.lab_tradeoff --write docs/performance.md`"
+    assert {r["rate"] for r in data["rows"]} == {"unshaped", "1gbit", "100mbit"}
+    assert {r["nodes"] for r in data["rows"]} == {2, 4}
+
+
+def test_the_lab_section_skips_in_one_line_without_namespaces(monkeypatch):
+    said = []
+    monkeypatch.setattr(lab, "namespaces_unavailable", lambda: "the network lab needs private network namespaces")
+    assert lab.run_lab_section(lab.LAB_PLANS["smoke"], said.append) == {
+        "skipped": "the network lab needs private network namespaces"
+    }
+    assert said == ["lab: skipped: the network lab needs private network namespaces"]
