@@ -35,7 +35,7 @@ from typing import Any
 from benchmarks.cluster import link_bound, namespaces_unavailable, parse_rate, run_worker_job
 from benchmarks.common import QUIET_TRAINER
 
-__all__ = ["DEFAULT_MODEL", "DEFAULT_STRATEGIES", "lab_rows", "run_strategies"]
+__all__ = ["DEFAULT_MODEL", "DEFAULT_STRATEGIES", "lab_rows", "local_phases", "run_strategies"]
 
 #: CharGPT widened to 3.2 M parameters (12.6 MB of fp32 gradients) on short batches, so that at 100 Mbit
 #: a step's bytes take longer than its compute and at 1 Gbit they do not.
@@ -148,6 +148,37 @@ def _worker(spec: dict[str, Any]) -> None:
         Path(spec["out"]).write_text(json.dumps(results, indent=1) + "\n")
 
 
+def local_phases(model: dict[str, Any], steps: int = 20) -> dict[str, float]:
+    """Median milliseconds of forward, backward and optimizer step of `model`'s CharGPT in this process.
+
+    One thread, no communication: what a step of the lab's `local` row is made of, so that the part a
+    synchronous strategy cannot overlap with its wire time (the forward and the optimizer step) is known.
+    """
+    import torch
+
+    from syncline.examples.char_gpt import CharGPT
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    task = CharGPT(**model)
+    optimizer = torch.optim.AdamW(task.parameters(), lr=1e-3)
+    inputs, targets = next(iter(task.train_dataloader()))
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    for step in range(steps + 3):
+        t0 = time.perf_counter()
+        loss = task._loss(task(inputs), targets)  # the training step's loss, without the Trainer's logging
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad()
+        t3 = time.perf_counter()
+        if step >= 3:  # the first steps allocate
+            for name, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                times[name].append(seconds * 1e3)
+    return {name: round(statistics.median(values), 1) for name, values in times.items()}
+
+
 # ------------------------------------------------------------------ the parent
 def run_strategies(
     nodes: int,
@@ -235,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         help="set the nodes' net.ipv4.tcp_slow_start_after_idle=0 (see benchmarks.cluster.run_lab)",
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_strategies.json")
+    parser.add_argument("--phases", action="store_true", help="only time the model's forward/backward/step here")
     args = parser.parse_args(argv)
+    if args.phases:
+        print(json.dumps({"model": DEFAULT_MODEL, "phases_ms": local_phases(DEFAULT_MODEL)}))
+        return 0
     reason = namespaces_unavailable()
     if reason is not None:
         print(f"lab_strategies: skipped: {reason}")
