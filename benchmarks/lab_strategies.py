@@ -35,7 +35,7 @@ from typing import Any
 from benchmarks.cluster import link_bound, namespaces_unavailable, parse_rate, run_worker_job
 from benchmarks.common import QUIET_TRAINER
 
-__all__ = ["DEFAULT_MODEL", "DEFAULT_STRATEGIES", "lab_rows", "local_phases", "run_strategies"]
+__all__ = ["DEFAULT_MODEL", "DEFAULT_STRATEGIES", "lab_rows", "grid_table", "local_phases", "run_strategies"]
 
 #: CharGPT widened to 3.2 M parameters (12.6 MB of fp32 gradients) on short batches, so that at 100 Mbit
 #: a step's bytes take longer than its compute and at 1 Gbit they do not.
@@ -248,6 +248,25 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def grid_table(rows: list[dict[str, Any]]) -> str:
+    """One row per strategy, one column per (nodes, link) cell: seconds per step and measured/bound."""
+    order = {"unshaped": 0, "1gbit": 1, "100mbit": 2}
+    cells = sorted(dict.fromkeys((r["nodes"], r["rate"]) for r in rows), key=lambda c: (c[0], order.get(c[1], 3)))
+    labels = list(dict.fromkeys(r["label"] for r in rows if not r["label"].startswith("local (")))
+    found = {(r["nodes"], r["rate"], r["label"]): r for r in rows}
+    lines = [
+        "| strategy | " + " | ".join(f"{n} nodes, {rate}" for n, rate in cells) + " |",
+        "|---|" + "---|" * len(cells),
+    ]
+    for label in labels:
+        line = [label]
+        for nodes, rate in cells:
+            r = found.get((nodes, rate, label))
+            line.append("-" if r is None else f"{r['step_s']:.3f} s, {r.get('measured_over_bound', float('nan')):.2f}x")
+        lines.append("| " + " | ".join(line) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the lab for every node count and rate asked for; print the tables and write the JSON."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -267,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_strategies.json")
     parser.add_argument("--phases", action="store_true", help="only time the model's forward/backward/step here")
+    parser.add_argument("--table", type=Path, nargs="+", help="only print one table of these runs' JSON files")
     args = parser.parse_args(argv)
+    if args.table:
+        print(grid_table([row for path in args.table for row in json.loads(path.read_text())["rows"]]))
+        return 0
     if args.phases:
         print(json.dumps({"model": DEFAULT_MODEL, "phases_ms": local_phases(DEFAULT_MODEL)}))
         return 0
