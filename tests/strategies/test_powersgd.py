@@ -50,7 +50,9 @@ def test_rank_2_equals_exact_averaging_where_the_averaged_gradient_has_rank_2():
         optimizer.zero_grad()
     for result in results:
         for name, value in reference.state_dict().items():
-            torch.testing.assert_close(result["params"][name], value, atol=1e-5, rtol=0)
+            # float32 orthogonalization: 1.1e-5 apart after 4 steps on an Intel Xeon, under 1e-5 on an AMD
+            # EPYC (their BLAS kernels round differently); with rank=1 the weight is off by 6e-2.
+            torch.testing.assert_close(result["params"][name], value, atol=5e-5, rtol=0)
         # The weight went as rank-2 factors: P (8x2) and Q (16x2), and the bias (8) exactly, in float32.
         assert result["comm/bytes"] == 4 * (8 * 2 + 16 * 2 + 8)
 
