@@ -27,12 +27,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LabResult", "NodeResult", "link_bound", "namespaces_unavailable", "parse_rate", "run_lab", "run_worker_job"]
+__all__ = [
+    "LabResult",
+    "NodeResult",
+    "link_bound",
+    "namespaces_unavailable",
+    "parse_rate",
+    "run_lab",
+    "run_worker_if_asked",
+    "run_worker_job",
+    "skipped_without_namespaces",
+]
 
 SUBNET = "10.77.0"
 MASTER_PORT = 29500
@@ -40,6 +50,8 @@ MASTER_PORT = 29500
 BURST = "256kb"
 LATENCY = "500ms"
 _INSIDE = "--inside-lab"
+#: How `run_worker_job` starts a lab script on every node: ``python -m <module> --worker SPEC``.
+_WORKER = "--worker"
 
 
 @dataclass
@@ -202,7 +214,7 @@ def run_worker_job(
     spec = {**spec, "out": str(work / "result.json")}
     (work / "spec.json").write_text(json.dumps(spec))
     lab = run_lab(
-        ["-m", module, "--worker", str(work / "spec.json")],
+        ["-m", module, _WORKER, str(work / "spec.json")],
         nodes=nodes,
         rate=rate,
         timeout=timeout,
@@ -214,6 +226,22 @@ def run_worker_job(
         logs = "\n".join(Path(n.log).read_text()[-3000:] for n in lab.node_results if n.returncode)
         raise RuntimeError(f"{module} on {nodes} nodes at {rate or 'unshaped'} failed (logs in {work}):\n{logs}")
     return json.loads(Path(spec["out"]).read_text())
+
+
+def run_worker_if_asked(argv: Sequence[str], worker: Callable[[dict[str, Any]], None]) -> bool:
+    """If `argv` is `run_worker_job`'s ``--worker SPEC``, run `worker` on the spec and return True."""
+    if list(argv[:1]) != [_WORKER]:
+        return False
+    worker(json.loads(Path(argv[1]).read_text()))
+    return True
+
+
+def skipped_without_namespaces(script: str) -> bool:
+    """Where the lab cannot run, print one line naming `script` and why, and return True."""
+    reason = namespaces_unavailable()
+    if reason is not None:
+        print(f"{script}: skipped: {reason}")
+    return reason is not None
 
 
 # ------------------------------------------------------------------ inside the namespaces

@@ -81,9 +81,7 @@ def run_lab_section(plan: LabPlan, log: Callable[[str], None]) -> dict[str, Any]
     from benchmarks import lab_ddp, lab_strategies, lab_tradeoff
     from benchmarks.ddp_suite import DDPPlan
 
-    chosen = [s for s in lab_strategies.DEFAULT_STRATEGIES if not plan.strategy_labels or s[0] in plan.strategy_labels]
-    # `local` (the bound's compute) always runs, first and last.
-    chosen = [s for s in lab_strategies.DEFAULT_STRATEGIES if s[0].startswith("local") or s in chosen]
+    chosen = lab_strategies.select_strategies(plan.strategy_labels)  # with `local`, the bound's compute
     strategies: list[dict[str, Any]] = []
     for nodes in plan.strategy_nodes:
         for rate in plan.strategy_rates:

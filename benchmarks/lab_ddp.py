@@ -20,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import namespaces_unavailable, parse_rate, run_worker_job
+from benchmarks.cluster import parse_rate, run_worker_if_asked, run_worker_job, skipped_without_namespaces
 from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, Variant, rank_timings, summarize_job
 
 __all__ = ["lab_variants", "run_lab_ddp"]
@@ -99,8 +99,7 @@ def _report(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep at each rate; print the tables and write the JSON."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
-        _worker(json.loads(Path(argv[1]).read_text()))
+    if run_worker_if_asked(argv, _worker):
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"], help="tc rates, or none")
@@ -110,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--caps", type=float, nargs="+", default=list(CAPS_MB))
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_ddp.json")
     args = parser.parse_args(argv)
-    reason = namespaces_unavailable()
-    if reason is not None:
-        print(f"lab_ddp: skipped: {reason}")
+    if skipped_without_namespaces("lab_ddp"):
         return 0
     plan = DDPPlan(caps_mb=tuple(args.caps), sync_every=(1,), repeats=args.repeats, steps=args.steps)
     variants = lab_variants(tuple(args.caps))

@@ -29,10 +29,11 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import link_bound, namespaces_unavailable, parse_rate, run_worker_job
+from benchmarks.cluster import link_bound, parse_rate, run_worker_if_asked, run_worker_job, skipped_without_namespaces
 from benchmarks.common import QUIET_TRAINER
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_STRATEGIES", "lab_rows", "grid_table", "local_phases", "run_strategies"]
@@ -69,6 +70,11 @@ DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("sharded_parameter_server", "sharded_parameter_server", {}),
     ("local (end)", "local_sgd", {"period": 1_000_000}),
 ]
+
+
+def select_strategies(labels: Sequence[str] = ()) -> list[tuple[str, str, dict[str, Any]]]:
+    """`DEFAULT_STRATEGIES` with these labels (all where none are given), always with the `local` rows."""
+    return [s for s in DEFAULT_STRATEGIES if not labels or s[0] in labels or s[0].startswith("local")]
 
 
 # ------------------------------------------------------------------ inside the torchrun job
@@ -270,8 +276,7 @@ def grid_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the lab for every node count and rate asked for; print the tables and write the JSON."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
-        _worker(json.loads(Path(argv[1]).read_text()))
+    if run_worker_if_asked(argv, _worker):
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
@@ -294,11 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.phases:
         print(json.dumps({"model": DEFAULT_MODEL, "phases_ms": local_phases(DEFAULT_MODEL)}))
         return 0
-    reason = namespaces_unavailable()
-    if reason is not None:
-        print(f"lab_strategies: skipped: {reason}")
+    if skipped_without_namespaces("lab_strategies"):
         return 0
-    strategies = [s for s in DEFAULT_STRATEGIES if not args.only or s[0] in args.only or s[0].startswith("local")]
+    strategies = select_strategies(args.only or ())
     rows: list[dict[str, Any]] = []
     for nodes in args.nodes:
         for rate in args.rates:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import namespaces_unavailable, run_worker_job
+from benchmarks.cluster import run_worker_if_asked, run_worker_job, skipped_without_namespaces
 from benchmarks.common import QUIET_TRAINER, fill_marked_block
 
 __all__ = ["STRATEGIES", "TARGET_LOSS", "fill_page", "grid_tables", "run_cell", "speedups", "table"]
@@ -165,8 +165,10 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def speedups(rows: list[dict[str, Any]]) -> dict[tuple[int, str, str], float]:
-    """(nodes, rate, label) -> bucketed_ddp's median seconds to the target over this strategy's (0: never)."""
-    rows = medians(rows)
+    """(nodes, rate, label) -> bucketed_ddp's seconds to the target over this strategy's (0: never).
+
+    `rows` hold one run per cell: single runs, or `medians` of repeated ones.
+    """
     reference = {(r["nodes"], r["rate"]): r["seconds"] for r in rows if r["label"] == "bucketed_ddp" and r["reached"]}
     out = {}
     for r in rows:
@@ -209,7 +211,8 @@ def _speedup(up: float | None) -> str:
 
 def grid_tables(data: dict[str, Any]) -> str:
     """Per node count, one row per strategy: seconds (steps) to the target and the speed-up, per link rate."""
-    rows, ups = medians(data["rows"]), speedups(data["rows"])
+    rows = medians(data["rows"])
+    ups = speedups(rows)
     labels = [label for label, _, _ in STRATEGIES if any(r["label"] == label for r in rows)]
     out = []
     for nodes in sorted({r["nodes"] for r in rows}):
@@ -284,8 +287,7 @@ def plot(data: dict[str, Any], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run every cell asked for, print its table, and write the JSON (merged into an existing file)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
-        _worker(json.loads(Path(argv[1]).read_text()))
+    if run_worker_if_asked(argv, _worker):
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
@@ -312,9 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 sys.exit(f"{args.write}: {error}")
             print(f"{args.write}: filled the trade-off tables from {args.out}")
         return 0
-    reason = namespaces_unavailable()
-    if reason is not None:
-        print(f"lab_tradeoff: skipped: {reason}")
+    if skipped_without_namespaces("lab_tradeoff"):
         return 0
     strategies = [s for s in STRATEGIES if not args.only or s[0] in args.only]
     data = json.loads(args.out.read_text()) if args.out.is_file() else {"target": args.target, "rows": []}
