@@ -36,7 +36,17 @@ from typing import Any
 from benchmarks.cluster import link_bound, parse_rate, run_worker_if_asked, run_worker_job, skipped_without_namespaces
 from benchmarks.common import QUIET_TRAINER
 
-__all__ = ["DEFAULT_MODEL", "DEFAULT_STRATEGIES", "lab_rows", "grid_table", "local_phases", "run_strategies"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "DEFAULT_STRATEGIES",
+    "LOCAL_LABELS",
+    "busy_cpu_seconds",
+    "grid_table",
+    "lab_rows",
+    "local_phases",
+    "run_strategies",
+    "select_strategies",
+]
 
 #: CharGPT widened to 3.2 M parameters (12.6 MB of fp32 gradients) on short batches, so that at 100 Mbit
 #: a step's bytes take longer than its compute and at 1 Gbit they do not.
@@ -57,6 +67,7 @@ DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("bucketed_ddp cap=1", "bucketed_ddp", {"bucket_cap_mb": 1, "first_bucket_mb": 1}),
     ("bucketed_ddp auto", "bucketed_ddp", {"bucket_cap_mb": "auto"}),
     ("native_ddp", "native_ddp", {}),
+    ("native_ddp cap=1", "native_ddp", {"bucket_cap_mb": 1}),
     ("bucketed_ddp bf16", "bucketed_ddp", {"comm_hook": "bf16"}),
     ("bytegrad", "bytegrad", {}),
     ("powersgd", "powersgd", {"start_iter": 2}),
@@ -72,9 +83,13 @@ DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
 ]
 
 
+#: The rows without communication that give the bound its local step time (not `local_sgd`, which averages).
+LOCAL_LABELS = ("local", "local (end)")
+
+
 def select_strategies(labels: Sequence[str] = ()) -> list[tuple[str, str, dict[str, Any]]]:
     """`DEFAULT_STRATEGIES` with these labels (all where none are given), always with the `local` rows."""
-    return [s for s in DEFAULT_STRATEGIES if not labels or s[0] in labels or s[0].startswith("local")]
+    return [s for s in DEFAULT_STRATEGIES if not labels or s[0] in labels or s[0] in LOCAL_LABELS]
 
 
 # ------------------------------------------------------------------ inside the torchrun job
@@ -85,6 +100,19 @@ def _link_counters(interface: str) -> tuple[int, int]:
         return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
     except OSError:
         return 0, 0
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds this machine's cores have spent busy since boot (user, system, interrupts; /proc/stat).
+
+    Machine-wide on purpose: in the lab every node, the kernel's veth, bridge and token-bucket work and
+    gloo's threads share the same cores, so the busy seconds a step costs over the core count is a floor
+    on its wall time that no schedule can beat.
+    """
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    busy = sum(fields[:8]) - idle  # guest time is already counted in user time
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def _worker(spec: dict[str, Any]) -> None:
@@ -103,15 +131,15 @@ def _worker(spec: dict[str, Any]) -> None:
     steps = spec["steps"]
 
     class LinkRecorder(Callback):
-        """After each optimizer step: the time, the link's counters and the strategy's `comm/bytes`."""
+        """After each optimizer step: the time, the link's counters, `comm/bytes` and the machine's busy CPU."""
 
         def __init__(self) -> None:
-            self.marks: list[tuple[float, int, int, float]] = []
+            self.marks: list[tuple[float, int, int, float, float]] = []
 
         def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
             sent, received = _link_counters(interface)
             comm = trainer.strategy.communication_stats().get("comm/bytes", 0.0)
-            self.marks.append((time.perf_counter(), sent, received, comm))
+            self.marks.append((time.perf_counter(), sent, received, comm, busy_cpu_seconds()))
 
     results = []
     for label, name, options in spec["strategies"]:
@@ -138,6 +166,7 @@ def _worker(spec: dict[str, Any]) -> None:
             "sent_per_step": (marks[-1][1] - marks[0][1]) / steps,
             "received_per_step": (marks[-1][2] - marks[0][2]) / steps,
             "comm_bytes_per_step": statistics.mean(m[3] for m in marks[1:]),
+            "busy_cpu_per_step": (marks[-1][4] - marks[0][4]) / steps,
             "loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
         }
         everyone: list[Any] = [None] * dist.get_world_size()
@@ -146,7 +175,14 @@ def _worker(spec: dict[str, Any]) -> None:
         # The run is as slow as its slowest rank: its time over the timed steps, per step. (A mean, not a
         # median: strategies that communicate every k-th step, or in the background, pay unevenly.)
         slowest = max(sum(r["step_s"]) for r in everyone) / steps
-        record = {"label": label, "strategy": name, "options": options, "step_s": slowest, "ranks": everyone}
+        record = {
+            "label": label,
+            "strategy": name,
+            "options": options,
+            "step_s": slowest,
+            "cores": os.cpu_count(),
+            "ranks": everyone,
+        }
         if tuning:
             record["autotune"] = trainer.strategy.autotune.summary()
         results.append(record)
@@ -210,7 +246,7 @@ def run_strategies(
 def lab_rows(records: list[dict[str, Any]], nodes: int, rate: str | None) -> list[dict[str, Any]]:
     """Add to each strategy's record the busiest node's bytes, the link bound and measured/bound."""
     rate_bps = parse_rate(rate) if rate else None
-    local = min((r["step_s"] for r in records if r["label"].startswith("local")), default=None)
+    local = min((r["step_s"] for r in records if r["label"] in LOCAL_LABELS), default=None)
     rows = []
     for record in records:
         sent = [r["sent_per_step"] for r in record["ranks"]]
@@ -226,6 +262,9 @@ def lab_rows(records: list[dict[str, Any]], nodes: int, rate: str | None) -> lis
         }
         if "autotune" in record:
             row["autotune"] = record["autotune"]
+        if "cores" in record:  # runs from before 2026-11-25 did not count the busy CPU
+            busy = max(r["busy_cpu_per_step"] for r in record["ranks"])
+            row["cpu_floor_s"] = round(busy / record["cores"], 4)
         if local is not None:
             bound = link_bound(local, sent, rate_bps) if rate_bps else local
             row["bound_s"] = round(bound, 4)
@@ -235,8 +274,8 @@ def lab_rows(records: list[dict[str, Any]], nodes: int, rate: str | None) -> lis
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = "| strategy | nodes | link | s/step | busiest node sent/step | comm/bytes | wire/comm | bound s | measured/bound |"  # noqa: E501
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    head = "| strategy | nodes | link | s/step | busiest node sent/step | comm/bytes | wire/comm | bound s | measured/bound | CPU floor s |"  # noqa: E501
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = r["wire_over_comm"] if r["wire_over_comm"] is not None else "-"
         cells = [
@@ -249,6 +288,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             ratio,
             f"{r.get('bound_s', float('nan')):.3f}",
             f"{r.get('measured_over_bound', float('nan')):.2f}",
+            f"{r['cpu_floor_s']:.3f}" if "cpu_floor_s" in r else "-",
         ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
@@ -258,7 +298,7 @@ def grid_table(rows: list[dict[str, Any]]) -> str:
     """One row per strategy, one column per (nodes, link) cell: seconds per step and measured/bound."""
     order = {"unshaped": 0, "1gbit": 1, "100mbit": 2}
     cells = sorted(dict.fromkeys((r["nodes"], r["rate"]) for r in rows), key=lambda c: (c[0], order.get(c[1], 3)))
-    labels = list(dict.fromkeys(r["label"] for r in rows if not r["label"].startswith("local (")))
+    labels = list(dict.fromkeys(r["label"] for r in rows if r["label"] != "local (end)"))
     found = {(r["nodes"], r["rate"], r["label"]): r for r in rows}
     lines = [
         "| strategy | " + " | ".join(f"{n} nodes, {rate}" for n, rate in cells) + " |",
@@ -273,6 +313,17 @@ def grid_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def model_overrides(settings: Sequence[str]) -> dict[str, int]:
+    """Parse ``KEY=INT`` settings of `DEFAULT_MODEL`, naming the valid keys when one is not."""
+    overrides = {}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or key not in DEFAULT_MODEL or not value.isdigit():
+            raise SystemExit(f"--model {setting!r}: expected KEY=INT with KEY one of {', '.join(DEFAULT_MODEL)}.")
+        overrides[key] = int(value)
+    return overrides
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the lab for every node count and rate asked for; print the tables and write the JSON."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -285,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=4, help="untimed optimizer steps before them")
     parser.add_argument("--only", nargs="*", help="labels of the strategies to run (default: all)")
     parser.add_argument(
+        "--model",
+        nargs="+",
+        default=[],
+        metavar="KEY=INT",
+        help="override CharGPT's settings in DEFAULT_MODEL, e.g. batch_size=2 (a wire-bound step at 1 Gbit)",
+    )
+    parser.add_argument(
         "--no-slow-start-after-idle",
         action="store_true",
         help="set the nodes' net.ipv4.tcp_slow_start_after_idle=0 (see benchmarks.cluster.run_lab)",
@@ -293,11 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", action="store_true", help="only time the model's forward/backward/step here")
     parser.add_argument("--table", type=Path, nargs="+", help="only print one table of these runs' JSON files")
     args = parser.parse_args(argv)
+    model = {**DEFAULT_MODEL, **model_overrides(args.model)}
     if args.table:
         print(grid_table([row for path in args.table for row in json.loads(path.read_text())["rows"]]))
         return 0
     if args.phases:
-        print(json.dumps({"model": DEFAULT_MODEL, "phases_ms": local_phases(DEFAULT_MODEL)}))
+        print(json.dumps({"model": model, "phases_ms": local_phases(model)}))
         return 0
     if skipped_without_namespaces("lab_strategies"):
         return 0
@@ -308,14 +367,16 @@ def main(argv: list[str] | None = None) -> int:
             rate = None if rate == "none" else rate
             started = time.monotonic()
             idle_restart = not args.no_slow_start_after_idle
-            new = run_strategies(nodes, rate, strategies, args.steps, args.warmup, slow_start_after_idle=idle_restart)
+            new = run_strategies(
+                nodes, rate, strategies, args.steps, args.warmup, model=model, slow_start_after_idle=idle_restart
+            )
             print(
                 f"\n{nodes} nodes, {rate or 'unshaped'} ({time.monotonic() - started:.0f} s)\n{_table(new)}", flush=True
             )
             rows += new
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"steps": args.steps, "warmup": args.warmup, "model": DEFAULT_MODEL, "rows": rows}, indent=1) + "\n"
+        json.dumps({"steps": args.steps, "warmup": args.warmup, "model": model, "rows": rows}, indent=1) + "\n"
     )
     print(f"\nwrote {args.out}")
     return 0

@@ -1,0 +1,249 @@
+"""An experiment in the network lab: can the optimizer step and the next forward overlap the wire?
+
+At 1 Gbit/s the lab's `bucketed_ddp` stays well above its link bound (docs/performance.md, section 9): a
+synchronous step overlaps only the backward with communication, because the optimizer step needs every
+averaged gradient and the next forward needs every updated parameter. ByteScheduler (Peng et al., SOSP
+2019) lifts both limits: it applies each layer's update just before the next forward uses the layer, and
+sends the front layers' gradients first so that the next forward can start while the back layers' are
+still on the wire. This script measures what that buys here, exactly, without making it a strategy:
+`DeferredUpdateDDP` is `BucketedDDP` whose reducer it drives by hand (reaching into it on purpose; an
+experiment, not an API).
+
+- During the backward, the buckets launch as they become ready, except the last `hold` fraction of them
+  (the model's front layers, ready last): those launch after autograd returns, front-most first. The
+  launch order depends only on the bucket index, so it is the same on every rank.
+- Nothing waits at the end of the backward. `optimizer_step` records each parameter group's
+  hyperparameters (the learning rate the scheduler is about to change) and returns.
+- A forward pre-hook on every module with parameters of its own waits for their buckets; for each, it
+  steps the optimizer on that bucket's parameters alone, with the recorded hyperparameters, and zeroes the
+  bucket. Whatever the forward did not reach is applied before the next backward, and at teardown.
+
+Every run ends by printing a checksum of the trained weights: the deferred runs must match `bucketed_ddp`'s
+bit for bit (per-parameter optimizers such as AdamW update a subset exactly as they update all).
+
+    python -m benchmarks.lab_deferred_update --rate 1gbit --batch-sizes 2 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.cluster import run_worker_if_asked, run_worker_job, skipped_without_namespaces
+from benchmarks.common import QUIET_TRAINER
+from benchmarks.lab_strategies import DEFAULT_MODEL
+
+__all__ = ["HOLDS", "run_deferred"]
+
+#: Fractions of the buckets held back to the end of the backward (None: plain `bucketed_ddp`).
+HOLDS: list[float | None] = [None, 0.0, 0.25, 0.5, 0.75]
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    """Train CharGPT with plain and deferred updates, in order and reversed; rank 0 writes the times."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from syncline.callbacks import Callback
+    from syncline.examples.char_gpt import CharGPT
+    from syncline.strategies.bucketed_ddp import BucketedDDP
+    from syncline.trainer import Trainer
+
+    torch.set_num_threads(1)
+    caps = {"bucket_cap_mb": 1, "first_bucket_mb": 1}
+
+    class DeferredUpdateDDP(BucketedDDP):
+        """`BucketedDDP` whose optimizer step runs bucket by bucket inside the next forward."""
+
+        def __init__(self, hold: float) -> None:
+            super().__init__(**caps)
+            self.hold = hold
+            self.optimizer: torch.optim.Optimizer | None = None
+            self.hyper: list[dict[str, Any]] = []
+            self.waiting: set[int] = set()  # buckets launched and not yet applied
+            self.deferred = False  # the last backward left its buckets in flight
+
+        def setup(self, task: nn.Module) -> None:
+            super().setup(task)
+            for module in task.modules():
+                if next(module.parameters(recurse=False), None) is not None:
+                    module.register_forward_pre_hook(self._before_forward)
+
+        def teardown(self) -> None:
+            self.apply_all()
+            super().teardown()
+
+        def _before_forward(self, module: nn.Module, args: Any) -> None:
+            if not self.waiting or self.deferred:
+                return
+            reducer = self.reducer
+            for param in module.parameters(recurse=False):
+                index = reducer._index_of.get(id(param))
+                if index is not None and reducer._bucket_of[index] in self.waiting:
+                    self._apply(reducer._bucket_of[index])
+
+        def _apply(self, index: int) -> None:
+            reducer, optimizer = self.reducer, self.optimizer
+            assert optimizer is not None
+            bucket = reducer._buckets[index]
+            result = reducer._wait(bucket)
+            bucket.future = None
+            if result.data_ptr() != bucket.grad.buffer.data_ptr():
+                bucket.grad.buffer.copy_(result)
+            mine = {id(reducer._params[i]) for i in bucket.param_indices}
+            saved = [dict(group) for group in optimizer.param_groups]
+            for group, hyper in zip(optimizer.param_groups, self.hyper):
+                group.update(hyper)
+                group["params"] = [p for p in group["params"] if id(p) in mine]
+            optimizer.step()
+            for group, original in zip(optimizer.param_groups, saved):
+                group.clear()
+                group.update(original)
+            bucket.grad.buffer.zero_()
+            self.waiting.discard(index)
+
+        def apply_all(self) -> None:
+            self.deferred = False
+            for index in sorted(self.waiting):
+                self._apply(index)
+
+        def backward(self, loss: torch.Tensor, *, sync: bool, retain_graph: bool = False) -> None:
+            reducer = self.reducer
+            self.apply_all()
+            if not (sync and reducer._rebuilt):  # the first step observes the gradient order
+                super().backward(loss, sync=sync, retain_graph=retain_graph)
+                return
+            count = len(reducer._buckets)
+            early = count - round(self.hold * count)
+            reducer.prepare_for_backward(sync=True)
+            launched: list[int] = []
+
+            def launch(index: int) -> None:
+                bucket = reducer._buckets[index]
+                bucket.future = reducer._hook(reducer._state, bucket.grad)
+                if reducer.events is not None:
+                    reducer.events.bucket(index, bucket.nbytes, time.perf_counter(), bucket.future)
+                reducer._count_collective(0)
+                launched.append(index)
+
+            def launch_early() -> None:
+                while reducer._next_bucket < early and reducer._pending[reducer._next_bucket] == 0:
+                    launch(reducer._next_bucket)
+                    reducer._next_bucket += 1
+
+            reducer._launch_ready_buckets = launch_early  # the hooks' launcher, for this backward
+            try:
+                loss.backward(retain_graph=retain_graph)
+            finally:
+                del reducer._launch_ready_buckets
+            reducer._armed = reducer._sync = False
+            reducer._skipped_backwards = 0
+            reducer._process_arrivals()
+            launch_early()
+            for index in range(count - 1, early - 1, -1):  # front layers first
+                launch(index)
+            reducer._next_bucket = count
+            reducer._stats = reducer._step_stats
+            assert sorted(launched) == list(range(count))
+            self.waiting = set(launched)
+            self.deferred = True
+            self._buffers_stale = True
+
+        def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
+            if not self.deferred:
+                super().optimizer_step(optimizer, step)
+                return
+            self.optimizer = optimizer
+            self.hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+            self.deferred = False  # from here the next forward applies the buckets
+            self.comm_counter.close_step()
+
+        def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+            if not self.waiting:  # applied buckets are zeroed as they are applied
+                super().zero_grad(optimizer)
+
+    class StepClock(Callback):
+        def __init__(self) -> None:
+            self.marks: list[float] = []
+
+        def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+            self.marks.append(time.perf_counter())
+
+    holds = spec["holds"]
+    results = []
+    for hold in holds + holds[::-1]:
+        torch.manual_seed(0)
+        clock = StepClock()
+        strategy = BucketedDDP(**caps) if hold is None else DeferredUpdateDDP(hold)
+        task = CharGPT(**spec["model"])
+        warmup, steps = spec["warmup"], spec["steps"]
+        trainer = Trainer(
+            max_steps=warmup + steps, strategy=strategy, callbacks=[clock], limit_val_batches=0, **QUIET_TRAINER
+        )
+        trainer.fit(task)
+        mine = torch.tensor([(clock.marks[-1] - clock.marks[warmup - 1]) / steps])
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # collective: the slowest rank's time per step
+        weights = torch.nn.utils.parameters_to_vector(task.parameters()).double()
+        results.append({"hold": hold, "step_s": mine.item(), "weights_sum": weights.sum().item()})
+    if dist.get_rank() == 0:
+        Path(spec["out"]).write_text(json.dumps(results, indent=1) + "\n")
+
+
+def run_deferred(
+    rate: str, batch_size: int, nodes: int = 2, steps: int = 14, warmup: int = 6, timeout: float = 900.0
+) -> dict[str, Any]:
+    """Time plain and deferred updates on a lab cluster; medians per hold and whether weights match."""
+    spec = {"model": {**DEFAULT_MODEL, "batch_size": batch_size}, "holds": HOLDS, "steps": steps, "warmup": warmup}
+    runs = run_worker_job("benchmarks.lab_deferred_update", spec, nodes, rate, timeout)
+    reference = next(r["weights_sum"] for r in runs if r["hold"] is None)
+    rows = []
+    for hold in HOLDS:
+        mine = [r for r in runs if r["hold"] == hold]
+        rows.append(
+            {
+                "hold": hold,
+                "step_s": round(statistics.median(r["step_s"] for r in mine), 4),
+                "runs_s": [round(r["step_s"], 4) for r in mine],
+                "weights_equal": all(r["weights_sum"] == reference for r in mine),
+            }
+        )
+    return {"nodes": nodes, "rate": rate, "batch_size": batch_size, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the experiment for each batch size; print a table and write the JSON."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if run_worker_if_asked(argv, _worker):
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 8], help="CharGPT windows per rank")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_deferred_update.json")
+    args = parser.parse_args(argv)
+    if skipped_without_namespaces("lab_deferred_update"):
+        return 0
+    cells = []
+    for batch_size in args.batch_sizes:
+        cell = run_deferred(args.rate, batch_size, args.nodes)
+        cells.append(cell)
+        plain = cell["rows"][0]["step_s"]
+        print(f"\n{args.nodes} nodes, {args.rate}, batch {batch_size} per rank")
+        print("| held back | s/step | / bucketed_ddp | weights equal bucketed_ddp's |\n|---|---|---|---|")
+        for row in cell["rows"]:
+            label = "bucketed_ddp (none deferred)" if row["hold"] is None else f"{row['hold']:.0%} of the buckets"
+            print(f"| {label} | {row['step_s']:.3f} | {row['step_s'] / plain:.2f} | {row['weights_equal']} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"cells": cells}, indent=1) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

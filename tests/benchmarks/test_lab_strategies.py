@@ -1,0 +1,53 @@
+"""The lab's strategy report: which rows give the bound its compute, and the arithmetic of each row."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.lab_strategies import busy_cpu_seconds, lab_rows, model_overrides, select_strategies
+
+
+def _record(label: str, step_s: float, sent: list[float], busy: list[float] | None = None) -> dict:
+    ranks = [{"sent_per_step": s, "comm_bytes_per_step": s} for s in sent]
+    record = {"label": label, "step_s": step_s, "ranks": ranks}
+    if busy is not None:
+        for rank, seconds in zip(ranks, busy):
+            rank["busy_cpu_per_step"] = seconds
+        record["cores"] = 2
+    return record
+
+
+def test_only_the_rows_without_communication_are_added_to_a_selection():
+    labels = [label for label, _, _ in select_strategies(["native_ddp"])]
+    assert labels == ["local", "native_ddp", "local (end)"]  # not local_sgd, which averages
+
+
+def test_the_bound_takes_the_faster_local_row_and_the_busiest_link():
+    records = [
+        _record("local", 0.12, [0.0, 0.0]),
+        _record("local_sgd", 0.05, [3e6, 3e6]),  # faster than local, but communicates: not the compute
+        _record("bucketed_ddp", 0.3, [12.5e6, 10e6], busy=[0.2, 0.22]),
+        _record("local (end)", 0.1, [0.0, 0.0]),
+    ]
+    rows = {row["label"]: row for row in lab_rows(records, nodes=2, rate="1gbit")}
+    # 12.5 MB through 1 Gbit/s is 0.1 s, equal to the faster local row: the bound is 0.1 s.
+    assert rows["bucketed_ddp"]["bound_s"] == pytest.approx(0.1)
+    assert rows["bucketed_ddp"]["measured_over_bound"] == pytest.approx(3.0)
+    assert rows["local_sgd"]["bound_s"] == pytest.approx(0.1)
+    # The busiest rank's window saw 0.22 busy CPU seconds per step on 2 cores: 0.11 s at the least.
+    assert rows["bucketed_ddp"]["cpu_floor_s"] == pytest.approx(0.11)
+    assert "cpu_floor_s" not in rows["local"]  # a run recorded before the CPU was counted
+
+
+def test_busy_cpu_seconds_count_this_process_working():
+    before = busy_cpu_seconds()
+    total = 0
+    for i in range(3_000_000):
+        total += i
+    assert busy_cpu_seconds() > before
+
+
+def test_model_overrides_name_the_valid_keys():
+    assert model_overrides(["batch_size=2", "n_layer=2"]) == {"batch_size": 2, "n_layer": 2}
+    with pytest.raises(SystemExit, match="batch_size"):
+        model_overrides(["batch=2"])
