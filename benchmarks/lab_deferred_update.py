@@ -50,7 +50,7 @@ def _worker(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from syncline.callbacks import Callback
+    from syncline.callbacks import Callback, CommunicationTimeline
     from syncline.examples.char_gpt import CharGPT
     from syncline.strategies.bucketed_ddp import BucketedDDP
     from syncline.trainer import Trainer
@@ -177,14 +177,17 @@ def _worker(spec: dict[str, Any]) -> None:
 
     holds = spec["holds"]
     results = []
-    for hold in holds + holds[::-1]:
+    for position, hold in enumerate(holds + holds[::-1]):
         torch.manual_seed(0)
         clock = StepClock()
         strategy = BucketedDDP(**caps) if hold is None else DeferredUpdateDDP(hold)
         task = CharGPT(**spec["model"])
         warmup, steps = spec["warmup"], spec["steps"]
+        callbacks: list[Callback] = [clock]
+        if spec.get("timeline") and position == 0:  # the first plain run: a trace of 3 of its timed steps
+            callbacks.append(CommunicationTimeline(spec["timeline"], start_step=warmup + 2, num_steps=3))
         trainer = Trainer(
-            max_steps=warmup + steps, strategy=strategy, callbacks=[clock], limit_val_batches=0, **QUIET_TRAINER
+            max_steps=warmup + steps, strategy=strategy, callbacks=callbacks, limit_val_batches=0, **QUIET_TRAINER
         )
         trainer.fit(task)
         mine = torch.tensor([(clock.marks[-1] - clock.marks[warmup - 1]) / steps])
@@ -195,11 +198,60 @@ def _worker(spec: dict[str, Any]) -> None:
         Path(spec["out"]).write_text(json.dumps(results, indent=1) + "\n")
 
 
+def step_phases(trace: Path, rank: int = 0) -> dict[str, float]:
+    """Median milliseconds per recorded step of `rank` in a `CommunicationTimeline` trace.
+
+    forward, autograd (the backward less its exposed wait), exposed wait, optimizer step, and wire: from
+    the first bucket's launch to the last bucket's completion.
+    """
+    events = sorted(
+        (e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["pid"] == rank),
+        key=lambda e: e["ts"],
+    )
+    steps: list[list[dict[str, Any]]] = []
+    for event in events:
+        if event["name"] == "forward":
+            steps.append([])
+        if steps:
+            steps[-1].append(event)
+    phases: dict[str, list[float]] = {}
+    for step in steps:
+        spans = {e["name"]: e["dur"] / 1e3 for e in step if not e["name"].startswith("bucket")}
+        buckets = [e for e in step if e["name"].startswith("bucket")]
+        if not buckets or "optimizer step" not in spans:
+            continue
+        mine = {
+            "forward": spans["forward"],
+            "autograd": spans["backward"] - spans.get("exposed wait", 0.0),
+            "exposed wait": spans.get("exposed wait", 0.0),
+            "optimizer step": spans["optimizer step"],
+            "wire": (max(e["ts"] + e["dur"] for e in buckets) - min(e["ts"] for e in buckets)) / 1e3,
+        }
+        for name, value in mine.items():
+            phases.setdefault(name, []).append(value)
+    return {name: round(statistics.median(values), 1) for name, values in phases.items()}
+
+
 def run_deferred(
-    rate: str, batch_size: int, nodes: int = 2, steps: int = 14, warmup: int = 6, timeout: float = 900.0
+    rate: str,
+    batch_size: int,
+    nodes: int = 2,
+    steps: int = 14,
+    warmup: int = 6,
+    timeout: float = 900.0,
+    timeline: Path | None = None,
 ) -> dict[str, Any]:
-    """Time plain and deferred updates on a lab cluster; medians per hold and whether weights match."""
-    spec = {"model": {**DEFAULT_MODEL, "batch_size": batch_size}, "holds": HOLDS, "steps": steps, "warmup": warmup}
+    """Time plain and deferred updates on a lab cluster; medians per hold and whether weights match.
+
+    With `timeline`, the first plain `bucketed_ddp` run also writes a `CommunicationTimeline` trace there.
+    """
+    spec = {
+        "model": {**DEFAULT_MODEL, "batch_size": batch_size},
+        "holds": HOLDS,
+        "steps": steps,
+        "warmup": warmup,
+        "timeline": None if timeline is None else str(timeline.resolve()),
+    }
     runs = run_worker_job("benchmarks.lab_deferred_update", spec, nodes, rate, timeout)
     reference = next(r["weights_sum"] for r in runs if r["hold"] is None)
     rows = []
@@ -213,7 +265,10 @@ def run_deferred(
                 "weights_equal": all(r["weights_sum"] == reference for r in mine),
             }
         )
-    return {"nodes": nodes, "rate": rate, "batch_size": batch_size, "rows": rows}
+    cell: dict[str, Any] = {"nodes": nodes, "rate": rate, "batch_size": batch_size, "rows": rows}
+    if timeline is not None:
+        cell["bucketed_ddp_phases_ms"] = step_phases(timeline)
+    return cell
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,15 +281,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 8], help="CharGPT windows per rank")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_deferred_update.json")
+    parser.add_argument(
+        "--timeline", type=Path, metavar="DIR", help="write a Chrome trace of plain bucketed_ddp per batch size here"
+    )
     args = parser.parse_args(argv)
     if skipped_without_namespaces("lab_deferred_update"):
         return 0
     cells = []
     for batch_size in args.batch_sizes:
-        cell = run_deferred(args.rate, batch_size, args.nodes)
+        trace = None if args.timeline is None else args.timeline / f"bucketed_ddp_batch{batch_size}.json"
+        if trace is not None:
+            trace.parent.mkdir(parents=True, exist_ok=True)
+        cell = run_deferred(args.rate, batch_size, args.nodes, timeline=trace)
         cells.append(cell)
         plain = cell["rows"][0]["step_s"]
         print(f"\n{args.nodes} nodes, {args.rate}, batch {batch_size} per rank")
+        if "bucketed_ddp_phases_ms" in cell:
+            print(f"bucketed_ddp's step on rank 0 (ms, medians): {cell['bucketed_ddp_phases_ms']}")
         print("| held back | s/step | / bucketed_ddp | weights equal bucketed_ddp's |\n|---|---|---|---|")
         for row in cell["rows"]:
             label = "bucketed_ddp (none deferred)" if row["hold"] is None else f"{row['hold']:.0%} of the buckets"

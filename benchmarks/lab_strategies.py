@@ -13,7 +13,9 @@ is the cap it chose):
 - the bound: ``max(local step time, busiest node's bytes per step * 8 / rate)``, where the local step
   time is that of the same job with no communication at all (``local``: local SGD that never averages),
   all nodes computing at once on the same cores as in the other runs; it runs first and last, and the
-  faster of the two counts (the machine's other load drifts).
+  faster of the two counts (the machine's other load drifts);
+- the CPU floor: the machine's busy CPU seconds per step (``/proc/stat``, every node and the kernel's
+  network work together) over its core count, a floor no schedule can beat on these shared cores.
 
 measured / bound near 1 means the strategy waits for nothing but its own bytes on the wire (or its own
 compute); well above 1 means it leaves the link idle while it waits, or waits on something else.
