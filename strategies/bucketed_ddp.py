@@ -250,8 +250,9 @@ class BucketedDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
 
     def shadow_forward(self) -> None:
         """Shadow `training_step`'s buffer broadcast on a rank whose data ran out."""
-        if self._buffers_stale:
-            self._broadcast_buffers()  # collective: the one the ranks with data run before their forward
+        # Collective: the broadcast the ranks with data run before their forward, counted as they count it.
+        if self._buffers_stale and self._broadcast_buffers():
+            self.comm_counter.add_tensors(*self._buffers)
 
     def shadow_backward(self) -> None:
         """Shadow a synchronized backward with zero gradients on a rank whose data ran out."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.lab_strategies import busy_cpu_seconds, lab_rows, model_overrides, select_strategies
@@ -51,3 +53,23 @@ def test_model_overrides_name_the_valid_keys():
     assert model_overrides(["batch_size=2", "n_layer=2"]) == {"batch_size": 2, "n_layer": 2}
     with pytest.raises(SystemExit, match="batch_size"):
         model_overrides(["batch=2"])
+
+
+def test_step_phases_read_a_timeline_trace(tmp_path):
+    from benchmarks.lab_deferred_update import step_phases
+
+    def span(name: str, start_ms: float, ms: float, tid: int = 0) -> dict:
+        return {"ph": "X", "pid": 0, "tid": tid, "name": name, "ts": start_ms * 1e3, "dur": ms * 1e3}
+
+    step = [
+        span("forward", 0, 10),
+        span("backward", 10, 50),
+        span("bucket 0", 12, 30, tid=1),
+        span("bucket 1", 20, 60, tid=2),  # the last completion, at 80 ms
+        span("exposed wait", 40, 20),
+        span("optimizer step", 60, 5),
+    ]
+    other_rank = [dict(event, pid=1, dur=1.0) for event in step]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": step + other_rank}))
+    phases = step_phases(tmp_path / "trace.json")
+    assert phases == {"forward": 10, "autograd": 30, "exposed wait": 20, "optimizer step": 5, "wire": 68}

@@ -77,7 +77,8 @@ def _fit_join(rank, world_size, per_rank, tmp, strategy="bucketed_ddp"):
         **quiet(default_root_dir=tmp),
     )
     trainer.fit(task, data)
-    return {k: v.clone() for k, v in task.state_dict().items()}, trainer.global_step
+    state = {k: v.clone() for k, v in task.state_dict().items()}
+    return state, trainer.global_step, trainer.strategy.communication_stats()["comm/total_bytes"]
 
 
 def _torch_join(rank, world_size, per_rank):
@@ -105,7 +106,9 @@ def test_join_equals_torch_ddp_join(tmp_path):
     for strategy in ("bucketed_ddp", "native_ddp"):
         # Bit for bit what torch's Join gives: parameters, the last joiner's buffers, the unused layer.
         ours = run_distributed(_fit_join, 2, args=(per_rank, str(tmp_path / strategy), strategy), timeout=60)
-        assert [steps for _, steps in ours] == [12, 12], strategy
+        assert [steps for _, steps, _ in ours] == [12, 12], strategy
+        # The joined rank takes part in every collective with the same tensors, and counts them alike.
+        assert ours[0][2] == ours[1][2] > 0, strategy
         # Both replicas equal torch's Join run (whose joined rank takes the final model by broadcast).
         for rank in range(2):
             for name, value in reference[0].items():
