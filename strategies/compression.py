@@ -56,23 +56,29 @@ def minmax_quantize(values: Tensor, chunks: int = 1) -> Quantized:
         raise ValueError(f"minmax_quantize needs chunks >= 1, got {chunks}.")
     flat = values.detach().reshape(-1).float()
     parts = torch.tensor_split(flat, chunks)
-    lows = torch.stack([part.min() if part.numel() else flat.new_zeros(()) for part in parts])
-    highs = torch.stack([part.max() if part.numel() else flat.new_zeros(()) for part in parts])
+    bounds = [torch.aminmax(part) if part.numel() else (flat.new_zeros(()),) * 2 for part in parts]
+    lows = torch.stack([low for low, _ in bounds])
+    highs = torch.stack([high for _, high in bounds])
     # A constant chunk has no spread: any positive step encodes it exactly as code 0.
     steps = torch.where(highs > lows, (highs - lows) / LEVELS, torch.ones_like(lows))
-    sizes = [part.numel() for part in parts]
-    low_per_value = torch.repeat_interleave(lows, torch.tensor(sizes, device=flat.device))
-    step_per_value = torch.repeat_interleave(steps, torch.tensor(sizes, device=flat.device))
-    codes = ((flat - low_per_value) / step_per_value).round_().clamp_(0, LEVELS).to(torch.uint8)
-    return Quantized(codes, lows, steps, sizes)
+    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
+    # Chunk by chunk, through one float scratch buffer: no per-value copies of the minimum and step.
+    scratch = torch.empty(max(part.numel() for part in parts), device=flat.device)
+    for part, out, low, step in zip(parts, torch.tensor_split(codes, chunks), lows, steps):
+        code = torch.sub(part, low, out=scratch[: part.numel()])
+        out.copy_(code.div_(step).round_().clamp_(0, LEVELS))
+    return Quantized(codes, lows, steps, [part.numel() for part in parts])
 
 
 def minmax_dequantize(quantized: Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
     """Return the flat values `quantized` stands for, in `dtype`."""
-    sizes = torch.tensor(quantized.sizes, device=quantized.codes.device)
-    low = torch.repeat_interleave(quantized.minimum, sizes)
-    step = torch.repeat_interleave(quantized.step, sizes)
-    return (quantized.codes.float() * step + low).to(dtype)
+    codes = quantized.codes
+    values = torch.empty(codes.numel(), device=codes.device)
+    offsets = torch.tensor(quantized.sizes).cumsum(0)[:-1].tolist()
+    pieces = zip(torch.tensor_split(values, offsets), torch.tensor_split(codes, offsets))
+    for (out, code), low, step in zip(pieces, quantized.minimum, quantized.step):
+        out.copy_(code).mul_(step).add_(low)
+    return values.to(dtype)
 
 
 def pack(quantized: Quantized) -> list[Tensor]:
