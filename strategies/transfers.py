@@ -8,8 +8,8 @@ as 1 MiB pieces, both took 1.11-1.12 s. A one-way transfer (a broadcast) is not 
 
 Every receive is posted before any send. gloo writes a piece only once the receiver has announced the
 matching receive, and on a shaped link that announcement queues behind the receiver's own outgoing data:
-posted after the sends, it stalls them. Exchanging 1.6 MB at 100 Mbit/s (a 128 ms bound) took 196 ms
-with the sends posted first and 138 ms with the receives first.
+posted after the sends, it stalls them. In the lab at 100 Mbit/s, posting the receives first took
+ByteGrad's step from 0.549 to 0.437 s and the sharded parameter server's from 1.576 to 1.210 s.
 """
 
 from __future__ import annotations
