@@ -35,6 +35,7 @@ from typing import Any
 __all__ = [
     "LabResult",
     "NodeResult",
+    "lab_rate",
     "link_bound",
     "namespaces_unavailable",
     "parse_rate",
@@ -88,6 +89,11 @@ def parse_rate(rate: str) -> float:
         raise ValueError(f"rate {rate!r} is not of the form <number>[k|m|g]bit, e.g. 100mbit or 1gbit.")
     value, prefix = float(match.group(1)), match.group(2)
     return value * {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}[prefix]
+
+
+def lab_rate(text: str) -> str | None:
+    """An argparse type for a link rate of the lab scripts: tc's spelling, or ``none`` (None) for unshaped links."""
+    return None if text == "none" else text
 
 
 def link_bound(local_step_seconds: float, bytes_sent_per_step: Sequence[float], rate_bits_per_second: float) -> float:

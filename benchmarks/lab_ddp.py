@@ -20,7 +20,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import parse_rate, run_worker_if_asked, run_worker_job, skipped_without_namespaces
+from benchmarks.cluster import lab_rate, parse_rate, run_worker_if_asked, run_worker_job, skipped_without_namespaces
+from benchmarks.common import write_json
 from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, Variant, rank_timings, summarize_job
 
 __all__ = ["lab_variants", "run_lab_ddp"]
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if run_worker_if_asked(argv, _worker):
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"], help="tc rates, or none")
+    parser.add_argument("--rates", type=lab_rate, nargs="+", default=["1gbit", "100mbit"], help="tc rates, or none")
     parser.add_argument("--workload", default="bert", choices=["bert", "cnn"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per repeat")
@@ -115,12 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     variants = lab_variants(tuple(args.caps))
     results = []
     for rate in args.rates:
-        result = run_lab_ddp(None if rate == "none" else rate, args.workload, plan, variants)
+        result = run_lab_ddp(rate, args.workload, plan, variants)
         print(_report(result), flush=True)
         results.append(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\nwrote {args.out}")
+    write_json(args.out, results)
     return 0
 
 

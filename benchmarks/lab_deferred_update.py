@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cluster import run_worker_if_asked, run_worker_job, skipped_without_namespaces
-from benchmarks.common import QUIET_TRAINER
+from benchmarks.common import QUIET_TRAINER, write_json
 from benchmarks.lab_strategies import DEFAULT_MODEL
 
 __all__ = ["HOLDS", "run_deferred"]
@@ -302,9 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in cell["rows"]:
             label = "bucketed_ddp (none deferred)" if row["hold"] is None else f"{row['hold']:.0%} of the buckets"
             print(f"| {label} | {row['step_s']:.3f} | {row['step_s'] / plain:.2f} | {row['weights_equal']} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cells": cells}, indent=1) + "\n")
-    print(f"\nwrote {args.out}")
+    write_json(args.out, {"cells": cells})
     return 0
 
 

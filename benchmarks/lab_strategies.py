@@ -35,8 +35,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import link_bound, parse_rate, run_worker_if_asked, run_worker_job, skipped_without_namespaces
-from benchmarks.common import QUIET_TRAINER
+from benchmarks.cluster import (
+    lab_rate,
+    link_bound,
+    parse_rate,
+    run_worker_if_asked,
+    run_worker_job,
+    skipped_without_namespaces,
+)
+from benchmarks.common import QUIET_TRAINER, write_json
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -333,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rates", nargs="+", default=["none", "1gbit", "100mbit"], help="tc rates, or none")
+    parser.add_argument(
+        "--rates", type=lab_rate, nargs="+", default=[None, "1gbit", "100mbit"], help="tc rates, or none"
+    )
     parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per strategy")
     parser.add_argument("--warmup", type=int, default=4, help="untimed optimizer steps before them")
     parser.add_argument("--only", nargs="*", help="labels of the strategies to run (default: all)")
@@ -366,7 +375,6 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for nodes in args.nodes:
         for rate in args.rates:
-            rate = None if rate == "none" else rate
             started = time.monotonic()
             idle_restart = not args.no_slow_start_after_idle
             new = run_strategies(
@@ -376,11 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"\n{nodes} nodes, {rate or 'unshaped'} ({time.monotonic() - started:.0f} s)\n{_table(new)}", flush=True
             )
             rows += new
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"steps": args.steps, "warmup": args.warmup, "model": model, "rows": rows}, indent=1) + "\n"
-    )
-    print(f"\nwrote {args.out}")
+    write_json(args.out, {"steps": args.steps, "warmup": args.warmup, "model": model, "rows": rows})
     return 0
 
 

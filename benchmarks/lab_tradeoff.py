@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import run_worker_if_asked, run_worker_job, skipped_without_namespaces
+from benchmarks.cluster import lab_rate, run_worker_if_asked, run_worker_job, skipped_without_namespaces
 from benchmarks.common import QUIET_TRAINER, fill_marked_block
 
 __all__ = ["STRATEGIES", "TARGET_LOSS", "fill_page", "grid_tables", "run_cell", "speedups", "table"]
@@ -291,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rates", nargs="+", default=["none", "1gbit", "100mbit"], help="tc rates, or none")
+    parser.add_argument(
+        "--rates", type=lab_rate, nargs="+", default=[None, "1gbit", "100mbit"], help="tc rates, or none"
+    )
     parser.add_argument("--only", nargs="*", help="labels of the strategies to run (default: all)")
     parser.add_argument(
         "--repeat", action="store_true", help="add these runs to the cells' earlier ones (medians), not replace them"
@@ -322,7 +324,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.out} holds runs to target {data['target']}, not {args.target}: pass another --out")
     for nodes in args.nodes:
         for rate in args.rates:
-            rate = None if rate == "none" else rate
             started = time.monotonic()
             new = run_cell(nodes, rate, strategies, args.target, args.max_steps)
             took = time.monotonic() - started
