@@ -94,17 +94,21 @@ class Decentralized(ModelAveraging):
         #: uint8 only: estimates of models, by key ("mine@<peer>", "<peer>"; "<rank>" for peers="all").
         self.estimates: dict[str, list[Tensor]] = {}
 
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse compression="uint8" on one process (there is no peer to send differences to)."""
+        if self.compression == "uint8" and world_size < 2:
+            raise OptionError(
+                "Decentralized(compression='uint8') needs at least 2 processes (there is no peer to send "
+                "quantized differences to); run with trainer.devices >= 2 or compression=None."
+            )
+
     def setup(self, task: Task) -> None:
         """Set up, and start every estimate from the common initial parameters (uint8).
 
         Raises:
             OptionError: compression="uint8" on one process (there is no peer to send differences to).
         """
-        if self.compression == "uint8" and self.world_size < 2:
-            raise OptionError(
-                "Decentralized(compression='uint8') needs at least 2 processes (there is no peer to send "
-                "quantized differences to); run with trainer.devices >= 2 or compression=None."
-            )
+        self.check_world_size(self.world_size)
         super().setup(task)  # rank 0's parameters everywhere: every estimate starts equal on every rank
         self.rounds, self.estimates = 0, {}
         if self.compression == "uint8":

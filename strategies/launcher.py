@@ -40,6 +40,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from syncline.strategies import worker_guard
 from syncline.strategies.loopback_rendezvous import LOOPBACK_BACKEND, register
 
 if TYPE_CHECKING:
@@ -90,11 +91,19 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
         # (no `if __name__ == "__main__":`). Stop quietly; the launching process explains.
         sys.exit(_UNGUARDED_EXIT)
     nprocs = trainer.devices
+    # Before any process starts: an option that cannot work on this many processes is one clear error.
+    trainer.strategy.check_world_size(nprocs)
     timeout = float(getattr(trainer.strategy, "timeout", 1800.0))
-    # Plain pickle bytes: multiprocessing's own pickler would put the parameters in shared memory, and
-    # every rank's optimizer would then step the same tensors.
-    payload = pickle.dumps((trainer, task, kwargs, capture_rng()))
-    with tempfile.TemporaryDirectory(prefix="syncline-launch-") as log_dir, _quiet_elastic(), _ctrl_c_once():
+    graceful = ["SIGINT"] + (["SIGTERM"] if stage == "fit" and signal.SIGTERM in trainer.preemption.signals else [])
+    with tempfile.TemporaryDirectory(prefix="syncline-launch-") as log_dir, _quiet_elastic():
+        # The task travels in a file, not through the pipe that starts each worker: a worker that exits
+        # while importing the user's script reads nothing, and a payload larger than the pipe's buffer
+        # would block this process forever (the pipe's read end stays open here).
+        payload = Path(log_dir, "payload.pkl")
+        # Plain pickle bytes: multiprocessing's own pickler would put the parameters in shared memory, and
+        # every rank's optimizer would then step the same tensors.
+        payload.write_bytes(pickle.dumps((trainer, task, kwargs, capture_rng())))
+        stop_file = str(Path(log_dir, "stop"))
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
@@ -106,17 +115,18 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
             max_restarts=trainer.max_restarts,
             monitor_interval=0.1,
             start_method="spawn",
-            # SIGINT is handled by `_ctrl_c_once`: the workers stop at a step boundary themselves.
-            signals_to_handle="SIGTERM,SIGHUP,SIGQUIT",
+            # The graceful signals are handled by `_stop_gracefully`: the workers stop at a step boundary.
+            signals_to_handle=",".join(s for s in ("SIGTERM", "SIGHUP", "SIGQUIT") if s not in graceful),
             shutdown_timeout=_STOP_GRACE_S,
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
         try:
-            results = elastic_launch(config, _worker)(stage, payload)
+            with _stop_gracefully(graceful, stop_file):
+                results = elastic_launch(config, _worker)(stage, str(payload), stop_file)
         except ChildFailedError as error:
             raise WorkerFailedError(_report(error, nprocs, stage)) from None
         except SignalException as error:
-            # A second Ctrl-C, or SIGTERM/SIGHUP/SIGQUIT to this process: the agent stopped the workers.
+            # A second Ctrl-C or SIGTERM, or SIGHUP/SIGQUIT to this process: the agent stopped the workers.
             raise KeyboardInterrupt(f"{error}: the workers were stopped with {error.sigval.name}") from None
     outcome = results[0]
     trainer.apply_worker_result(task, outcome)
@@ -148,30 +158,37 @@ def _quiet_elastic() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _ctrl_c_once() -> Iterator[None]:
-    """Let a first Ctrl-C reach the workers only (they stop at a step boundary); a second aborts at once.
+def _stop_gracefully(names: list[str], stop_file: str) -> Iterator[None]:
+    """Make a first SIGINT or SIGTERM to this process stop the workers at a step boundary; a second aborts.
 
-    Ctrl-C in a terminal signals every process of the foreground group, the workers included, so the
-    launching process need not forward it. A second Ctrl-C makes the agent kill the workers.
+    The first writes the stop file every worker checks at the end of each optimizer step, so the ranks
+    save ``last.ckpt`` and stop together, and `launch` raises `TrainingPreempted` (exit status 75), as for
+    a signal sent to a worker. Ctrl-C in a terminal also signals the workers themselves; they take it the
+    same way. A second signal at least half a second later makes the agent kill the workers.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     pressed: list[float] = []
 
-    def on_sigint(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Any) -> None:
         now = time.monotonic()
+        name = signal.Signals(signum).name
         if pressed and now - pressed[0] >= 0.5:
-            raise SignalException("second Ctrl-C", signal.SIGKILL)
+            raise SignalException(f"second {name}", signal.SIGKILL)
         if not pressed:
             pressed.append(now)
-            print("Ctrl-C: stopping at the next step and saving a checkpoint; Ctrl-C again aborts.", file=sys.stderr)
+            worker_guard.request_stop(stop_file, signum)
+            what = "Ctrl-C" if signum == signal.SIGINT else name
+            print(f"{what}: stopping at the next step and saving a checkpoint; {what} again aborts.", file=sys.stderr)
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    signums = [signal.Signals[name] for name in names]
+    previous = {signum: signal.signal(signum, on_signal) for signum in signums}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _report(error: ChildFailedError, nprocs: int, stage: str) -> str:
@@ -258,7 +275,7 @@ def _loopback_interface() -> str | None:
     return None
 
 
-def _worker(stage: str, payload: bytes) -> dict[str, Any] | None:
+def _worker(stage: str, payload: str, stop_file: str) -> dict[str, Any] | None:
     """Entry point of one launched process: run the stage; return rank 0's result, record this rank's error."""
     from syncline.trainer.preemption import TrainingPreempted
     from syncline.trainer.state import restore_rng
@@ -267,9 +284,11 @@ def _worker(stage: str, payload: bytes) -> dict[str, Any] | None:
     if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
         # gloo's connections between the ranks listen on this interface: keep them on loopback too.
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    # End with the launching process, and take a teardown's SIGTERM for what it is.
+    worker_guard.start(stop_file)
     preempted = None
     try:
-        trainer, task, kwargs, rng = pickle.loads(payload)
+        trainer, task, kwargs, rng = pickle.loads(Path(payload).read_bytes())
         if "OMP_NUM_THREADS" not in os.environ:
             # Share the cores instead of every rank starting one thread per core.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
@@ -286,6 +305,7 @@ def _worker(stage: str, payload: bytes) -> dict[str, Any] | None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+    worker_guard.stage_finished()
     if int(os.environ["RANK"]) != 0:
         return None
     return {**trainer.worker_result(task, returned), "preempted": preempted}

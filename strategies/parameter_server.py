@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from syncline.options import check_int, check_number
+from syncline.options import OptionError, check_int, check_number
 from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
 from syncline.strategies.comm_counter import CommCounter
 from syncline.strategies.comm_hooks import GradBucket, count_bytes
@@ -131,13 +131,17 @@ class ParameterServer(BucketedDDP):
         """Whether this rank holds the optimizer state and steps."""
         return self.global_rank == self.server_rank
 
+    def check_world_size(self, world_size: int) -> None:
+        """Check the server is a rank of a job of `world_size` processes."""
+        if self.server_rank >= world_size:
+            raise OptionError(
+                f"ParameterServer(server_rank={self.server_rank}) needs at least {self.server_rank + 1} processes, "
+                f"but the job has {world_size}; pick a server_rank below {world_size} (strategy.server_rank=0)."
+            )
+
     def setup(self, task: Task) -> None:
         """Check the server is a rank of the job, then set up the reducer as `BucketedDDP` does."""
-        if self.server_rank >= self.world_size:
-            raise ValueError(
-                f"ParameterServer(server_rank={self.server_rank}) needs at least {self.server_rank + 1} processes, "
-                f"but the job has {self.world_size}; pick a server_rank below {self.world_size}."
-            )
+        self.check_world_size(self.world_size)
         super().setup(task)
         self._params = [p for p in task.parameters() if p.requires_grad]
 

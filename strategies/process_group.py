@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 
 from syncline.options import check_number
+from syncline.strategies import worker_guard
 from syncline.strategies.collective_log import COLLECTIVES, diagnosis_wait
 from syncline.strategies.reducer_errors import CollectiveError
 from syncline.strategies.strategy import ReduceOp, Strategy
@@ -251,6 +252,9 @@ class ProcessGroupStrategy(Strategy):
     def setup_environment(self) -> None:
         """Join the default process group from RANK, WORLD_SIZE, ... unless already in one."""
         COLLECTIVES.reset(self.name)
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            # Started by an elastic agent: end with it, and tell its teardown's SIGTERM from a preemption.
+            worker_guard.start()
         if init_process_group_from_env(self.backend, self.timeout):
             # The group outlives stages (see teardown); leave it cleanly before the interpreter shuts down,
             # since gloo's threads dying with the process can abort it ("terminate called ...").

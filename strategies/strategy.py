@@ -101,6 +101,13 @@ class Strategy(ABC):
             )
 
     # --------------------------------------------------------------- lifecycle
+    def check_world_size(self, world_size: int) -> None:
+        """Raise `OptionError` if this strategy's options cannot work on `world_size` processes.
+
+        The launcher calls it before starting any process, and `setup` on the real group, so that a bad
+        option is one clear error rather than a failure inside every worker.
+        """
+
     def setup_environment(self) -> None:
         """Join the process group, if there is one. Called once before anything else."""
 

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from syncline.strategies import worker_guard
+
 if TYPE_CHECKING:
     from syncline.strategies.strategy import Strategy
 
@@ -96,6 +98,9 @@ class PreemptionWatch:
         started at the previous call, so the round trip hides behind a step's compute and every rank
         stops after the same step, one step after the signal.
         """
+        if not self.received:
+            # The launching process was signalled, or the agent that started this worker is gone.
+            self.received = worker_guard.external_stop_request()
         if strategy.world_size == 1:
             return self.received
         if self._pending is not None:

@@ -610,7 +610,7 @@ class Trainer:
         """Write ``last.ckpt`` where the first ModelCheckpoint keeps it (else `default_root_dir`); return its path."""
         callback = self.checkpoint_callback
         directory = getattr(callback, "dirpath", None) or self.default_root_dir
-        path = os.path.join(directory, "last.ckpt")
+        path = os.path.abspath(os.path.join(directory, "last.ckpt"))
         self.save_checkpoint(path)  # collective
         return path
 
