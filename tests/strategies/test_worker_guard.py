@@ -1,0 +1,209 @@
+"""Nothing outlives a failure (issue 25, items 1, 4, 5, 7 and 9), with real launched processes.
+
+- SIGKILL of the process that called `fit`: every worker ends within seconds, having saved `last.ckpt`
+  when it could, and within the orphan grace when a rank is stuck.
+- A rank stuck in compute when a peer raised: the agent's SIGTERM ends it at once (not after 30 s).
+- SIGTERM to the caller: every rank stops after one step with `last.ckpt`, status 75 and the path.
+- A script without a main guard whose task is larger than a pipe's buffer: the one message, at once.
+- A strategy option that cannot work on `devices` processes: refused before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from syncline.options import OptionError
+from syncline.strategies import ParameterServer
+from syncline.strategies.worker_guard import ORPHAN_GRACE_S
+from syncline.trainer import Trainer
+from syncline.trainer.checkpoint import load_checkpoint
+from syncline.trainer.preemption import PREEMPTED_EXIT_CODE
+from tests.trainer._faults import ROOT, left_behind, run_script
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+
+#: A task whose rank `stuck_rank` sleeps `stuck_s` seconds in the training step at step `at_step`,
+#: whose rank `raise_rank` raises there, and whose steps take `step_s` seconds each.
+_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+from syncline.callbacks import ModelCheckpoint
+from syncline.trainer import Trainer
+from syncline.trainer.preemption import TrainingPreempted
+from tests.trainer._faults import Faulty
+from tests.trainer._tasks import loader, regression_data
+
+
+class Slow(Faulty):
+    def training_step(self, batch, batch_idx):
+        step = self.trainer.global_step
+        if step == {at_step} and self.global_rank == {stuck_rank}:
+            Path({pids!r}, "stuck").write_text(str(time.time()))
+            time.sleep({stuck_s})
+        if step == {at_step} and self.global_rank == {raise_rank}:
+            raise ValueError("boom on rank {raise_rank}")
+        time.sleep({step_s})
+        return super().training_step(batch, batch_idx)
+
+
+if __name__ == "__main__":
+    task = Slow(None, pids_dir={pids!r})
+    trainer = Trainer(
+        max_steps={max_steps}, devices=2, default_root_dir={root!r}, logger=False, enable_progress_bar=False,
+        callbacks=[ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=1000)],
+    )
+    try:
+        trainer.fit(task, loader(regression_data(64), shuffle=True))
+    except TrainingPreempted as stop:
+        print(f"preempted: {{stop}}", flush=True)
+        sys.exit(stop.code)
+"""
+
+
+def _start(tmp_path: Path, **fields) -> tuple[subprocess.Popen, Path]:
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    values = {"at_step": -1, "stuck_rank": -1, "raise_rank": -1, "stuck_s": 0, "step_s": 0.05, "max_steps": 100000}
+    values.update(fields)
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(_SCRIPT.format(pids=str(pids), root=str(tmp_path / "run"), **values)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "GLOO_SOCKET_IFNAME"):
+        env.pop(name, None)
+    process = subprocess.Popen(
+        [sys.executable, str(path)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    return process, pids
+
+
+def _wait_for(condition, timeout: float, what: str) -> float:
+    """Poll `condition` until it holds; return the seconds it took."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _kill_leftovers(pids: Path) -> None:
+    for pid in left_behind(pids):
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_sigkill_of_the_caller_ends_every_worker_after_saving_last_ckpt(tmp_path: Path) -> None:
+    process, pids = _start(tmp_path)
+    try:
+        _wait_for(lambda: len(list(pids.glob("*.pid"))) == 2, 90, "both workers to start training")
+        time.sleep(1.0)
+        process.kill()  # the OOM killer, kill -9
+        process.wait(10)
+        gone = _wait_for(lambda: not left_behind(pids), ORPHAN_GRACE_S + 10, "the orphaned workers to end")
+    finally:
+        _kill_leftovers(pids)
+        process.kill()
+    # Not stuck: they stopped at the next step, saved, and ended well inside the grace.
+    assert gone < ORPHAN_GRACE_S, gone
+    (last,) = (tmp_path / "run").rglob("last.ckpt")
+    assert load_checkpoint(last)["progress"]["global_step"] > 0
+
+
+def test_sigkill_of_the_caller_ends_a_stuck_worker_within_the_grace(tmp_path: Path) -> None:
+    # Rank 1 sleeps in its step; rank 0 waits for it in the gradient all-reduce.
+    process, pids = _start(tmp_path, at_step=2, stuck_rank=1, stuck_s=600)
+    try:
+        _wait_for(lambda: (pids / "stuck").exists(), 90, "rank 1 to get stuck")
+        time.sleep(0.5)
+        process.kill()
+        process.wait(10)
+        gone = _wait_for(lambda: not left_behind(pids), ORPHAN_GRACE_S + 10, "the orphaned workers to end")
+    finally:
+        _kill_leftovers(pids)
+        process.kill()
+    assert gone <= ORPHAN_GRACE_S + 2, gone
+
+
+def test_a_rank_stuck_in_compute_when_a_peer_raised_ends_at_once(tmp_path: Path) -> None:
+    # The agent stops the group with SIGTERM after rank 1 raised; rank 0 must not take it for a
+    # preemption (finish the step, save) and wait for the agent's SIGKILL 10-30 s later.
+    process, pids = _start(tmp_path, at_step=2, stuck_rank=0, raise_rank=1, stuck_s=600)
+    try:
+        _, stderr = process.communicate(timeout=60)
+        _wait_for(lambda: (pids / "stuck").exists(), 1, "rank 0 to get stuck")
+        seconds = time.time() - float((pids / "stuck").read_text())
+    finally:
+        _kill_leftovers(pids)
+        process.kill()
+    assert process.returncode == 1, stderr[-3000:]
+    assert "Worker rank 1 of 2 failed during fit: ValueError" in stderr
+    assert "boom on rank 1" in stderr
+    assert seconds < 8, f"the job ended {seconds:.1f} s after rank 0 got stuck"
+    assert not left_behind(pids)
+
+
+def test_sigterm_to_the_caller_stops_every_rank_with_last_ckpt_and_status_75(tmp_path: Path) -> None:
+    process, pids = _start(tmp_path)
+    try:
+        _wait_for(lambda: len(list(pids.glob("*.pid"))) == 2, 90, "both workers to start training")
+        time.sleep(1.0)
+        process.send_signal(signal.SIGTERM)  # Kubernetes, docker stop, a batch scheduler
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        _kill_leftovers(pids)
+        process.kill()
+    (last,) = (tmp_path / "run").rglob("last.ckpt")
+    assert process.returncode == PREEMPTED_EXIT_CODE, stderr[-3000:]
+    assert "preempted: Stopped by SIGTERM after step" in stdout
+    assert f"saved {last}" in stdout
+    step = load_checkpoint(last)["progress"]["global_step"]
+    assert f"after step {step};" in stdout
+    assert not left_behind(pids)
+
+
+def test_a_large_task_without_a_main_guard_gets_the_message_at_once(tmp_path: Path) -> None:
+    # The pickled task (128 kB of weights) is larger than a pipe's buffer (64 kB).
+    result, seconds = run_script(
+        tmp_path,
+        """
+        import torch
+        from syncline.trainer import Task, Trainer
+        from tests.trainer._tasks import Regressor, loader, quiet, regression_data
+
+        class Wide(Regressor):
+            def __init__(self):
+                super().__init__()
+                self.wide = torch.nn.Linear(8, 4000)
+
+        Trainer(max_steps=2, devices=2, **quiet()).fit(Wide(), loader(regression_data(16)))
+        """,
+        timeout=90,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "train.py, which starts training when it is imported" in result.stderr
+    assert seconds < 60
+
+
+def test_a_strategy_option_that_needs_more_processes_is_refused_before_launch() -> None:
+    trainer = Trainer(devices=2, strategy=ParameterServer(server_rank=5), logger=False, enable_progress_bar=False)
+    start = time.monotonic()
+    with pytest.raises(OptionError, match=r"server_rank=5\) needs at least 6 processes, but the job has 2"):
+        trainer.fit(None, model=_NeverBuilt())  # type: ignore[arg-type]
+    assert time.monotonic() - start < 5  # no process was started
+
+
+class _NeverBuilt:
+    """Stands in for a task: the check must come before anything looks at it."""
