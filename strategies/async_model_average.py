@@ -46,6 +46,8 @@ __all__ = ["AsyncModelAverage"]
 
 #: Longest wait, in seconds, for the averaging thread to leave at teardown.
 _JOIN_S = 30.0
+#: Seconds the thread gets to stop after this rank's stage failed.
+_FAILED_JOIN_S = 2.0
 
 
 class AsyncModelAverage(ModelAveraging):
@@ -71,6 +73,8 @@ class AsyncModelAverage(ModelAveraging):
         self._result: list[tuple[list[Tensor], Tensor, Tensor]] | None = None
         self._applied = threading.Event()
         self._error: BaseException | None = None
+        #: Set when this rank's stage failed: its peers may be gone, so nobody waits for the thread.
+        self._failed = False
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the thread's primitives: `Trainer(devices=N)` sends the strategy to its workers."""
@@ -83,6 +87,7 @@ class AsyncModelAverage(ModelAveraging):
         self.__dict__.update(state)
         self._lock, self._stop, self._applied = threading.Lock(), threading.Event(), threading.Event()
         self._thread, self._group, self._result, self._error = None, None, None, None
+        self._failed = False
 
     # --------------------------------------------------------------- lifecycle
     def setup(self, task: Task) -> None:
@@ -91,6 +96,12 @@ class AsyncModelAverage(ModelAveraging):
         self.rounds = 0
         # Collective: every rank creates the averaging thread's group, in the same order.
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+
+    def on_stage_failure(self) -> None:
+        """Wait only briefly for the averaging thread from now on: its peers may be gone or cut off."""
+        self._failed = True
+        self._stop.set()
+        super().on_stage_failure()
 
     def teardown(self) -> None:
         """Stop the averaging thread (bounded wait), then tear down as `BucketedDDP` does."""
@@ -163,8 +174,10 @@ class AsyncModelAverage(ModelAveraging):
         if thread is None:
             return
         self._stop.set()
-        thread.join(_JOIN_S)
-        if thread.is_alive():
+        # After a failure the thread's round may wait for a peer that is gone or cut off, until the group's
+        # timeout: wait briefly, then leave it (a daemon) to the process, which is about to end.
+        thread.join(_FAILED_JOIN_S if self._failed else _JOIN_S)
+        if thread.is_alive() and not self._failed:
             rank_zero_warn(
                 f"AsyncModelAverage: the averaging thread did not stop within {_JOIN_S:g} s (a peer left "
                 "without stopping its own); it is left behind as a daemon thread."

@@ -4,9 +4,10 @@ Collectives pair up across ranks by their order alone: if one rank launches a co
 not, every rank ends up waiting for a partner that never comes (or pairs with the wrong one). Each
 process therefore numbers the collectives it launches and keeps the last `CAPACITY` in a ring. When a
 collective fails or times out, the rank that sees it publishes its ring to the process group's store
-and waits a short while for the other ranks' rings (they publish theirs when their own collective
-times out); the error then says where the sequences first diverge, or which ranks never reported
-(stuck outside any collective: computing, loading data, or dead).
+and waits a short while (at most `DIAGNOSIS_WAIT_S`, every store call under one deadline) for the other
+ranks' rings (they publish theirs when their own collective times out); the error then says where the
+sequences first diverge, or which ranks never reported (stuck outside any collective: computing,
+loading data, dead, or cut off).
 
     COLLECTIVES.record("all-reduce of gradient bucket 3 of step 1207")   # at every launch
     raise CollectiveError(what + COLLECTIVES.diagnose(timeout))          # on a timeout
@@ -15,15 +16,20 @@ times out); the error then says where the sequences first diverge, or which rank
 from __future__ import annotations
 
 import json
+import threading
 from collections import deque
 from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["CAPACITY", "COLLECTIVES", "CollectiveLog", "diagnosis_wait", "first_divergence"]
+__all__ = ["CAPACITY", "COLLECTIVES", "DIAGNOSIS_WAIT_S", "CollectiveLog", "diagnosis_wait", "first_divergence"]
 
 #: Collectives each rank remembers.
 CAPACITY = 64
+#: Seconds a rank whose collective timed out waits for the others' logs.
+DIAGNOSIS_WAIT_S = 6.0
+#: Seconds beyond the wait that the store calls may take before the diagnosis gives up on them.
+_STORE_SLACK_S = 2.0
 _KEY = "syncline/collectives"
 
 
@@ -50,6 +56,9 @@ class CollectiveLog:
     def diagnose(self, wait_s: float) -> str:
         """Publish this rank's log, wait up to `wait_s` seconds for the others', and say where they diverge.
 
+        Every store call runs under one deadline (`wait_s` plus a little): on a partitioned link the
+        store may never answer, and a rank that is failing must not block on its diagnosis.
+
         Returns a message fragment (starting with a space) for the error being raised; never raises.
         """
         try:
@@ -59,30 +68,47 @@ class CollectiveLog:
             return f" (collectives could not be compared across ranks: {error})"
         prefix = f"{_KEY}/{self._reports}"
         self._reports += 1
-        store.set(f"{prefix}/{rank}", json.dumps(list(self.entries)))
-        logs: dict[int, list[tuple[int, str]]] = {rank: list(self.entries)}
-        missing = []
-        for other in range(world):
-            if other == rank:
-                continue
-            try:
-                store.wait([f"{prefix}/{other}"], timedelta(seconds=wait_s))
-                logs[other] = [tuple(entry) for entry in json.loads(store.get(f"{prefix}/{other}"))]
-            except Exception:  # it did not report in time
-                missing.append(other)
-                wait_s = 0.1  # do not wait the full time again for every silent rank
-        return " " + describe(logs, missing, self.strategy)
+        mine = list(self.entries)
+        outcome: list[str] = []
+
+        def compare() -> None:
+            store.set(f"{prefix}/{rank}", json.dumps(mine))
+            logs: dict[int, list[tuple[int, str]]] = {rank: mine}
+            missing, wait = [], wait_s
+            for other in range(world):
+                if other == rank:
+                    continue
+                try:
+                    store.wait([f"{prefix}/{other}"], timedelta(seconds=wait))
+                    logs[other] = [tuple(entry) for entry in json.loads(store.get(f"{prefix}/{other}"))]
+                except Exception:  # it did not report in time
+                    missing.append(other)
+                    wait = 0.1  # do not wait the full time again for every silent rank
+            outcome.append(" " + describe(logs, missing, self.strategy))
+
+        # A daemon thread: if the store hangs, it is left behind in a process that is about to fail.
+        thread = threading.Thread(target=compare, name="syncline-hang-diagnosis", daemon=True)
+        thread.start()
+        thread.join(wait_s + _STORE_SLACK_S)
+        if not outcome:
+            return (
+                f" Strategy {self.strategy!r}. (Collectives could not be compared across ranks: the store did not "
+                f"answer within {wait_s + _STORE_SLACK_S:g} s; a peer or the link to it is probably gone.)"
+            )
+        return outcome[0]
 
 
 def diagnosis_wait(error: BaseException | None, timeout: float) -> float:
     """Seconds to wait for the other ranks' logs after `error` (None: the collective timed out).
 
-    A timeout means the peers are alive but elsewhere: they report within seconds of their own timeout,
-    so wait up to 30 s. A broken connection means a peer is gone and will never report: wait briefly, so
-    a rank that died or raised ends the others in seconds.
+    A timeout means the peers are alive but elsewhere, or cut off: the ones blocked in a collective
+    report within seconds of their own timeout, so wait up to `DIAGNOSIS_WAIT_S`, which keeps the error
+    within timeout + 10 s. A broken connection means a peer is gone and will never report: wait
+    briefly, so a rank that died or raised ends the others in seconds.
     """
     text = str(error).lower() if error is not None else "timed out"
-    return min(timeout, 30.0) if ("timed out" in text or "timeout" in text) else min(timeout, 2.0)
+    timed_out = "timed out" in text or "timeout" in text
+    return min(timeout, DIAGNOSIS_WAIT_S if timed_out else 2.0)
 
 
 def first_divergence(logs: dict[int, list[tuple[int, str]]]) -> tuple[int, dict[int, str]] | None:
