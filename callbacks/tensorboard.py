@@ -19,8 +19,9 @@ class TensorBoardLogger(VersionedLogger):
     """Write metrics to ``save_dir/name/version_N`` for TensorBoard, as Lightning's logger does.
 
     The `SummaryWriter` is created on the first write. A run resumed from a checkpoint keeps the
-    checkpoint's version and opens the writer with ``purge_step`` set to its first logged step, so
-    TensorBoard hides what the crashed run logged after the checkpoint.
+    checkpoint's version and opens the writer with ``purge_step`` just after the last step the
+    checkpoint's run had written, so TensorBoard hides what the crashed run logged after the checkpoint
+    and keeps every point before it.
 
     Args:
         save_dir: root directory of all runs.
@@ -47,6 +48,9 @@ class TensorBoardLogger(VersionedLogger):
         self._writer: SummaryWriter | None = None
         self._purged = False
         self._epoch_step = -1
+        #: The highest step written so far, and the one a checkpoint being resumed had written.
+        self._last_step = -1
+        self._resumed_after: int | None = None
 
     @property
     def experiment(self) -> SummaryWriter:
@@ -57,7 +61,10 @@ class TensorBoardLogger(VersionedLogger):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            # A purge step applies only to the first writer of a resumed run; later ones append.
+            # A purge step applies only to the first writer of a resumed run; later ones append. What the
+            # checkpoint's run wrote up to its last step stays: the resumed run may first log at that step.
+            if self._resumed_after is not None and self._resumed_after >= 0 and purge_step is not None:
+                purge_step = self._resumed_after + 1
             purge = purge_step if self.resuming and not self._purged else None
             self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge)
             self._started = self._purged = True
@@ -67,6 +74,7 @@ class TensorBoardLogger(VersionedLogger):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Add one scalar per metric at `step`."""
         writer = self._open_writer(purge_step=step)
+        self._last_step = max(self._last_step, step)
         for name, value in metrics.items():
             if name == "epoch":
                 # The Trainer adds the epoch to every group of metrics; a step that logs several groups
@@ -75,6 +83,18 @@ class TensorBoardLogger(VersionedLogger):
                     continue
                 self._epoch_step = step
             writer.add_scalar(name, value, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the version and the last step written (what a resumed run keeps of this run's events)."""
+        return {**super().state_dict(), "last_step": self._last_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the checkpoint's version, purging only what was written after its last step."""
+        super().load_state_dict(state)
+        if self.resuming and "last_step" in state:
+            self._resumed_after = self._last_step = int(state["last_step"])
+            # The checkpoint's run wrote the epoch at its last step already.
+            self._epoch_step = self._resumed_after
 
     @rank_zero_only
     def log_hyperparams(self, params: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint", "to_primitive"]
+__all__ = ["CheckpointError", "load_checkpoint", "require_entries", "save_checkpoint", "to_primitive"]
 
 #: Format version written into every checkpoint, checked when one is read.
 FORMAT_VERSION = 2
@@ -49,6 +49,9 @@ def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike[str]) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
     try:
+        # mkstemp creates the file 0600; give it the permissions `torch.save` (open) would, so a TensorBoard
+        # or evaluation service under another account can read it where the umask allows.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as file:
             _write_verified(checkpoint, file)
             file.flush()
@@ -66,6 +69,19 @@ def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike[str]) ->
         Path(tmp_name).unlink(missing_ok=True)
         raise
     _fsync_directory(path.parent)
+
+
+def _umask() -> int:
+    """Return this process's umask without changing it (Linux's /proc), else by setting and restoring it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write_verified(checkpoint: dict[str, Any], file: Any) -> None:
@@ -168,6 +184,22 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
             f"{path} was written by a newer syncline (format {checkpoint['syncline_format']}); upgrade syncline."
         )
     return checkpoint
+
+
+def require_entries(checkpoint: dict[str, Any], names: tuple[str, ...], source: Any) -> None:
+    """Raise one error naming `source` and every entry of `names` that `checkpoint` lacks.
+
+    Raises:
+        CheckpointError: entries are missing (a file edited, or written by another program).
+    """
+    missing = [name for name in names if name not in checkpoint]
+    if missing:
+        raise CheckpointError(
+            f"Checkpoint {source} lacks {', '.join(repr(name) for name in missing)} (it has "
+            f"{', '.join(repr(key) for key in checkpoint) or 'nothing'}): it was not written whole by "
+            "Trainer.save_checkpoint or ModelCheckpoint, or was edited since. Resume from another checkpoint, "
+            "or start without one."
+        )
 
 
 def _verify(path: Path) -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from syncline.callbacks.callback import Callback
-from syncline.trainer.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, to_primitive
+from syncline.trainer.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, require_entries, to_primitive
 from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
 from syncline.trainer.state import training_rng
 
@@ -62,11 +62,11 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         checkpoint["precision"] = trainer.precision.state_dict()
         checkpoint["results"] = trainer._train_results.state_dict(task)
     strategy = trainer.strategy
-    checkpoint["strategy"] = {
-        "name": strategy.name,
-        # Collective: every rank's part of the strategy's state (error feedback, warm-start factors...).
-        "by_rank": strategy.all_gather_object(_to_cpu(strategy.state_dict())),
-    }
+    # Collective: every rank's part of the strategy's state (error feedback, warm-start factors...) and
+    # its byte counters, so a resumed run logs the totals an uninterrupted one would.
+    by_rank = strategy.all_gather_object((_to_cpu(strategy.state_dict()), strategy.comm_counter.state_dict()))
+    checkpoint["strategy"] = {"name": strategy.name, "by_rank": [state for state, _ in by_rank]}
+    checkpoint["comm_by_rank"] = [counter for _, counter in by_rank]
     if strategy.replicas_differ and trainer.optim is not None:
         # Collective: replicas differ between averagings, so every rank's weights and optimizer state.
         checkpoint["replicas_by_rank"] = strategy.all_gather_object(
@@ -184,7 +184,9 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """Restore the task, optimizer, progress, callbacks and the point in the loop the checkpoint was taken."""
     task, loop = trainer.task, trainer._fit_loop
     assert loop is not None
-    check_model_shapes(task, checkpoint["state_dict"], checkpoint.get("loaded_from", "The checkpoint"))
+    source = checkpoint.get("loaded_from", "The checkpoint")
+    require_entries(checkpoint, _RESUME_ENTRIES, source)
+    check_model_shapes(task, checkpoint["state_dict"], source)
     trainer.dispatcher.fire(Callback.on_load_checkpoint, checkpoint)
     task.load_state_dict(checkpoint["state_dict"])
     trainer.optim.load_state_dict(checkpoint["optimizer"], trainer.strategy.load_optimizer_state_dict)
@@ -213,6 +215,10 @@ def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     trainer.state.epoch_start_rng = mine["epoch_start"]
 
 
+#: What a resume of `fit` cannot do without.
+_RESUME_ENTRIES = ("state_dict", "optimizer", "progress", "rng")
+
+
 def check_model_shapes(task: Task, saved: dict[str, Any], source: str) -> None:
     """Raise one error naming the first parameter or buffer whose saved shape differs from the task's.
 
@@ -238,27 +244,43 @@ def check_model_shapes(task: Task, saved: dict[str, Any], source: str) -> None:
 
 
 def _restore_strategy(trainer: Trainer, checkpoint: dict[str, Any], saved_world: int) -> None:
-    """Give each rank its own part of the strategy's state (and its own replica where replicas differ)."""
+    """Give each rank its own part of the strategy's state (and its own replica where replicas differ).
+
+    Raises:
+        CheckpointError: the state belongs to another strategy or world size, or a stateful strategy's
+            state is missing (unless the task's `strict_loading` is False); the message names the file.
+    """
     strategy, rank = trainer.strategy, trainer.global_rank
-    saved = checkpoint.get("strategy", {"name": strategy.name, "by_rank": []})
-    states: list[dict[str, Any]] = saved["by_rank"]
+    source = checkpoint.get("loaded_from", "The checkpoint")
+    saved = checkpoint.get("strategy") or {"name": strategy.name, "by_rank": []}
+    states: list[dict[str, Any]] = saved.get("by_rank") or []
     replicas = checkpoint.get("replicas_by_rank")
-    if any(states) and saved["name"] != strategy.name:
+    if any(states) and saved.get("name") != strategy.name:
         raise CheckpointError(
-            f"The checkpoint holds per-rank state of strategy {saved['name']!r}, not of {strategy.name!r}; "
-            f"resume with strategy={saved['name']!r}, or start a new run from the weights."
+            f"Checkpoint {source} holds per-rank state of strategy {saved.get('name')!r}, not of {strategy.name!r}; "
+            f"resume with strategy={saved.get('name')!r}, or start a new run from the weights."
+        )
+    own = strategy.state_dict()
+    if own and not any(states) and getattr(trainer.task, "strict_loading", True):
+        raise CheckpointError(
+            f"Checkpoint {source} holds no state of strategy {strategy.name!r} ({', '.join(sorted(own))} on every "
+            "rank), which a bit-exact resume needs. Resume from a checkpoint this strategy wrote, or set "
+            "`strict_loading = False` on the task to start the strategy's state afresh."
         )
     if saved_world != trainer.world_size:
         try:
             strategy.load_state_from_other_world(states)
         except ValueError as error:
-            raise CheckpointError(str(error)) from None
+            raise CheckpointError(f"Checkpoint {source} was saved on {saved_world} processes: {error}") from None
         return
     if replicas is not None:
         trainer.task.load_state_dict(replicas[rank]["state_dict"])
         trainer.optim.load_state_dict(replicas[rank]["optimizer"])
-    if states:
+    if any(states):
         strategy.load_state_dict(states[rank])
+    counters = checkpoint.get("comm_by_rank")
+    if counters:
+        strategy.comm_counter.load_state_dict(counters[rank])
 
 
 def _to_cpu(value: Any) -> Any:

@@ -43,6 +43,9 @@ class Task(nn.Module):
     before the callbacks' of the same event.
     """
 
+    #: Lightning's switch: False lets a resume start state the checkpoint lacks (a strategy's) afresh.
+    strict_loading: bool = True
+
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Trainer | None = None
@@ -118,9 +121,10 @@ class Task(nn.Module):
             CheckpointError: the file is missing, unreadable or not a syncline checkpoint.
             TypeError: the saved hyperparameters (or `overrides`) do not fit the constructor.
         """
-        from syncline.trainer.checkpoint import load_checkpoint
+        from syncline.trainer.checkpoint import load_checkpoint, require_entries
 
         checkpoint = load_checkpoint(checkpoint_path, map_location=map_location or "cpu")
+        require_entries(checkpoint, ("state_dict",), checkpoint_path)
         arguments = {**checkpoint.get("hparams", {}), **overrides}
         try:
             task = cls(**arguments)

@@ -20,7 +20,7 @@ from syncline.strategies.launcher import launch, launched_by_torchrun
 from syncline.strategies.registry import resolve_strategy
 from syncline.strategies.strategy import Strategy
 from syncline.trainer import persistence
-from syncline.trainer.checkpoint import save_checkpoint, to_primitive
+from syncline.trainer.checkpoint import require_entries, save_checkpoint, to_primitive
 from syncline.trainer.data import limit_batches, with_distributed_sampler, with_evaluation_sampler
 from syncline.trainer.evaluation import run_evaluation
 from syncline.trainer.fit_loop import FitLoop
@@ -497,6 +497,7 @@ class Trainer:
         num_batches = [limit_batches(d, limit, "limit_val_batches") for d in loaders]
         self.strategy.setup(task)
         if checkpoint is not None:
+            require_entries(checkpoint, ("state_dict",), checkpoint.get("loaded_from", ckpt_path))
             task.load_state_dict(checkpoint["state_dict"])
         self.results = self._eval_results
         metrics, predictions = run_evaluation(self, stage, loaders, num_batches)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
-from syncline.callbacks import ModelCheckpoint, TensorBoardLogger
+from syncline.callbacks import LearningRateMonitor, ModelCheckpoint, TensorBoardLogger
 from tests.callbacks._tasks import Scripted, make_loader, make_trainer
 
 
@@ -74,7 +75,7 @@ def test_versions_increment_and_an_explicit_one_is_kept(tmp_path):
     second = TensorBoardLogger(tmp_path, name="exp")
     assert second.version == 1
     assert TensorBoardLogger(tmp_path, name="exp", version=7).log_dir == str(tmp_path / "exp" / "version_7")
-    assert second.state_dict() == {"version": 1}
+    assert second.state_dict() == {"version": 1, "last_step": -1}
 
 
 def test_resumed_logger_continues_its_version_and_purges_what_followed_the_checkpoint(tmp_path):
@@ -132,3 +133,38 @@ def test_nothing_is_written_on_a_non_zero_rank(tmp_path, monkeypatch):
     logger.log_metrics({"a": 1.0}, 0)
     logger.finalize("success")
     assert not any(tmp_path.iterdir())
+
+
+def test_a_run_cut_and_resumed_logs_the_same_points_as_an_uninterrupted_one(tmp_path):
+    """Issue 25, item 11: nothing at the cut's step is purged, and comm/total_bytes continues its count."""
+
+    def fit(root, max_steps, ckpt_path=None):
+        torch.manual_seed(0)
+        trainer = make_trainer(
+            root,
+            max_epochs=3,
+            max_steps=max_steps,
+            logger=True,
+            log_every_n_steps=2,
+            val_check_interval=2,
+            strategy="bucketed_ddp",  # a world of one: it counts the bytes it all-reduces
+            # The monitor logs at the start of an epoch: after a cut at an epoch's end, at the cut's step.
+            callbacks=[ModelCheckpoint(save_last=True), LearningRateMonitor()],
+        )
+        trainer.fit(Scripted(), make_loader(4), make_loader(1), ckpt_path=ckpt_path)
+
+    fit(tmp_path / "straight", 10)
+    fit(tmp_path / "cut", 8)
+    fit(tmp_path / "cut", 10, ckpt_path="last")
+    straight = _events(tmp_path / "straight" / "logs" / "version_0")
+    resumed = _events(tmp_path / "cut" / "logs" / "version_0")
+    tags = straight.Tags()["scalars"]
+    assert {"train_loss", "val_loss", "comm/total_bytes", "epoch"} <= set(tags)
+    assert sorted(resumed.Tags()["scalars"]) == sorted(tags)
+    for tag in tags:
+        # Sorted: the reader orders event files by name, whose timestamp has a resolution of one second.
+        expected, got = sorted(_scalars(straight, tag)), sorted(_scalars(resumed, tag))
+        if tag.endswith("_ms"):  # timings: the same steps, not the same values
+            expected, got = [step for step, _ in expected], [step for step, _ in got]
+        assert got == expected, tag
+    assert 8 in [step for step, _ in _scalars(resumed, "val_loss")]
