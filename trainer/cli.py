@@ -145,7 +145,10 @@ def _build(cfg: DictConfig, output_dir: str) -> tuple[Any, Trainer]:
     callbacks = [instantiate(callback) for callback in cfg.callbacks.values()]
     if trainer_kwargs["default_root_dir"] is None:
         trainer_kwargs["default_root_dir"] = output_dir
-    return task, Trainer(**trainer_kwargs, strategy=strategy, callbacks=callbacks)
+    trainer = Trainer(**trainer_kwargs, strategy=strategy, callbacks=callbacks)
+    # Options that cannot work on this many processes fail here, in one line, before any worker starts.
+    trainer.strategy.check_world_size(int(os.environ.get("WORLD_SIZE", trainer.devices)))
+    return task, trainer
 
 
 @rank_zero_only
