@@ -35,6 +35,7 @@ from typing import Any
 __all__ = [
     "LabResult",
     "NodeResult",
+    "build_nodes",
     "lab_rate",
     "link_bound",
     "namespaces_unavailable",
@@ -43,6 +44,7 @@ __all__ = [
     "run_worker_if_asked",
     "run_worker_job",
     "skipped_without_namespaces",
+    "torchrun_command",
 ]
 
 SUBNET = "10.77.0"
@@ -254,25 +256,7 @@ def skipped_without_namespaces(script: str) -> bool:
 def _inside(spec: dict[str, Any]) -> None:
     """Build the nodes, run torchrun in each, measure the links, and write the result (runs as the lab)."""
     nodes, rate = spec["nodes"], spec["rate"]
-    _sh("mount", "-t", "tmpfs", "tmpfs", "/run")  # ip netns writes here; private to this mount namespace
-    _sh("ip", "link", "set", "lo", "up")
-    _sh("ip", "link", "add", "br0", "type", "bridge")
-    _sh("ip", "link", "set", "br0", "up")
-    for node in range(nodes):
-        ns, veth = f"node{node}", f"veth{node}"
-        _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _sh("ip", "link", "set", veth, "master", "br0", "up")
-        _sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{node + 1}/24", "dev", "eth0")
-        _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-        _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        if not spec.get("slow_start_after_idle", True):
-            _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
-        if rate is not None:
-            # Both directions: the node's upload (its eth0) and its download (the bridge's port).
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,
-                "burst", BURST, "latency", LATENCY)  # fmt: skip
-            _sh("tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", rate, "burst", BURST, "latency", LATENCY)
+    build_nodes(nodes, rate, spec.get("slow_start_after_idle", True))
     before = [_veth_bytes(node) for node in range(nodes)]
     started = time.monotonic()
     returncodes, logs = _run_nodes(spec)
@@ -291,18 +275,49 @@ def _inside(spec: dict[str, Any]) -> None:
         subprocess.run(["ip", "netns", "del", f"node{node}"], check=False)
 
 
+def build_nodes(nodes: int, rate: str | None, slow_start_after_idle: bool = True) -> None:
+    """Make `nodes` network namespaces ``node<i>`` at 10.77.0.<i+1> on one bridge, each link shaped to `rate`.
+
+    Call it inside a private mount and network namespace (``unshare -mn``): everything it makes ends with it.
+    """
+    _sh("mount", "-t", "tmpfs", "tmpfs", "/run")  # ip netns writes here; private to this mount namespace
+    _sh("ip", "link", "set", "lo", "up")
+    _sh("ip", "link", "add", "br0", "type", "bridge")
+    _sh("ip", "link", "set", "br0", "up")
+    for node in range(nodes):
+        ns, veth = f"node{node}", f"veth{node}"
+        _sh("ip", "netns", "add", ns)
+        _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _sh("ip", "link", "set", veth, "master", "br0", "up")
+        _sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{node + 1}/24", "dev", "eth0")
+        _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        if not slow_start_after_idle:
+            _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
+        if rate is not None:
+            # Both directions: the node's upload (its eth0) and its download (the bridge's port).
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,
+                "burst", BURST, "latency", LATENCY)  # fmt: skip
+            _sh("tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", rate, "burst", BURST, "latency", LATENCY)
+
+
+def torchrun_command(nodes: int, node: int, procs_per_node: int, command: Sequence[str]) -> list[str]:
+    """The torchrun command line node `node` of the lab runs (rendezvous at node 0's address)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(nodes), "--nproc-per-node", str(procs_per_node), "--node-rank", str(node),
+        "--master-addr", f"{SUBNET}.1", "--master-port", str(MASTER_PORT),
+        *command,
+    ]  # fmt: skip
+
+
 def _run_nodes(spec: dict[str, Any]) -> tuple[list[int], list[str]]:
     """Start torchrun on every node at once and wait; if one fails or time runs out, stop the others."""
     nodes = spec["nodes"]
     processes, logs = [], []
     for node in range(nodes):
         log = str(Path(spec["log_dir"]) / f"node{node}.log")
-        torchrun = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(nodes), "--nproc-per-node", str(spec["procs_per_node"]), "--node-rank", str(node),
-            "--master-addr", f"{SUBNET}.1", "--master-port", str(MASTER_PORT),
-            *spec["command"],
-        ]  # fmt: skip
+        torchrun = torchrun_command(nodes, node, spec["procs_per_node"], spec["command"])
         env = {**os.environ, **spec["env"], "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
         with open(log, "w") as out:
             processes.append(

@@ -259,10 +259,20 @@ class ProcessGroupStrategy(Strategy):
             # The group outlives stages (see teardown); leave it cleanly before the interpreter shuts down,
             # since gloo's threads dying with the process can abort it ("terminate called ...").
             atexit.register(_leave_at_exit)
+            if "TORCHELASTIC_RUN_ID" in os.environ and dist.get_world_size() > 1:
+                # A rank stuck in compute, or on another node, learns of a failure from the store.
+                worker_guard.watch_peers(dist.distributed_c10d._get_default_store(), dist.get_rank())
 
     def on_stage_failure(self) -> None:
-        """Exit without waiting for the other ranks, which may be blocked in a collective this rank left."""
+        """Exit without waiting for the other ranks, which may be blocked in a collective this rank left.
+
+        Under an elastic agent, also tell them through the store (bounded): a rank stuck in compute or
+        on another node would otherwise never learn that the job is over.
+        """
         leave_without_waiting()
+        if "TORCHELASTIC_RUN_ID" in os.environ and dist.is_initialized() and dist.get_world_size() > 1:
+            with contextlib.suppress(Exception):
+                worker_guard.announce_failure(dist.distributed_c10d._get_default_store(), dist.get_rank())
 
     def teardown(self) -> None:
         """Stay in the process group: it outlives a stage, as in Lightning.

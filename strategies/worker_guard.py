@@ -3,12 +3,12 @@
 An elastic agent (syncline's launcher, or torchrun) starts the workers and stops them. Two of its
 messages are easy to misread from inside a worker:
 
-- **The agent died** (SIGKILL, the out-of-memory killer). torch's spawn delivers SIGINT to launched
-  workers as their parent-death signal, torchrun's workers get nothing. Either way nobody will collect
-  the result, and a worker that finishes its stage then waits forever for a parent that is gone, holding
-  its ports. A thread watches the parent: once it is gone, the worker asks the loop to stop (so every
-  rank saves ``last.ckpt`` at the next step, when they still can) and ends within `ORPHAN_GRACE_S`
-  seconds, whatever it is doing.
+- **The agent died** (SIGKILL, the out-of-memory killer). Nobody will collect the result, and a worker
+  that finishes its stage then waits forever for a parent that is gone, holding its ports. A thread
+  watches the parent: once it is gone, the worker asks the loop to stop (as SIGHUP, so every rank saves
+  ``last.ckpt`` at the next step, when they still can) and ends within `ORPHAN_GRACE_S` seconds,
+  whatever it is doing. (torch's spawn would deliver SIGINT instead, which reads as Ctrl-C; the guard
+  switches that off.)
 - **The agent stops the group because another worker failed.** It sends SIGTERM, which the preemption
   handler would take for a preemption: finish the step, save, stop. A rank stuck in compute then lives
   until the agent's SIGKILL, 30 s later. When a SIGTERM arrives while a sibling worker (another child of
@@ -30,13 +30,29 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-__all__ = ["ORPHAN_GRACE_S", "external_stop_request", "request_stop", "stage_finished", "start"]
+__all__ = [
+    "ORPHAN_GRACE_S",
+    "PEER_FAILURE_GRACE_S",
+    "announce_failure",
+    "external_stop_request",
+    "request_stop",
+    "stage_finished",
+    "start",
+    "watch_peers",
+]
 
 #: Seconds a worker lives on after its agent died: long enough to finish a step and save `last.ckpt`.
 ORPHAN_GRACE_S = 10.0
 #: How often the parent is checked.
 _POLL_S = 0.2
+#: How often the store is asked whether a rank of the job failed.
+_PEER_POLL_S = 1.0
+#: Seconds a rank gets to end by itself (its collective fails at once) after another rank failed.
+PEER_FAILURE_GRACE_S = 3.0
+#: The store key a failing rank sets (the store's prefix keeps restarted attempts apart).
+_FAILED_KEY = "syncline/failed"
 #: Exit status of a worker that ended itself: killed by SIGTERM, as the agent would have done.
 _TERMINATED = 128 + signal.SIGTERM
 
@@ -49,6 +65,8 @@ class _Guard:
         self.finished = threading.Event()
         self.stop_file: Path | None = None
         self.started = False
+        self.peers_watched = False
+        self.failing = False
 
 
 _GUARD = _Guard()
@@ -66,6 +84,12 @@ def start(stop_file: str | os.PathLike[str] | None = None, grace_s: float = ORPH
     if _GUARD.started:
         return
     _GUARD.started = True
+    # torch's spawn asks the kernel for SIGINT when the parent dies, which reads as Ctrl-C; the parent
+    # watch below says what happened instead (SIGHUP), whatever handler is in place at that moment.
+    with contextlib.suppress(Exception):
+        from torch.multiprocessing import _prctl_pr_set_pdeathsig
+
+        _prctl_pr_set_pdeathsig(0)
     _GUARD.parent = os.getppid()
     _GUARD.siblings = _children(_GUARD.parent) - {os.getpid()}
     threading.Thread(target=_watch_parent, args=(grace_s,), name="syncline-parent-watch", daemon=True).start()
@@ -97,6 +121,52 @@ def request_stop(stop_file: str | os.PathLike[str], signum: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(signal.Signals(signum).name)
     os.replace(tmp, path)  # whole or absent: a worker never reads half a name
+
+
+def announce_failure(store: Any, rank: int, deadline_s: float = 2.0) -> None:
+    """Tell every rank that this one failed, through the process group's store; never blocks past `deadline_s`.
+
+    A rank blocked in a collective learns of a failure by itself (its peer's connections close), but one
+    stuck in compute, or waiting on another node, would not: `watch_peers` ends it.
+    """
+    _GUARD.failing = True
+    thread = threading.Thread(target=lambda: store.set(_FAILED_KEY, str(rank)), name="syncline-announce", daemon=True)
+    thread.start()
+    thread.join(deadline_s)  # on a cut link the store may never answer: the failing rank ends anyway
+
+
+def watch_peers(store: Any, rank: int) -> None:
+    """End this process soon after another rank of the job announced a failure (once per process).
+
+    Polls the store every second in a daemon thread; a rank whose own stage is failing announces rather
+    than being ended. Started only under an elastic agent, where a failed rank means the job is over.
+    """
+    if _GUARD.peers_watched:
+        return
+    _GUARD.peers_watched = True
+
+    def watch() -> None:
+        while True:
+            time.sleep(_PEER_POLL_S)
+            try:
+                if not store.check([_FAILED_KEY]):
+                    continue
+                failed = store.get(_FAILED_KEY).decode()
+            except Exception:  # the store is gone: the parent watch and the collectives' timeouts take over
+                return
+            if failed == str(rank) or _GUARD.failing:
+                return  # this rank is failing itself, and ends on its own path
+            # Its collective fails at once if it is in one; if it is stuck elsewhere, end it.
+            time.sleep(PEER_FAILURE_GRACE_S)
+            print(
+                f"syncline: rank {rank}: rank {failed} failed and this rank did not stop by itself within "
+                f"{PEER_FAILURE_GRACE_S:g} s (it is busy outside any collective); ending now.",
+                file=sys.stderr,
+                flush=True,
+            )
+            _end(1)
+
+    threading.Thread(target=watch, name="syncline-peer-watch", daemon=True).start()
 
 
 def _watch_parent(grace_s: float) -> None:
