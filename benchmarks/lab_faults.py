@@ -135,7 +135,10 @@ def _one(strategy: str, fault: str, spec: dict[str, Any]) -> dict[str, Any]:
             _kill(pid)
     record["listening_after"] = {f"node{node}": _listening(node) for node in range(2)}
     record["last_ckpt"] = (work / "last.ckpt").is_file()
-    record["log_tail"] = {f"node{n}": (work / f"node{n}.log").read_text()[-1500:] for n in range(2)}
+    logs = {f"node{n}": (work / f"node{n}.log").read_text() for n in range(2)}
+    # What each node's worker raised last (the rank's own error, before torchrun's summary).
+    record["raised"] = {node: _last_error(text) for node, text in logs.items()}
+    record["log_tail"] = {node: text[-1500:] for node, text in logs.items()}
     _sh_quiet("ip", "link", "set", "veth1", "up")
     return record
 
@@ -170,6 +173,12 @@ def _inject_and_time(fault: str, agents: list[subprocess.Popen], work: Path) -> 
         "hung": len(ended) < len(agents) + len(workers),
         "codes": [agent.poll() for agent in agents],
     }
+
+
+def _last_error(log: str) -> str:
+    """Return the last ``[rankN]: SomeError: ...`` line of a torchrun log (its worker's exception), or ''."""
+    lines = [line for line in log.splitlines() if line.startswith("[rank") and "Error: " in line]
+    return lines[-1][:300] if lines else ""
 
 
 def _worker_pids(work: Path) -> dict[int, int]:
