@@ -23,7 +23,8 @@ def test_sigterm_to_the_cli_stops_every_rank_with_last_ckpt_and_status_75(tmp_pa
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RANK", "WORLD_SIZE")}
     process = subprocess.Popen(
-        [sys.executable, "-m", "syncline", f"hydra.run.dir={out}", "trainer.devices=2", "trainer.max_epochs=99", *SMALL],
+        [sys.executable, "-m", "syncline", f"hydra.run.dir={out}", "trainer.devices=2", "trainer.max_epochs=99"]
+        + SMALL,
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
