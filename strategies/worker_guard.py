@@ -151,15 +151,21 @@ def watch_peers(store: Any, rank: int) -> None:
             try:
                 if not store.check([_FAILED_KEY]):
                     continue
-                failed = store.get(_FAILED_KEY).decode()
-            except Exception:  # the store is gone: the parent watch and the collectives' timeouts take over
-                return
-            if failed == str(rank) or _GUARD.failing:
-                return  # this rank is failing itself, and ends on its own path
+                what = f"rank {store.get(_FAILED_KEY).decode()} failed"
+            except Exception as error:
+                if not _closed(error):
+                    continue  # slow or cut off: the collectives' timeouts decide
+                # The agent that hosts the store has exited: the job is over (it may have ended before
+                # this rank read the failure key).
+                what = "the job's store closed (the agent hosting it has exited)"
+            if what == f"rank {rank} failed" or _GUARD.failing or _GUARD.finished.is_set():
+                return  # this rank is failing itself and ends on its own path, or its stage is over
             # Its collective fails at once if it is in one; if it is stuck elsewhere, end it.
             time.sleep(PEER_FAILURE_GRACE_S)
+            if _GUARD.finished.is_set():
+                return
             print(
-                f"syncline: rank {rank}: rank {failed} failed and this rank did not stop by itself within "
+                f"syncline: rank {rank}: {what} and this rank did not stop by itself within "
                 f"{PEER_FAILURE_GRACE_S:g} s (it is busy outside any collective); ending now.",
                 file=sys.stderr,
                 flush=True,
@@ -167,6 +173,12 @@ def watch_peers(store: Any, rank: int) -> None:
             _end(1)
 
     threading.Thread(target=watch, name="syncline-peer-watch", daemon=True).start()
+
+
+def _closed(error: BaseException) -> bool:
+    """Whether a store error says the connection is gone (not merely slow)."""
+    text = str(error).lower()
+    return any(word in text for word in ("closed", "broken pipe", "reset by peer", "connection refused"))
 
 
 def _watch_parent(grace_s: float) -> None:
