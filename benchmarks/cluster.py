@@ -44,6 +44,7 @@ __all__ = [
     "run_worker_if_asked",
     "run_worker_job",
     "skipped_without_namespaces",
+    "start_nodes",
     "torchrun_command",
 ]
 
@@ -311,25 +312,33 @@ def torchrun_command(nodes: int, node: int, procs_per_node: int, command: Sequen
     ]  # fmt: skip
 
 
-def _run_nodes(spec: dict[str, Any]) -> tuple[list[int], list[str]]:
-    """Start torchrun on every node at once and wait; if one fails or time runs out, stop the others."""
-    nodes = spec["nodes"]
+def start_nodes(
+    nodes: int, procs_per_node: int, command: Sequence[str], log_dir: Path, env: dict[str, str]
+) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start torchrun running `command` on every node (its own session each); return them and their logs."""
     processes, logs = [], []
     for node in range(nodes):
-        log = str(Path(spec["log_dir"]) / f"node{node}.log")
-        torchrun = torchrun_command(nodes, node, spec["procs_per_node"], spec["command"])
-        env = {**os.environ, **spec["env"], "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+        log = str(log_dir / f"node{node}.log")
+        torchrun = torchrun_command(nodes, node, procs_per_node, command)
+        node_env = {**os.environ, **env, "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
         with open(log, "w") as out:
             processes.append(
                 subprocess.Popen(
                     ["ip", "netns", "exec", f"node{node}", *torchrun],
                     stdout=out,
                     stderr=subprocess.STDOUT,
-                    env=env,
+                    env=node_env,
                     start_new_session=True,
                 )
             )
         logs.append(log)
+    return processes, logs
+
+
+def _run_nodes(spec: dict[str, Any]) -> tuple[list[int], list[str]]:
+    """Start torchrun on every node at once and wait; if one fails or time runs out, stop the others."""
+    nodes = spec["nodes"]
+    processes, logs = start_nodes(nodes, spec["procs_per_node"], spec["command"], Path(spec["log_dir"]), spec["env"])
     deadline = time.monotonic() + spec["timeout"]
     codes: list[int | None] = [None] * nodes
     try:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import build_nodes, namespaces_unavailable, skipped_without_namespaces, torchrun_command
+from benchmarks.cluster import build_nodes, namespaces_unavailable, skipped_without_namespaces, start_nodes
 from benchmarks.common import write_json
 
 FAULTS = ("caller_killed", "partition", "stuck")
@@ -110,20 +110,8 @@ def _one(strategy: str, fault: str, spec: dict[str, Any]) -> dict[str, Any]:
     (work / "pids").mkdir()
     job = {"strategy": strategy, "fault": fault, "timeout": spec["timeout"], "dir": str(work)}
     (work / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1"}
-    agents = []
-    for node in range(2):
-        command = torchrun_command(2, node, 1, ["-m", "benchmarks.lab_faults", _TRAIN, str(work / "job.json")])
-        with open(work / f"node{node}.log", "w") as log:
-            agents.append(
-                subprocess.Popen(
-                    ["ip", "netns", "exec", f"node{node}", *command],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                )
-            )
+    command = ["-m", "benchmarks.lab_faults", _TRAIN, str(work / "job.json")]
+    agents, _ = start_nodes(2, 1, command, work, {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     record: dict[str, Any] = {"strategy": strategy, "fault": fault, "timeout_s": spec["timeout"]}
     try:
         record.update(_inject_and_time(fault, agents, work))

@@ -1,8 +1,10 @@
 """Faults between two lab nodes end the whole job in bounded time, leaving nothing listening (issue 25).
 
-A permanent partition with a 5 s collective timeout: the first rank to notice ends within timeout + 10 s
-and the last process of the job within timeout + 20 s. A rank stuck in compute after its peer raised, and
-a SIGKILLed torchrun agent, end the job within seconds (the latter after saving ``last.ckpt``).
+One lab, two torchrun jobs with a 5 s collective timeout. A permanent partition: the first rank to notice
+ends within timeout + 10 s and the last process of the job within timeout + 20 s. A rank stuck in compute
+on one node when the rank on the other node raises: it learns of the failure from the job's store and the
+job ends within seconds. (A killed agent is timed by `benchmarks.lab_faults` and, with `devices=2`, by
+tests/strategies/test_worker_guard.py.)
 """
 
 from __future__ import annotations
@@ -17,20 +19,14 @@ pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None, reason=str
 TIMEOUT_S = 5.0
 
 
-def test_a_permanent_partition_ends_every_process_within_the_timeout_plus_20_s():
-    (record,) = run(["bucketed_ddp"], ["partition"], TIMEOUT_S, out=None)
-    assert not record["hung"], record["log_tail"]
-    ended = record["ended_s"]
+def test_a_partition_and_a_stuck_rank_end_every_process_in_bounded_time():
+    partition, stuck = run(["tensor_fusion"], ["partition", "stuck"], TIMEOUT_S, out=None)
+    assert not partition["hung"], partition["log_tail"]
+    ended = partition["ended_s"]
     assert min(ended["worker0"], ended["worker1"]) <= TIMEOUT_S + 10, ended
-    assert record["last_gone_s"] <= TIMEOUT_S + 20, ended
-    assert "CollectiveError" in record["raised"]["node0"], record["raised"]
-    assert record["listening_after"] == {"node0": [], "node1": []}
-
-
-def test_a_stuck_rank_and_a_killed_agent_end_the_job_in_seconds():
-    stuck, killed = run(["tensor_fusion"], ["stuck", "caller_killed"], TIMEOUT_S, out=None)
+    assert partition["last_gone_s"] <= TIMEOUT_S + 20, ended
+    assert "CollectiveError" in partition["raised"]["node0"], partition["raised"]
     assert not stuck["hung"] and stuck["last_gone_s"] < 10, stuck["log_tail"]
-    assert not killed["hung"] and killed["last_gone_s"] < 15, killed["log_tail"]
-    assert killed["last_ckpt"]
-    for record in (stuck, killed):
+    assert "boom on rank 0" in stuck["raised"]["node0"]
+    for record in (partition, stuck):
         assert record["listening_after"] == {"node0": [], "node1": []}

@@ -26,7 +26,7 @@ from syncline.strategies.worker_guard import ORPHAN_GRACE_S
 from syncline.trainer import Trainer
 from syncline.trainer.checkpoint import load_checkpoint
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE
-from tests.trainer._faults import ROOT, left_behind, run_script
+from tests.trainer._faults import left_behind, run_script, script_env
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
 
@@ -75,13 +75,10 @@ def _start(tmp_path: Path, **fields) -> tuple[subprocess.Popen, Path]:
     values.update(fields)
     path = tmp_path / "train.py"
     path.write_text(textwrap.dedent(_SCRIPT.format(pids=str(pids), root=str(tmp_path / "run"), **values)))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "GLOO_SOCKET_IFNAME"):
-        env.pop(name, None)
     process = subprocess.Popen(
         [sys.executable, str(path)],
         cwd=tmp_path,
-        env=env,
+        env=script_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -56,15 +56,21 @@ class Faulty(Regressor):
         return super().training_step(batch, batch_idx)
 
 
+def script_env() -> dict[str, str]:
+    """The environment of a script that a test starts: this checkout importable, no process group inherited."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "GLOO_SOCKET_IFNAME"):
+        env.pop(name, None)
+    return env
+
+
 def run_script(
     tmp_path: Path, body: str, *command: str, timeout: float = 120
 ) -> tuple[subprocess.CompletedProcess, float]:
     """Write `body` to tmp_path/train.py, run it (with `command` in front, e.g. torchrun); return it and its seconds."""
     path = tmp_path / "train.py"
     path.write_text(textwrap.dedent(body))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "GLOO_SOCKET_IFNAME"):
-        env.pop(name, None)
+    env = script_env()
     start = time.monotonic()
     result = subprocess.run(
         [*(command or (sys.executable,)), str(path)],
