@@ -23,6 +23,7 @@ the same step with ``last.ckpt``, as a SIGTERM to a worker does, without a secon
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -66,6 +67,7 @@ class _Guard:
         self.stop_file: Path | None = None
         self.started = False
         self.peers_watched = False
+        self.exiting = threading.Event()
         self.failing = False
 
 
@@ -146,8 +148,7 @@ def watch_peers(store: Any, rank: int) -> None:
     _GUARD.peers_watched = True
 
     def watch() -> None:
-        while True:
-            time.sleep(_PEER_POLL_S)
+        while not _GUARD.exiting.wait(_PEER_POLL_S):
             try:
                 if not store.check([_FAILED_KEY]):
                     continue
@@ -172,7 +173,16 @@ def watch_peers(store: Any, rank: int) -> None:
             )
             _end(1)
 
-    threading.Thread(target=watch, name="syncline-peer-watch", daemon=True).start()
+    thread = threading.Thread(target=watch, name="syncline-peer-watch", daemon=True)
+    thread.start()
+
+    def stop_watching() -> None:
+        # Before the interpreter finalizes: a daemon thread caught inside a C++ store call then would abort
+        # the process ("terminate called without an active exception").
+        _GUARD.exiting.set()
+        thread.join(_PEER_POLL_S + 1.0)
+
+    atexit.register(stop_watching)
 
 
 def _closed(error: BaseException) -> bool:
