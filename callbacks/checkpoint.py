@@ -312,7 +312,7 @@ class ModelCheckpoint(Callback):
         if self.monitor is not None and self.monitor not in metrics:
             raise KeyError(
                 f"ModelCheckpoint(monitor={self.monitor!r}) found no metric of that name. "
-                f"Logged metrics: {', '.join(sorted(metrics)) or 'none'}. "
+                f"Logged metrics: {', '.join(sorted(trainer.callback_metrics)) or 'none'} (and epoch, step). "
                 f"Log it with self.log({self.monitor!r}, ...) or change `monitor`."
             )
         score = self._score(metrics[self.monitor]) if self.monitor is not None else float(trainer.global_step)

@@ -48,8 +48,8 @@ class FitLoop:
         self.val_every: float | None = None
         #: Whether the batch in progress has taken its optimizer step (its logs then go to the step before).
         self.stepped = False
-        #: Micro-batches of the open accumulation window that ran a backward (a None loss skips one).
-        self._window_backwards = 0
+        #: Micro-batches of the open accumulation window that returned a loss (None skips one).
+        self._window_losses = 0
         self._warned_none = False
 
     def setup(self, optim: OptimizerSetup) -> None:
@@ -265,19 +265,27 @@ class FitLoop:
         results.hook = ""
         loss = self._loss_of(outputs)
         if batch_idx % self.accumulate == 0:
-            self._window_backwards = 0
+            self._window_losses = 0
+        kept = True
         if loss is not None:
-            self.backward(loss, batch_idx, window_end)
-        if window_end and self._window_backwards:
-            self.optimizer_step(is_last)
+            self._window_losses += 1
+            kept = self.backward(loss, batch_idx, window_end)
+        if window_end and kept:
+            # A window whose every training_step returned None still counts its step, as in Lightning
+            # (whose optimizer step then has no gradient to apply).
+            self.optimizer_step(is_last, apply=self._window_losses > 0)
         # Counted before the batch-end hooks, so a checkpoint taken there resumes after this batch.
         self.state.batch_idx = batch_idx + 1
         self.fire(Callback.on_train_batch_end, outputs, batch, batch_idx)
         if window_end:
             self.flush_step_logs()
 
-    def backward(self, loss: Tensor, batch_idx: int, window_end: bool) -> None:
-        """Reset gradients at a window's start, then back-propagate, as Lightning orders the hooks."""
+    def backward(self, loss: Tensor, batch_idx: int, window_end: bool) -> bool:
+        """Reset gradients at a window's start, then back-propagate, as Lightning orders the hooks.
+
+        Returns:
+            False when a non-finite loss (`nonfinite_loss="skip"`) dropped the window.
+        """
         strategy, optimizer = self.trainer.strategy, self.optimizer
         if self.accumulate > 1:
             # Average over the window's micro-batches so k steps of size b equal one of size k*b.
@@ -289,12 +297,11 @@ class FitLoop:
         if window_end and not self.nonfinite.window_is_finite(self.state.global_step, batch_idx):
             # Every rank skips alike: no synchronized backward, no step, the window's gradients dropped.
             strategy.zero_grad(optimizer)
-            self._window_backwards = 0
-            return
+            return False
         self.fire(Callback.on_before_backward, loss)
         strategy.backward(self.trainer.precision.scale_loss(loss), sync=window_end)
-        self._window_backwards += 1
         self.fire(Callback.on_after_backward)
+        return True
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -343,7 +350,7 @@ class FitLoop:
 
     def _loss_of(self, outputs: Any) -> Tensor | None:
         """Return the loss `training_step` returned; None skips the batch's backward, as in Lightning."""
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        loss = outputs.get("loss", outputs) if isinstance(outputs, dict) else outputs
         name = type(self.trainer.task).__name__
         if loss is None:
             if self.trainer.world_size > 1:
@@ -368,16 +375,17 @@ class FitLoop:
             )
         return loss
 
-    def optimizer_step(self, is_last: bool) -> None:
-        """Clip, step, count, and step the schedulers due at this step (and, on an epoch's last batch, its
-        epoch schedulers, as Lightning does: the epoch-end validation and checkpoint see the new rate)."""
+    def optimizer_step(self, is_last: bool, apply: bool = True) -> None:
+        """Clip, step (when `apply`), count, and step the schedulers due at this step (and, on an epoch's last
+        batch, its epoch schedulers, as Lightning does: the epoch-end validation and checkpoint see the new rate)."""
         trainer, state, strategy = self.trainer, self.state, self.trainer.strategy
         optimizer = self.optimizer
-        trainer.precision.unscale(optimizer)
-        self.fire(Callback.on_before_optimizer_step, optimizer)
-        if trainer.gradient_clip_val is not None:
-            strategy.clip_gradients(self.parameters, trainer.gradient_clip_val)
-        strategy.optimizer_step(optimizer, trainer.precision.step(optimizer))
+        if apply:
+            trainer.precision.unscale(optimizer)
+            self.fire(Callback.on_before_optimizer_step, optimizer)
+            if trainer.gradient_clip_val is not None:
+                strategy.clip_gradients(self.parameters, trainer.gradient_clip_val)
+            strategy.optimizer_step(optimizer, trainer.precision.step(optimizer))
         state.global_step += 1
         self.stepped = True
         if self.optim is not None and self.optim.schedulers:
@@ -396,6 +404,7 @@ class FitLoop:
         """Put back the gradients of an accumulation window that a checkpoint interrupted."""
         if grads is None:
             return
+        self._window_losses = 1  # the window had a loss before the checkpoint
         if len(grads) != len(self.parameters):
             raise ValueError("The checkpoint's accumulated gradients do not match the task's parameters.")
         if any(grad is not None and not torch.isfinite(grad).all() for grad in grads):

@@ -130,8 +130,8 @@ def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
         path = find_last_checkpoint(trainer) if ckpt_path == "last" else str(ckpt_path)
     if path is None:
         rank_zero_warn(
-            f'ckpt_path="last" found no checkpoint (no last*.ckpt) under {trainer.default_root_dir} or the ModelCheckpoint '
-            "directories; no checkpoint is loaded. Save one with ModelCheckpoint(save_last=True)."
+            f'ckpt_path="last" found no checkpoint (no last*.ckpt) under {trainer.default_root_dir} or the '
+            "ModelCheckpoint directories; no checkpoint is loaded. Save one with ModelCheckpoint(save_last=True)."
         )
         return None
     if trainer.ckpt_read == "rank_zero" and trainer.world_size > 1:
