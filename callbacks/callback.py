@@ -87,7 +87,8 @@ class Callback:
         """Called before clipping and the optimizer step, with unscaled gradients."""
 
     def on_before_zero_grad(self, trainer: Trainer, task: Task, optimizer: torch.optim.Optimizer) -> None:
-        """Called after the optimizer step, before gradients are reset."""
+        """Called before the gradients are reset, on each accumulation window's first micro-batch (after its
+        `training_step`, before its backward), as in Lightning; after a step, use `on_train_batch_end`."""
 
     # --------------------------------------------------------------- validation
     def on_validation_start(self, trainer: Trainer, task: Task) -> None:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 __all__ = [
     "UnpaddedShardSampler",
     "epoch_batches",
+    "eval_dataloaders",
     "limit_batches",
     "prepare_loader",
     "prepare_loaders",
@@ -183,3 +184,23 @@ def prepare_loaders(
         for loader in (loaders if isinstance(loaders, (list, tuple)) else [loaders])
     ]
     return prepared, [limit_batches(loader, limit, name) for loader in prepared]
+
+
+#: The task's method that returns a stage's data when none is passed to the Trainer.
+_LOADER_METHODS = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+
+
+def eval_dataloaders(task: Any, stage: str, dataloaders: Any) -> Any:
+    """Return `dataloaders`, or the task's own for `stage` when None.
+
+    Raises:
+        ValueError: neither gives any data; names the method to override.
+    """
+    if dataloaders is None:
+        dataloaders = getattr(task, _LOADER_METHODS[stage])()
+    if dataloaders is None:
+        raise ValueError(
+            f"Trainer.{stage} has no data: pass `dataloaders=` or override "
+            f"{type(task).__name__}.{_LOADER_METHODS[stage]}()."
+        )
+    return dataloaders

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback
 from syncline.strategies.join import Joinable
+from syncline.trainer import persistence
 from syncline.trainer.data import epoch_batches
 from syncline.trainer.nonfinite import NonfiniteLossGuard
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
@@ -71,7 +72,8 @@ class FitLoop:
     def run(self) -> None:
         """Train until max_epochs, max_steps or a stop request; nothing at all without training batches."""
         state = self.state
-        if not self.trainer.num_training_batches or self._done():
+        # A checkpoint taken at an epoch's end (by early stopping's validation, say) finishes that epoch first.
+        if not self.trainer.num_training_batches or (self._done() and not state.batches_done):
             return
         self.fire(Callback.on_train_start)
         if state.batches_done:
@@ -328,7 +330,7 @@ class FitLoop:
         signum = self.trainer.preemption.should_stop(self.trainer.strategy)
         if not signum:
             return
-        path = self.trainer.save_preemption_checkpoint()  # collective
+        path = persistence.save_last_checkpoint(self.trainer)  # collective
         raise TrainingPreempted(
             f"Stopped by {signal.Signals(signum).name} after step {self.state.global_step}; saved {path}. "
             f'Resume with ckpt_path="last" (exit status {PREEMPTED_EXIT_CODE}).'

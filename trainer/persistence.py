@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,8 @@ __all__ = [
     "read_checkpoint",
     "restore_model",
     "restore_training",
-    "share_logger_state",
+    "save_last_checkpoint",
+    "open_checkpoint",
     "worker_result",
 ]
 
@@ -412,7 +414,39 @@ def apply_worker_result(trainer: Trainer, task: Task, result: dict[str, Any]) ->
         logger.load_state_dict(state)
 
 
-def share_logger_state(trainer: Trainer) -> None:
+def save_last_checkpoint(trainer: Trainer) -> str:
+    """Write the last checkpoint where the first ModelCheckpoint keeps it (else in `default_root_dir`), on
+    every rank (a collective); return its path. A preemption stops with it."""
+    callback = trainer.checkpoint_callback
+    path = None
+    if trainer.is_global_zero:
+        path = callback.last_checkpoint_path(trainer) if callback is not None else None  # type: ignore[attr-defined]
+        path = os.path.abspath(path or os.path.join(trainer.default_root_dir, "last.ckpt"))
+    # Collective: the name is rank 0's (it looks at the directory), so every rank saves the same file.
+    path = trainer.strategy.broadcast_object(path)
+    trainer.save_checkpoint(path)  # collective
+    return path
+
+
+def open_checkpoint(trainer: Trainer, ckpt_path: Any, resume: bool) -> dict[str, Any] | None:
+    """Read the checkpoint a stage starts from (a collective), and make every rank's loggers agree.
+
+    With `resume` (fit), a run an elastic agent restarted continues from the newest last checkpoint, and
+    the loggers continue the checkpoint's version directory.
+    """
+    if resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        # An elastic agent restarted the group after a failure: continue from the newest last.ckpt
+        # (collective), or from where the first attempt started when none was written yet.
+        ckpt_path = find_last_checkpoint(trainer) or ckpt_path
+    checkpoint = read_checkpoint(trainer, ckpt_path)
+    if resume and checkpoint is not None:
+        for logger, state in zip(trainer.loggers, checkpoint.get("loggers", [])):
+            logger.load_state_dict(state)
+    _share_logger_state(trainer)
+    return checkpoint
+
+
+def _share_logger_state(trainer: Trainer) -> None:
     """Make every rank's loggers agree with rank 0's (its run directory), so `log_dir` is one path."""
     if trainer.world_size == 1 or not trainer.loggers:
         return

@@ -24,7 +24,7 @@ from syncline.trainer.arguments import (
     strategy_of,
 )
 from syncline.trainer.checkpoint import save_checkpoint, to_primitive
-from syncline.trainer.data import limit_batches, prepare_loader, prepare_loaders
+from syncline.trainer.data import eval_dataloaders, limit_batches, prepare_loader, prepare_loaders
 from syncline.trainer.evaluation import EvaluationLoop
 from syncline.trainer.fit_loop import FitLoop
 from syncline.trainer.optim import OptimizerSetup, parse_optimizers
@@ -39,8 +39,6 @@ from syncline.trainer.task import Task
 __all__ = ["Trainer"]
 
 R = TypeVar("R")
-
-_LOADER_METHODS = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
 
 
 class Trainer:
@@ -76,22 +74,14 @@ class Trainer:
         deterministic: use deterministic algorithms only.
         ckpt_read: "every_rank": every process reads `ckpt_path` itself (a shared file system);
             "rank_zero": rank 0 reads it and sends it to the others (checkpoints on node-local disks).
-        nonfinite_loss: a NaN or inf loss on any rank, checked once per optimizer step on every rank
-            alike: "raise" stops every rank with an error naming the rank and step; "skip" drops the
-            whole accumulation window and takes no step (and warns).
-        uneven_inputs: "check": with several processes and a training loader syncline does not shard
-            (an IterableDataset, a sampler of your own, use_distributed_sampler=False), the ranks agree
-            before every batch that each has one (one small all-reduce), and raise the same error on every
-            rank, naming the rank that ran out first, instead of hanging; "join": a rank whose data ran out
-            shadows the others' steps with zero gradients until every rank ran out (as torch's DDP
-            `join()`; strategies that are `Joinable`: bucketed_ddp, native_ddp; accumulate_grad_batches=1;
-            no sync_dist logging in training_step); "off" skips the check.
-        max_restarts: with `devices` > 1 (outside torchrun), restart the worker group this many times after
-            a worker fails; a restarted `fit` resumes from the newest ``last.ckpt``, as under
-            ``torchrun --max-restarts``.
-        preemption_signal: "SIGTERM", "SIGUSR1" or "SIGUSR2": on this signal (or Ctrl-C) to any rank,
-            every rank stops after the current optimizer step, writes ``last.ckpt`` and exits with
-            status 75 (`TrainingPreempted`); None: only Ctrl-C does.
+        nonfinite_loss: a NaN or inf loss on any rank: "raise" stops every rank naming the rank and step;
+            "skip" drops the whole accumulation window on every rank (docs/guide.md, "A NaN or inf loss").
+        uneven_inputs: ranks whose data run out at different times: "check" raises on every rank naming the
+            one that ran out; "join" shadows the others' steps (Joinable strategies); "off" (docs/guide.md).
+        max_restarts: with `devices` > 1, restart the worker group this many times after a failure; a
+            restarted `fit` resumes from the newest ``last.ckpt``, as under ``torchrun --max-restarts``.
+        preemption_signal: "SIGTERM", "SIGUSR1", "SIGUSR2" or None: this signal (or Ctrl-C) stops every rank
+            after the current step with ``last.ckpt`` and exit status 75 (`TrainingPreempted`).
     """
 
     def __init__(
@@ -196,7 +186,7 @@ class Trainer:
 
     @property
     def current_epoch(self) -> int:
-        """Index of the current training epoch."""
+        """Epochs finished so far, as Lightning counts them: the index of the epoch in progress."""
         return self.state.current_epoch
 
     @property
@@ -333,11 +323,10 @@ class Trainer:
             raise TypeError(f"Trainer.{stage} needs a task: pass it (or model=...), or call fit first.")
         if ckpt_path is None:
             rank_zero_warn(
-                f"Trainer.{stage}(ckpt_path=None) was called without a task: the task of the previous fit is "
-                f"used with its best checkpoint. Pass ckpt_path='best', 'last' or a path to silence this."
+                f"Trainer.{stage}() without a task uses the fitted one with its best checkpoint, as "
+                "Lightning does; pass ckpt_path='best', 'last' or a path to silence this."
             )
-            ckpt_path = "best"
-        return self._task, ckpt_path
+        return self._task, "best" if ckpt_path is None else ckpt_path
 
     def _stage(self, stage: str, task: Any, ckpt_path: Any, data: Any) -> Any:
         """Run `stage` here, or launch `devices` workers that run it (not when torchrun started us)."""
@@ -397,15 +386,7 @@ class Trainer:
 
     def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: Any) -> None:
         task, strategy = self.task, self.strategy
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            # An elastic agent restarted the group after a failure: continue from the newest last.ckpt
-            # (collective), or from where the first attempt started when none was written yet.
-            ckpt_path = persistence.find_last_checkpoint(self) or ckpt_path
-        checkpoint = persistence.read_checkpoint(self, ckpt_path)
-        if checkpoint is not None:
-            for logger, state in zip(self.loggers, checkpoint.get("loggers", [])):
-                logger.load_state_dict(state)
-        persistence.share_logger_state(self)
+        checkpoint = persistence.open_checkpoint(self, ckpt_path, resume=True)
         self.dispatcher.fire(Callback.setup, "fit")
         loader = train_dataloaders if train_dataloaders is not None else task.train_dataloader()
         self.train_dataloader = prepare_loader(self, loader)
@@ -446,18 +427,12 @@ class Trainer:
 
     def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any) -> Any:
         task = self.task
-        checkpoint = persistence.read_checkpoint(self, ckpt_path)
-        persistence.share_logger_state(self)
+        checkpoint = persistence.open_checkpoint(self, ckpt_path, resume=False)
         self.dispatcher.fire(Callback.setup, stage)
-        if dataloaders is None:
-            dataloaders = getattr(task, _LOADER_METHODS[stage])()
-        if dataloaders is None:
-            raise ValueError(
-                f"Trainer.{stage} has no data: pass `dataloaders=` or override "
-                f"{type(task).__name__}.{_LOADER_METHODS[stage]}()."
-            )
         limit = self.limit_val_batches if stage == "validate" else None
-        loaders, num_batches = prepare_loaders(self, dataloaders, limit, "limit_val_batches")
+        loaders, num_batches = prepare_loaders(
+            self, eval_dataloaders(task, stage, dataloaders), limit, "limit_val_batches"
+        )
         if checkpoint is not None:
             persistence.restore_model(self, checkpoint, callbacks=False)
         self.strategy.setup(task)
@@ -486,11 +461,3 @@ class Trainer:
             save_checkpoint(checkpoint, path)
         # Collective: nobody reads the file before rank 0 has finished writing it.
         self.strategy.barrier()
-
-    def save_preemption_checkpoint(self) -> str:
-        """Write the last checkpoint where the first ModelCheckpoint keeps it (else in `default_root_dir`)."""
-        callback = self.checkpoint_callback
-        path = callback.last_checkpoint_path(self) if callback is not None else None  # type: ignore[attr-defined]
-        path = path or os.path.join(self.default_root_dir, "last.ckpt")
-        self.save_checkpoint(path)  # collective
-        return path

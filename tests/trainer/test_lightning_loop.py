@@ -268,3 +268,31 @@ def test_ckpt_path_last_without_a_last_checkpoint_warns_and_loads_nothing(tmp_pa
     current = trainer.validate(task, data)[0]["val_loss"]
     with pytest.warns(UserWarning, match="no last"):
         assert trainer.validate(task, data, ckpt_path="last")[0]["val_loss"] == current
+
+
+def test_a_resume_from_the_validation_that_stopped_training_finishes_that_epoch(tmp_path):
+    """A checkpoint written when a callback stopped training in the epoch's final validation resumes into that
+    epoch's end: its `on_train_epoch_end` runs (once) and the counter advances, as in the uninterrupted run."""
+
+    class StopAndSave(Callback):
+        def __init__(self, save: bool) -> None:
+            self.save, self.epoch_ends = save, 0
+
+        def on_validation_end(self, trainer, task):
+            if not trainer.sanity_checking and trainer.current_epoch == 1:
+                trainer.should_stop = True
+                if self.save:
+                    trainer.save_checkpoint(tmp_path / "stopped.ckpt")
+
+        def on_train_epoch_end(self, trainer, task):
+            self.epoch_ends += 1
+
+    data = loader(regression_data(16), 8)
+    straight = Trainer(**quiet(max_epochs=5), callbacks=[StopAndSave(save=True)])
+    straight.fit(EpochScheduled(), data, data)
+    assert straight.current_epoch == 2
+    watcher = StopAndSave(save=False)
+    resumed = Trainer(**quiet(max_epochs=5), callbacks=[watcher])
+    resumed.fit(EpochScheduled(), data, data, ckpt_path=tmp_path / "stopped.ckpt")
+    assert resumed.current_epoch == 2 and resumed.global_step == 4 and watcher.epoch_ends == 1
+    assert resumed.optimizers[0].param_groups[0]["lr"] == straight.optimizers[0].param_groups[0]["lr"]
