@@ -165,7 +165,7 @@ class Task(nn.Module):
         cls: type[TaskT],
         checkpoint_path: str | os.PathLike[str],
         map_location: Any = None,
-        strict: bool = True,
+        strict: bool | None = None,
         **kwargs: Any,
     ) -> TaskT:
         """Build the task from a checkpoint's saved hyperparameters and load its weights, as Lightning does.
@@ -173,8 +173,8 @@ class Task(nn.Module):
         The constructor gets the hyperparameters `save_hyperparameters` recorded, with `kwargs` taking
         precedence; arguments the constructor does not take are dropped (unless it takes ``**kwargs``), as
         in Lightning. Then the task's ``on_load_checkpoint`` sees the checkpoint and the weights are loaded
-        (`strict`). The task is returned in training mode on the device `map_location` names (the CPU by
-        default); call ``.eval()`` for inference.
+        (`strict`, by default the task's `strict_loading`). The task is returned in training mode on the
+        device `map_location` names (the CPU by default); call ``.eval()`` for inference.
 
         Raises:
             CheckpointError: the file is missing, unreadable or not a syncline checkpoint.
@@ -203,7 +203,7 @@ class Task(nn.Module):
                 f"hyperparameters are {sorted(saved)}; pass missing ones as keywords."
             ) from error
         task.on_load_checkpoint(checkpoint)
-        task.load_state_dict(checkpoint["state_dict"], strict=strict)
+        task.load_state_dict(checkpoint["state_dict"], strict=task.strict_loading if strict is None else strict)
         if isinstance(map_location, (str, int, torch.device)):
             task.to(map_location)
         return task

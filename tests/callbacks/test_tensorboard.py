@@ -170,4 +170,5 @@ def test_a_run_cut_and_resumed_logs_the_same_points_as_an_uninterrupted_one(tmp_
         if tag.endswith("_ms"):  # timings: the same steps, not the same values
             expected, got = [step for step, _ in expected], [step for step, _ in got]
         assert got == expected, tag
-    assert 8 in [step for step, _ in _scalars(resumed, "val_loss")]
+    # The cut's last validation (after step 8) is logged, as Lightning logs it, at step 7.
+    assert 7 in [step for step, _ in _scalars(resumed, "val_loss")]
