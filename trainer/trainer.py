@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -392,10 +391,8 @@ class Trainer:
         self.train_dataloader = prepare_loader(self, loader)
         limit = self.limit_train_batches
         self.num_training_batches = limit_batches(self.train_dataloader, limit, "limit_train_batches")
-        val = val_dataloaders if val_dataloaders is not None else task.val_dataloader()
-        self.val_dataloaders, self.num_val_batches = prepare_loaders(
-            self, val, self.limit_val_batches, "limit_val_batches"
-        )
+        val, limit = val_dataloaders if val_dataloaders is not None else task.val_dataloader(), self.limit_val_batches
+        self.val_dataloaders, self.num_val_batches = prepare_loaders(self, val, limit, "limit_val_batches")
         if checkpoint is not None:
             # As in Lightning: the task's and the callbacks' state before configure_optimizers.
             persistence.restore_model(self, checkpoint, callbacks=True)
@@ -411,18 +408,7 @@ class Trainer:
         if self.is_global_zero and task.hparams_logged:
             for logger in self.loggers:
                 logger.log_hyperparams(to_primitive(task.hparams))
-        self.fit_loop.sanity_check()
-        # What exists now (imports, the task, the data) lives through training: freeze it, so that the
-        # garbage collector's full passes during training walk only objects made since, rather than
-        # pausing the loop for the whole heap (100-200 ms each on a heap with torch imported).
-        gc.collect()
-        gc.freeze()
-        self.preemption.install()
-        try:
-            self.fit_loop.run()
-        finally:
-            self.preemption.uninstall()
-            gc.unfreeze()
+        self.fit_loop.train()
         self.dispatcher.fire(Callback.on_fit_end)
 
     def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any) -> Any:
