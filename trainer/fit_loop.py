@@ -264,8 +264,9 @@ class FitLoop:
         if not is_last and self.validation_due(batch_idx, is_last=False):
             self.validate_after(batch_idx)
         if self.stepped:
-            # After the batch's validation, as Lightning steps them: they may monitor a validation metric.
-            self.step_schedulers("step", self.state.global_step, plateau=True)
+            if self.optim is not None and self.optim.schedulers:
+                # After the batch's validation, as Lightning steps them: they may monitor a validation metric.
+                self.step_schedulers("step", self.state.global_step, plateau=True)
             self.stop_if_preempted()
 
     def train_batch(self, batch: Any, batch_idx: int, is_last: bool) -> None:

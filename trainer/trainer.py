@@ -329,12 +329,13 @@ class Trainer:
 
     def _stage(self, stage: str, task: Any, ckpt_path: Any, data: Any) -> Any:
         """Run `stage` here, or launch `devices` workers that run it (not when torchrun started us)."""
-        if not isinstance(task, Task):
-            raise TypeError(f"Trainer.{stage} needs a trainer.Task, got {type(task).__name__}.")
         self._task = task
         kwargs = data if stage == "fit" else {"dataloaders": data}
         if self.devices > 1 and not launched_by_torchrun():
+            # The launcher checks the options against the world size before it looks at the task.
             return launch(self, stage, task, {**kwargs, "ckpt_path": ckpt_path})
+        if not isinstance(task, Task):
+            raise TypeError(f"Trainer.{stage} needs a trainer.Task, got {type(task).__name__}.")
         if stage == "fit":
             return self._run(stage, task, lambda: self._fit(ckpt_path=ckpt_path, **kwargs))
         return self._run(stage, task, lambda: self._evaluate(stage, data, ckpt_path))
