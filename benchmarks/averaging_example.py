@@ -86,8 +86,10 @@ class BytesRecorder(Callback):
     def __init__(self) -> None:
         self.bytes: list[float] = []
 
-    def on_before_zero_grad(self, trainer, task, optimizer):
-        self.bytes.append(trainer.strategy.communication_stats().get("comm/bytes", 0.0))
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):
+        # Once per optimizer step (global_step moved), right after it.
+        if trainer.global_step != len(self.bytes):
+            self.bytes.append(trainer.strategy.communication_stats().get("comm/bytes", 0.0))
 
     def state_dict(self):
         return {"bytes": self.bytes}

@@ -87,13 +87,20 @@ class StudyRecorder(Callback):
         self.validations: list[tuple[int, float, float]] = []
         self.comm: dict[str, float] = {}
         self._val_start = 0.0
+        self._stepping = False
 
     def on_train_start(self, trainer, task):
         self.start = time.perf_counter()
 
-    def on_before_zero_grad(self, trainer, task, optimizer):
-        self.step_ends.append(time.perf_counter())
-        self.comm = dict(trainer.strategy.communication_stats())
+    def on_before_optimizer_step(self, trainer, task, optimizer):
+        self._stepping = True
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):
+        # Right after an optimizer step (on_before_zero_grad comes before the next window's backward).
+        if self._stepping:
+            self.step_ends.append(time.perf_counter())
+            self.comm = dict(trainer.strategy.communication_stats())
+        self._stepping = False
 
     def on_validation_start(self, trainer, task):
         self._val_start = time.perf_counter()

@@ -20,8 +20,8 @@ P = ParamSpec("P")
 class Callback:
     """Observe training: override the hooks you need; every hook here does nothing.
 
-    The hooks and their order follow Lightning. Within one event the task's hook of the same name runs
-    first, then the callbacks in the order given to the Trainer, so a callback sees what the task logged.
+    The hooks and their order follow Lightning: within one event the callbacks run in the order given to
+    the Trainer, then the task's hook of the same name (see `CallbackDispatcher` for the exceptions).
     """
 
     @property
@@ -87,7 +87,8 @@ class Callback:
         """Called before clipping and the optimizer step, with unscaled gradients."""
 
     def on_before_zero_grad(self, trainer: Trainer, task: Task, optimizer: torch.optim.Optimizer) -> None:
-        """Called after the optimizer step, before gradients are reset."""
+        """Called before the gradients are reset, on each accumulation window's first micro-batch (after its
+        `training_step`, before its backward), as in Lightning; after a step, use `on_train_batch_end`."""
 
     # --------------------------------------------------------------- validation
     def on_validation_start(self, trainer: Trainer, task: Task) -> None:
@@ -185,38 +186,71 @@ class Callback:
 
 
 Hook = Callable[..., None]
+Listener = Callable[..., None]
+
+#: The one hook Lightning calls on the module before the callbacks: a checkpoint being restored is the
+#: task's to adapt first (its weights are loaded right after its hook).
+_TASK_FIRST = frozenset({"on_load_checkpoint"})
+
+
+class _Listeners:
+    """Who listens to one hook: the task's override (if any) and the callbacks', in firing order."""
+
+    __slots__ = ("callbacks", "monitoring", "name", "ordered", "others", "task")
+
+    def __init__(self, name: str, task: list[Listener], callbacks: list[Listener], monitoring: list[bool]) -> None:
+        self.name = name
+        self.task = task
+        self.callbacks = callbacks
+        self.others = [c for c, monitors in zip(callbacks, monitoring) if not monitors]
+        self.monitoring = [c for c, monitors in zip(callbacks, monitoring) if monitors]
+        self.ordered = task + callbacks if name in _TASK_FIRST else callbacks + task
 
 
 class CallbackDispatcher:
-    """Fire hooks on the task and the callbacks, skipping those that do not override a hook.
+    """Fire hooks on the callbacks and the task, in Lightning's order, skipping those that do not override a hook.
+
+    As in Lightning, the callbacks' hooks run before the task's, except `on_load_checkpoint` (the task
+    first) and `on_train_epoch_end` (the loop calls `fire_epoch_end`: other callbacks, the task, then the
+    callbacks that monitor a metric, so that they can act on what the task logged at the epoch's end).
 
     A hook is named by the `Callback` method itself (`dispatcher.fire(Callback.on_fit_start, ...)`), so a
     misspelled hook is an AttributeError where it is written, not a silently skipped event. Which
     callbacks override which hook is worked out once, so an event nobody listens to costs one dict
-    lookup.
+    lookup. While a hook runs, `trainer.results.hook` names it: `self.log` takes its defaults from it.
     """
 
-    def __init__(self, trainer: Trainer, task: Task, callbacks: Sequence[Callback]) -> None:
+    def __init__(self, trainer: Trainer, task: Task | None, callbacks: Sequence[Callback]) -> None:
         self.trainer = trainer
         self.task = task
         self.callbacks = list(callbacks)
-        self._listeners: dict[Hook, tuple[list[Callable[..., None]], list[Callable[..., None]]]] = {}
+        self._listeners: dict[Hook, _Listeners] = {}
 
-    def _resolve(self, hook: Hook) -> tuple[list[Callable[..., None]], list[Callable[..., None]]]:
+    def bind(self, task: Task) -> None:
+        """Fire the hooks of `task` from now on (each stage binds its task)."""
+        self.task = task
+        self._listeners.clear()
+
+    def _resolve(self, hook: Hook) -> _Listeners:
+        from syncline.callbacks.checkpoint import ModelCheckpoint
+        from syncline.callbacks.early_stopping import EarlyStopping
         from syncline.trainer.task import Task
 
         name = hook.__name__
-        task_listeners: list[Callable[..., None]] = []
-        task_hook = getattr(type(self.task), name, None)
+        task_listeners: list[Listener] = []
+        task_hook = getattr(type(self.task), name, None) if self.task is not None else None
         if task_hook is not None and task_hook is not getattr(Task, name, None):
             bound = getattr(self.task, name)
             task_listeners.append(lambda _trainer, _task, *args, **kwargs: bound(*args, **kwargs))
-        callback_listeners = [
-            getattr(callback, name) for callback in self.callbacks if getattr(type(callback), name) is not hook
-        ]
-        return task_listeners, callback_listeners
+        listening = [callback for callback in self.callbacks if getattr(type(callback), name) is not hook]
+        return _Listeners(
+            name,
+            task_listeners,
+            [getattr(callback, name) for callback in listening],
+            [isinstance(callback, (ModelCheckpoint, EarlyStopping)) for callback in listening],
+        )
 
-    def _listeners_of(self, hook: Hook) -> tuple[list[Callable[..., None]], list[Callable[..., None]]]:
+    def _listeners_of(self, hook: Hook) -> _Listeners:
         listeners = self._listeners.get(hook)
         if listeners is None:
             listeners = self._listeners[hook] = self._resolve(hook)
@@ -228,29 +262,20 @@ class CallbackDispatcher:
         *args: P.args,
         **kwargs: P.kwargs,
     ) -> None:
-        """Call `hook` on the task (if it overrides it), then on every callback that overrides it."""
-        task_listeners, callback_listeners = self._listeners_of(hook)
-        for listener in task_listeners:
-            listener(self.trainer, self.task, *args, **kwargs)
-        for listener in callback_listeners:
-            listener(self.trainer, self.task, *args, **kwargs)
+        """Call `hook` on every callback that overrides it and on the task (if it overrides it)."""
+        listeners = self._listeners_of(hook)
+        if listeners.ordered:
+            self._call(listeners.name, listeners.ordered, args, kwargs)
 
-    def fire_task(
-        self,
-        hook: Callable[Concatenate[Callback, Trainer, Task, P], None],
-        *args: P.args,
-        **kwargs: P.kwargs,
-    ) -> None:
-        """Call only the task's version of `hook` (for events where the trainer acts in between)."""
-        for listener in self._listeners_of(hook)[0]:
-            listener(self.trainer, self.task, *args, **kwargs)
+    def fire_epoch_end(self, hook: Callable[Concatenate[Callback, Trainer, Task, P], None], monitoring: bool) -> None:
+        """Call `hook` as Lightning calls ``on_train_epoch_end``: with `monitoring` False, the callbacks that
+        do not monitor a metric and then the task; with `monitoring` True, ModelCheckpoint and EarlyStopping."""
+        listeners = self._listeners_of(hook)
+        self._call(listeners.name, listeners.monitoring if monitoring else listeners.others + listeners.task, (), {})
 
-    def fire_callbacks(
-        self,
-        hook: Callable[Concatenate[Callback, Trainer, Task, P], None],
-        *args: P.args,
-        **kwargs: P.kwargs,
-    ) -> None:
-        """Call only the callbacks' versions of `hook`."""
-        for listener in self._listeners_of(hook)[1]:
+    def _call(self, name: str, listeners: list[Listener], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        results = self.trainer.results
+        previous, results.hook = results.hook, name
+        for listener in listeners:
             listener(self.trainer, self.task, *args, **kwargs)
+        results.hook = previous

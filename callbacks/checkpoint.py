@@ -46,11 +46,14 @@ class ModelCheckpoint(Callback):
         dirpath: directory of the files; None for ``<trainer.log_dir>/checkpoints``.
         filename: template of the file name without extension, with fields from `trainer.callback_metrics`
             plus ``epoch`` and ``step``, e.g. ``"{epoch:02d}-{val_loss:.3f}"``; default ``"{epoch}-{step}"``.
-            With `auto_insert_metric_name` a field renders as ``name=value``.
-        monitor: metric to rank checkpoints by; None keeps the most recent ones.
+            With `auto_insert_metric_name` a field renders as ``name=value``; a metric not logged is 0.
+            `CHECKPOINT_NAME_LAST` is a template of the same kind (default ``"last"``).
+        monitor: metric to rank checkpoints by (a logged key, ``"epoch"`` or ``"step"``); None keeps the most
+            recent ones.
         mode: "min" or "max": whether a lower or a higher `monitor` is better.
         save_top_k: how many checkpoints to keep; -1 keeps all, 0 none (only `save_last`).
-        save_last: also write ``last.ckpt`` at every save, replacing the previous one.
+        save_last: also write ``last.ckpt`` at every save, replacing the previous one (``last-v1.ckpt``... when
+            the directory holds another run's).
         every_n_epochs: save every this many epochs (1 unless `every_n_train_steps` is given; 0 never).
         every_n_train_steps: save every this many optimizer steps, after the step's micro-batch.
         save_on_train_epoch_end: save epoch checkpoints at the end of the training epoch (True) or after
@@ -211,9 +214,9 @@ class ModelCheckpoint(Callback):
         if not self.save_last or trainer.global_step == self._last_global_step_saved:
             return
         self._last_global_step_saved = trainer.global_step
-        path = os.path.join(self._dir(), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
-        trainer.save_checkpoint(path)  # collective; replaces last.ckpt atomically
-        self.last_model_path = path
+        path = self.last_checkpoint_path(trainer) if trainer.is_global_zero else None
+        # Collective: the name is rank 0's (it looks at the directory), so every rank saves the same file.
+        self._save_last(trainer, trainer.strategy.broadcast_object(path))
 
     def _epoch_due(self, trainer: Trainer) -> bool:
         return self.every_n_epochs > 0 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
@@ -252,12 +255,29 @@ class ModelCheckpoint(Callback):
                 # Only now: until the new file exists, the dropped one may be the only good checkpoint.
                 _remove(plan.drop_path)
         if plan.last_path is not None:
-            previous_last, self.last_model_path = self.last_model_path, plan.last_path
-            try:
-                trainer.save_checkpoint(plan.last_path)  # collective; replaces last.ckpt atomically
-            except BaseException:
-                self.last_model_path = previous_last
-                raise
+            self._save_last(trainer, plan.last_path)
+
+    def _save_last(self, trainer: Trainer, path: str) -> None:
+        """Write the last checkpoint to `path`; a previous last file of this run with another name goes."""
+        previous, self.last_model_path = self.last_model_path, path
+        try:
+            trainer.save_checkpoint(path)  # collective; replaces the file atomically
+        except BaseException:
+            self.last_model_path = previous
+            raise
+        if previous and previous != path and trainer.is_global_zero and os.path.dirname(previous) == self._dir():
+            _remove(previous)
+
+    def last_checkpoint_path(self, trainer: Trainer) -> str:
+        """Return where this run's last checkpoint goes: `CHECKPOINT_NAME_LAST` formatted like `filename`,
+        with ``-v1``, ``-v2``... when another run's file has that name (Lightning's versioning)."""
+        name = self._format(self.CHECKPOINT_NAME_LAST, self._candidates(trainer))
+        path = os.path.join(self._dir(), name + self.FILE_EXTENSION)
+        version = 1
+        while os.path.exists(path) and path != self.last_model_path:
+            path = os.path.join(self._dir(), f"{name}-v{version}{self.FILE_EXTENSION}")
+            version += 1
+        return path
 
     def _plan(self, trainer: Trainer) -> _Plan:
         """Return which files this save writes and deletes (rank 0), or the error to raise on every rank."""
@@ -266,14 +286,18 @@ class ModelCheckpoint(Callback):
             if self.save_top_k != 0:
                 self._plan_top_k(trainer, plan)
             if self.save_last:
-                plan.last_path = os.path.join(self._dir(), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+                plan.last_path = self.last_checkpoint_path(trainer)
             return plan
         except Exception as error:
             # Raised on every rank after the broadcast, so no rank waits for a save that never comes.
             return _Plan(error=error)
 
+    def _candidates(self, trainer: Trainer) -> dict[str, Any]:
+        """Return what `monitor` and the filename may name: the logged metrics, ``epoch`` and ``step``."""
+        return {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step}
+
     def _plan_top_k(self, trainer: Trainer, plan: _Plan) -> None:
-        metrics = trainer.callback_metrics
+        metrics = self._candidates(trainer)
         if self.monitor is not None and self.monitor not in metrics and self._may_come_later(trainer):
             # A step checkpoint before the first validation: a validation metric cannot exist yet. As in
             # Lightning, skip the top-k save (last.ckpt is still written) and say so once.
@@ -288,11 +312,11 @@ class ModelCheckpoint(Callback):
         if self.monitor is not None and self.monitor not in metrics:
             raise KeyError(
                 f"ModelCheckpoint(monitor={self.monitor!r}) found no metric of that name. "
-                f"Logged metrics: {', '.join(sorted(metrics)) or 'none'}. "
+                f"Logged metrics: {', '.join(sorted(trainer.callback_metrics)) or 'none'} (and epoch, step). "
                 f"Log it with self.log({self.monitor!r}, ...) or change `monitor`."
             )
         score = self._score(metrics[self.monitor]) if self.monitor is not None else float(trainer.global_step)
-        path = self.format_checkpoint_name({**metrics, "epoch": trainer.current_epoch, "step": trainer.global_step})
+        path = self.format_checkpoint_name(metrics)
         kept = plan.best_k_models
         drop: str | None = None
         if path not in kept and self.save_top_k != -1 and len(kept) >= self.save_top_k:
@@ -345,25 +369,20 @@ class ModelCheckpoint(Callback):
     def format_checkpoint_name(self, metrics: Mapping[str, Any]) -> str:
         """Return the path of a checkpoint with `metrics` (which include ``epoch`` and ``step``).
 
-        Raises:
-            KeyError: the filename template names a metric that is not in `metrics`.
+        A field naming a metric that was not logged renders as 0, as in Lightning.
         """
+        return os.path.join(self._dir(), self._format(self.filename or "{epoch}-{step}", metrics) + self.FILE_EXTENSION)
 
+    def _format(self, template: str, metrics: Mapping[str, Any]) -> str:
         def render(match: re.Match[str]) -> str:
             name, spec = match.group(1), match.group(2) or ""
-            if name not in metrics:
-                raise KeyError(
-                    f"ModelCheckpoint filename {template!r} uses {{{name}}}, which was not logged. "
-                    f"Available: {', '.join(sorted(metrics))}."
-                )
-            value = metrics[name]
+            value = metrics.get(name, 0)
             if not isinstance(value, (int, float)):
                 value = value.item()  # host sync: once per save
             rendered = format(value, spec)
             return f"{name}={rendered}" if self.auto_insert_metric_name else rendered
 
-        template = self.filename or "{epoch}-{step}"
-        return os.path.join(self._dir(), _FIELD.sub(render, template) + self.FILE_EXTENSION)
+        return _FIELD.sub(render, template)
 
     # ------------------------------------------------------------- resuming
     def state_dict(self) -> dict[str, Any]:

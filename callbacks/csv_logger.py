@@ -28,7 +28,9 @@ class CSVLogger(VersionedLogger):
 
     METRICS_FILE = "metrics.csv"
 
-    def __init__(self, save_dir: str | os.PathLike[str], name: str = "csv_logs", version: int | None = None) -> None:
+    def __init__(
+        self, save_dir: str | os.PathLike[str], name: str = "csv_logs", version: int | str | None = None
+    ) -> None:
         super().__init__(save_dir, name, version)
         #: Header of the metrics file; None until the first row is written.
         self._columns: list[str] | None = None

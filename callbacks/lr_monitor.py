@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from syncline.callbacks.callback import Callback
 
 if TYPE_CHECKING:
@@ -16,9 +18,14 @@ _INTERVALS = (None, "step", "epoch")
 
 
 class LearningRateMonitor(Callback):
-    """Log ``lr-<Optimizer>`` (``lr-<Optimizer>-pg<i>`` per parameter group when there are several).
+    """Log the optimizer's learning rates under Lightning's names, and put them in `callback_metrics`.
 
-    Step values are logged before the optimizer step that uses them, at logging steps
+    A scheduler configured with ``{"name": ...}`` logs under that name as given; otherwise the name is
+    ``lr-<Optimizer>``. With several parameter groups each gets a suffix: its ``"name"`` entry, or
+    ``pg<i>`` counted from 1 (``lr-Adam/pg1``, ``lr-Adam/pg2``); a single group with a ``"name"`` is
+    ``lr-Adam/<name>``. The values are also in `trainer.callback_metrics`, so a callback can monitor them.
+
+    Step values are logged before the optimizer step that uses them, at Lightning's logging steps
     (`Trainer.log_every_n_steps`); epoch values at the start of each epoch.
 
     Args:
@@ -42,28 +49,40 @@ class LearningRateMonitor(Callback):
             self._interval = configs[0].interval
 
     def on_train_batch_start(self, trainer: Trainer, task: Task, batch: Any, batch_idx: int) -> None:
-        """Log at the first micro-batch of a logging step's accumulation window."""
+        """Log at the first micro-batch of the window whose step is a logging step."""
         if self._interval != "step" or batch_idx % trainer.accumulate_grad_batches:
             return
-        if trainer.global_step % trainer.log_every_n_steps == 0:
-            trainer.log_metrics(self.learning_rates(trainer))
+        if (trainer.global_step + 1) % trainer.log_every_n_steps == 0:
+            self._log(trainer)
 
     def on_train_epoch_start(self, trainer: Trainer, task: Task) -> None:
         """Log at the start of each epoch, when the interval is "epoch"."""
         if self._interval == "epoch":
-            trainer.log_metrics(self.learning_rates(trainer))
+            self._log(trainer)
+
+    def _log(self, trainer: Trainer) -> None:
+        rates = self.learning_rates(trainer)
+        # The rate of the coming step, under the step its batch's values are logged at (Lightning's).
+        trainer.log_metrics(rates, step=trainer.global_step)
+        trainer.callback_metrics.update({name: torch.tensor(rate) for name, rate in rates.items()})
 
     def learning_rates(self, trainer: Trainer) -> dict[str, float]:
         """Return the current learning rate of every parameter group, by logged name."""
         rates: dict[str, float] = {}
         names = [config.name for config in trainer.lr_scheduler_configs if config.name]
         for optimizer in trainer.optimizers:
-            # A scheduler configured with {"name": ...} names the curve, as in Lightning.
-            name = f"lr-{names[0] if names else type(optimizer).__name__}"
+            # A scheduler configured with {"name": ...} names the curve as given, as in Lightning.
+            name = names[0] if names else f"lr-{type(optimizer).__name__}"
             groups = optimizer.param_groups
-            # float() of a tensor lr (capturable optimizers) is a host sync: logging steps only.
-            if len(groups) == 1:
-                rates[name] = float(groups[0]["lr"])
-            else:
-                rates.update({f"{name}-pg{i}": float(group["lr"]) for i, group in enumerate(groups)})
+            for i, group in enumerate(groups):
+                # float() of a tensor lr (capturable optimizers) is a host sync: logging steps only.
+                rates[_group_name(name, groups, i)] = float(group["lr"])
         return rates
+
+
+def _group_name(name: str, groups: list[dict[str, Any]], index: int) -> str:
+    """Return `name` with Lightning's suffix for parameter group `index` of `groups`."""
+    group_name = groups[index].get("name")
+    if len(groups) > 1:
+        return f"{name}/{group_name or f'pg{index + 1}'}"
+    return f"{name}/{group_name}" if group_name else name

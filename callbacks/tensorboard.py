@@ -35,7 +35,7 @@ class TensorBoardLogger(VersionedLogger):
         self,
         save_dir: str | os.PathLike[str],
         name: str = "logs",
-        version: int | None = None,
+        version: int | str | None = None,
         default_hp_metric: bool = False,
     ) -> None:
         # Import tensorboard now rather than at the first logged step: an import in the middle of

@@ -67,6 +67,8 @@ class CommunicationTimeline(Callback):
         self._origin = 0.0
         self._recording = False
         self._started = 0.0
+        #: Whether the micro-batch in progress is taking an optimizer step.
+        self._stepping = False
 
     # ------------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: Trainer, task: Task) -> None:
@@ -118,11 +120,13 @@ class CommunicationTimeline(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, task: Task, optimizer: torch.optim.Optimizer) -> None:
         """Start the optimizer step's span (clipping and the strategy's step)."""
         self._started = time.perf_counter()
+        self._stepping = True
 
-    def on_before_zero_grad(self, trainer: Trainer, task: Task, optimizer: torch.optim.Optimizer) -> None:
-        """End the optimizer step's span."""
-        if self._recording:
+    def on_train_batch_end(self, trainer: Trainer, task: Task, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """End the optimizer step's span, when this micro-batch took a step."""
+        if self._recording and self._stepping:
             self._events.span("optimizer step", self._started, time.perf_counter())
+        self._stepping = False
 
 
 def trace_events(ranks: list[list[tuple[str, str, float, float, int, dict[str, Any]]]]) -> dict[str, Any]:

@@ -27,11 +27,20 @@ class VersionedLogger(Logger):
     Args:
         save_dir: root directory of all runs.
         name: experiment name, a subdirectory of `save_dir`.
-        version: run number; None picks the next free one.
+        version: run number; a string names the directory itself (as in Lightning); None picks the next free
+            number.
     """
 
-    def __init__(self, save_dir: str | os.PathLike[str], name: str, version: int | None = None) -> None:
-        check_int(type(self).__name__, "version", version, 0, none_ok=True, meaning="None picks the next free one")
+    def __init__(self, save_dir: str | os.PathLike[str], name: str, version: int | str | None = None) -> None:
+        if not isinstance(version, str):
+            check_int(
+                type(self).__name__,
+                "version",
+                version,
+                0,
+                none_ok=True,
+                meaning="a name, or None for the next free one",
+            )
         self.save_dir = str(save_dir)
         self.name = name
         self._given_version = version
@@ -42,8 +51,8 @@ class VersionedLogger(Logger):
         self._started = False
 
     @property
-    def version(self) -> int:
-        """The run number N of ``version_N``."""
+    def version(self) -> int | str:
+        """The run number N of ``version_N``, or the name given as a string (the directory's own name)."""
         if self._version is None:
             self._version = _next_version(Path(self.save_dir, self.name))
         return self._version
@@ -51,7 +60,8 @@ class VersionedLogger(Logger):
     @property
     def log_dir(self) -> str:
         """Directory of this run's files."""
-        return os.path.join(self.save_dir, self.name, f"version_{self.version}")
+        version = self.version
+        return os.path.join(self.save_dir, self.name, version if isinstance(version, str) else f"version_{version}")
 
     def state_dict(self) -> dict[str, Any]:
         """Return the version, so a resumed run writes to the same directory."""

@@ -48,7 +48,8 @@ class TrainerConf:
 
     max_epochs: int | None = None
     max_steps: int = -1
-    devices: int = 1
+    # An int, or Lightning's "auto" (OmegaConf 2.3 has no int-or-str type; the Trainer checks the value).
+    devices: Any = 1
     accelerator: str = "auto"
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None

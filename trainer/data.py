@@ -5,16 +5,22 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from syncline.trainer.rank_zero import rank_zero_warn
 
+if TYPE_CHECKING:
+    from syncline.trainer.trainer import Trainer
+
 __all__ = [
     "UnpaddedShardSampler",
     "epoch_batches",
+    "eval_dataloaders",
     "limit_batches",
+    "prepare_loader",
+    "prepare_loaders",
     "with_distributed_sampler",
     "with_evaluation_sampler",
 ]
@@ -154,3 +160,47 @@ def epoch_batches(loader: Iterable[Any], num_batches: int | float, skip: int = 0
     if num_batches == math.inf:
         return iterator
     return itertools.islice(iterator, int(num_batches) - skip)
+
+
+def prepare_loader(trainer: Trainer, loader: Any, evaluation: bool = False) -> Any:
+    """Return `loader` sharded for the trainer's processes: training data with a `DistributedSampler`
+    (seeded with `trainer.seed`), evaluation data so that every sample is seen exactly once."""
+    if not (trainer.use_distributed_sampler and isinstance(loader, DataLoader)):
+        return loader
+    if evaluation:
+        # Every sample exactly once, so metrics over several processes equal the one-process values.
+        return with_evaluation_sampler(loader, trainer.strategy.distributed_sampler_kwargs)
+    return with_distributed_sampler(loader, trainer.strategy.distributed_sampler_kwargs, seed=trainer.seed or 0)
+
+
+def prepare_loaders(
+    trainer: Trainer, loaders: Any, limit: int | float | None, name: str, evaluation: bool = True
+) -> tuple[list[Any], list[int | float]]:
+    """Return `loaders` (one, a list or tuple, or None for none) prepared, and how many batches each gives."""
+    if loaders is None:
+        return [], []
+    prepared = [
+        prepare_loader(trainer, loader, evaluation)
+        for loader in (loaders if isinstance(loaders, (list, tuple)) else [loaders])
+    ]
+    return prepared, [limit_batches(loader, limit, name) for loader in prepared]
+
+
+#: The task's method that returns a stage's data when none is passed to the Trainer.
+_LOADER_METHODS = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+
+
+def eval_dataloaders(task: Any, stage: str, dataloaders: Any) -> Any:
+    """Return `dataloaders`, or the task's own for `stage` when None.
+
+    Raises:
+        ValueError: neither gives any data; names the method to override.
+    """
+    if dataloaders is None:
+        dataloaders = getattr(task, _LOADER_METHODS[stage])()
+    if dataloaders is None:
+        raise ValueError(
+            f"Trainer.{stage} has no data: pass `dataloaders=` or override "
+            f"{type(task).__name__}.{_LOADER_METHODS[stage]}()."
+        )
+    return dataloaders

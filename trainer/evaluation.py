@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from syncline.callbacks.callback import Callback
 from syncline.trainer.data import epoch_batches
@@ -14,7 +15,7 @@ from syncline.trainer.data import epoch_batches
 if TYPE_CHECKING:
     from syncline.trainer.trainer import Trainer
 
-__all__ = ["EVAL_STAGES", "EvalStage", "run_evaluation"]
+__all__ = ["EVAL_STAGES", "EvalStage", "EvaluationLoop", "ModuleModes"]
 
 
 @dataclass(frozen=True)
@@ -61,38 +62,114 @@ EVAL_STAGES: dict[str, EvalStage] = {
 }
 
 
-def run_evaluation(
-    trainer: Trainer, stage: str, loaders: Sequence[Any], num_batches: Sequence[int | float]
-) -> tuple[dict[str, torch.Tensor], list[Any]]:
-    """Run `stage` over `loaders` without gradients and return (epoch metrics, predictions).
+class ModuleModes:
+    """The train/eval mode of every submodule of a module, captured so it can be put back as it was.
 
-    The task is in eval mode for the duration and returns to the mode it had. Predictions are collected
-    only for the predict stage.
+    A frozen encoder the user put in `.eval()` stays in eval mode through training, and evaluation hands
+    every submodule back in the mode it found it in, as Lightning does.
     """
-    hooks = EVAL_STAGES[stage]
-    task, strategy, dispatcher = trainer.task, trainer.strategy, trainer.dispatcher
-    step_fn = getattr(task, hooks.step)
-    predictions: list[Any] = []
-    trainer.num_eval_batches = list(num_batches)
-    was_training = task.training
-    task.eval()
-    dispatcher.fire(hooks.start)
-    dispatcher.fire(hooks.epoch_start)
-    with torch.no_grad():
-        for dataloader_idx, (loader, limit) in enumerate(zip(loaders, num_batches)):
-            extra = (dataloader_idx,) if len(loaders) > 1 else ()
-            for batch_idx, batch in enumerate(epoch_batches(loader, limit)):
-                batch = strategy.batch_to_device(batch)
-                trainer.results.new_batch(batch)
-                dispatcher.fire(hooks.batch_start, batch, batch_idx, dataloader_idx)
-                with trainer.precision.autocast():
-                    outputs = step_fn(batch, batch_idx, *extra)
-                if stage == "predict":
-                    predictions.append(outputs)
-                dispatcher.fire(hooks.batch_end, outputs, batch, batch_idx, dataloader_idx)
-    dispatcher.fire_task(hooks.epoch_end)
-    metrics = trainer.results.epoch_end()
-    dispatcher.fire_callbacks(hooks.epoch_end)
-    dispatcher.fire(hooks.end)
-    task.train(was_training)
-    return metrics, predictions
+
+    def __init__(self, module: nn.Module) -> None:
+        self.modes = [(submodule, submodule.training) for submodule in module.modules()]
+
+    def restore(self) -> None:
+        """Put every submodule back in the mode it had when captured."""
+        for submodule, training in self.modes:
+            submodule.training = training
+
+
+class EvaluationLoop:
+    """Run one evaluation stage (validate, test, predict, or the sanity check) over its loaders.
+
+    Args:
+        trainer: the Trainer whose task, strategy, precision and results it uses.
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        #: Batches evaluated per loader in this stage call: the step at which step values are logged.
+        self.seen_batches: dict[int, int] = {}
+
+    def reset(self) -> None:
+        """Start counting logged evaluation steps again (at the start of each stage)."""
+        self.seen_batches.clear()
+
+    def run(
+        self, stage: str, loaders: Sequence[Any], num_batches: Sequence[int | float]
+    ) -> tuple[list[dict[str, float]], list[Any]]:
+        """Run `stage` over `loaders` without gradients; return (epoch metrics per loader, predictions).
+
+        Nothing runs, not even a hook, when there are no batches. Predictions are collected for the
+        predict stage only: one list per loader, or one list of batches with a single loader.
+        """
+        trainer = self.trainer
+        if not sum(num_batches):
+            return [], []
+        hooks = EVAL_STAGES[stage]
+        task, strategy, dispatcher = trainer.task, trainer.strategy, trainer.dispatcher
+        results, logging = trainer.eval_results, not trainer.sanity_checking and stage != "predict"
+        step_fn = getattr(task, hooks.step)
+        several = len(loaders) > 1
+        predictions: list[list[Any]] = [[] for _ in loaders]
+        trainer.num_eval_batches = list(num_batches)
+        modes = ModuleModes(task)
+        task.eval()
+        training_results, trainer.results = trainer.results, results
+        results.reset()
+        try:
+            dispatcher.fire(hooks.start)
+            dispatcher.fire(hooks.epoch_start)
+            with torch.no_grad():
+                for dataloader_idx, (loader, limit) in enumerate(zip(loaders, num_batches)):
+                    extra = (dataloader_idx,) if several else ()
+                    results.dataloader_idx = dataloader_idx if several else None
+                    for batch_idx, batch in enumerate(epoch_batches(loader, limit)):
+                        batch = strategy.batch_to_device(batch)
+                        results.new_batch(batch)
+                        dispatcher.fire(hooks.batch_start, batch, batch_idx, dataloader_idx)
+                        results.hook = hooks.step
+                        with trainer.precision.autocast():
+                            outputs = step_fn(batch, batch_idx, *extra)
+                        results.hook = ""
+                        if stage == "predict":
+                            predictions[dataloader_idx].append(outputs)
+                        dispatcher.fire(hooks.batch_end, outputs, batch, batch_idx, dataloader_idx)
+                        if logging:
+                            self._log_step(dataloader_idx)
+            results.dataloader_idx = None
+            # Resolved before the epoch-end hooks, so they see this run's values in callback_metrics, and
+            # again after them, for what they logged; then the loggers, then the end hooks (checkpoints).
+            results.epoch_end()
+            dispatcher.fire(hooks.epoch_end)
+            results.epoch_end()
+            epoch_logs = results.pop_epoch_logs()
+            if logging:
+                trainer.log_metrics(epoch_logs)
+            dispatcher.fire(hooks.end)
+        finally:
+            trainer.results = training_results
+            modes.restore()
+        metrics = _per_loader({name: float(value) for name, value in epoch_logs.items()}, len(loaders))
+        return metrics, (predictions if several else predictions[0])
+
+    def _log_step(self, dataloader_idx: int) -> None:
+        """Send this batch's step values to the loggers, at the count of batches seen in this loader."""
+        logs = self.trainer.eval_results.pop_step_logs()
+        step = self.seen_batches.get(dataloader_idx, 0)
+        self.seen_batches[dataloader_idx] = step + 1
+        if logs:
+            self.trainer.log_metrics(logs, step=step)
+
+
+def _per_loader(values: dict[str, float], loaders: int) -> list[dict[str, float]]:
+    """Split epoch values by their ``/dataloader_idx_N`` suffix: one dict per loader, as Lightning returns them.
+
+    Values without a suffix (logged in epoch-end hooks) belong to every loader's dict.
+    """
+    if loaders == 1:
+        return [values]
+    shared = {name: value for name, value in values.items() if "/dataloader_idx_" not in name}
+    return [
+        {**shared, **{name: value for name, value in values.items() if name.endswith(f"/dataloader_idx_{i}")}}
+        for i in range(loaders)
+    ]

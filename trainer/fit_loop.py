@@ -1,7 +1,8 @@
-"""The training loop: epochs of micro-batches, accumulation windows, optimizer steps, validation."""
+"""The training loop: the sanity check, epochs of micro-batches, accumulation windows, optimizer steps, validation."""
 
 from __future__ import annotations
 
+import gc
 import math
 import signal
 from collections.abc import Iterator
@@ -12,57 +13,92 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback
 from syncline.strategies.join import Joinable
+from syncline.trainer import persistence
 from syncline.trainer.data import epoch_batches
 from syncline.trainer.nonfinite import NonfiniteLossGuard
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
-from syncline.trainer.state import capture_rng, restore_rng
+from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.trainer.state import capture_rng, isolated_rng, restore_rng
 from syncline.trainer.uneven import JOINED, agreed_batches, needs_agreement
 
 if TYPE_CHECKING:
+    from syncline.trainer.optim import OptimizerSetup
     from syncline.trainer.trainer import Trainer
 
 __all__ = ["FitLoop"]
 
 
 class FitLoop:
-    """Run `Trainer.fit`'s epochs. Holds nothing that the trainer's state does not already say."""
+    """Run `Trainer.fit`'s epochs: the sanity check, batches, validation when due, epoch ends, schedulers.
+
+    Made with the Trainer; `setup` binds it to the task and optimizer of a fit. It holds nothing that the
+    trainer's state does not already say, except where this batch stands between its step and its end.
+    """
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.state = trainer.state
-        self.task = trainer.task
-        self.strategy = trainer.strategy
-        self.precision = trainer.precision
         self.fire = trainer.dispatcher.fire
         self.accumulate = trainer.accumulate_grad_batches
-        if trainer.optim is None:
-            raise RuntimeError("FitLoop needs the task's optimizers: call configure_optimizers first.")
-        self.optim = trainer.optim
-        self.parameters = [p for p in self.task.parameters() if p.requires_grad]
-        self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, self.strategy)
+        self.optim: OptimizerSetup | None = None
+        self.parameters: list[Tensor] = []
+        self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         #: RNG state of the checkpoint being resumed, applied at the point in the loop it was taken.
         self.resume_rng: dict[str, Any] | None = None
+        #: Training batches between validations: a float for fractions of an epoch, so that e.g. 0.25
+        #: validates after batches 110, 220, 330 and 439 of 439 rather than 109, 218, 327, 436 and 439.
+        self.val_every: float | None = None
+        #: Whether the batch in progress has taken its optimizer step (its logs then go to the step before).
+        self.stepped = False
+        #: Micro-batches of the open accumulation window that returned a loss (None skips one).
+        self._window_losses = 0
+        self._warned_none = False
+
+    def setup(self, optim: OptimizerSetup) -> None:
+        """Bind the loop to the optimizer of this fit and plan when validation runs."""
+        trainer = self.trainer
+        self.fire = trainer.dispatcher.fire
+        self.optim = optim
+        self.parameters = [p for p in trainer.task.parameters() if p.requires_grad]
+        self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
+        self.resume_rng = None
+        interval, batches = trainer.val_check_interval, trainer.num_training_batches
+        if isinstance(interval, float):
+            finite_fraction = interval < 1.0 and batches != math.inf
+            self.val_every = max(1.0, batches * interval) if finite_fraction else None
+        else:
+            self.val_every = float(interval)
 
     # ------------------------------------------------------------------ epochs
+    def train(self) -> None:
+        """Run the sanity check, then train with the heap frozen and the preemption signal watched."""
+        self.sanity_check()
+        # What exists now (imports, the task, the data) lives through training: freeze it, so that the
+        # garbage collector's full passes during training walk only objects made since, rather than
+        # pausing the loop for the whole heap (100-200 ms each on a heap with torch imported).
+        gc.collect()
+        gc.freeze()
+        self.trainer.preemption.install()
+        try:
+            self.run()
+        finally:
+            self.trainer.preemption.uninstall()
+            gc.unfreeze()
+
     def run(self) -> None:
-        """Train until max_epochs, max_steps or a stop request."""
+        """Train until max_epochs, max_steps or a stop request; nothing at all without training batches."""
         state = self.state
-        if state.epoch_finished:
-            state.start_epoch()
+        # A checkpoint taken at an epoch's end (by early stopping's validation, say) finishes that epoch first.
+        if not self.trainer.num_training_batches or (self._done() and not state.batches_done):
+            return
         self.fire(Callback.on_train_start)
         if state.batches_done:
             # Resumed from a checkpoint taken after the epoch's last batch (at its final validation or
             # its epoch-end hooks): do what was still ahead of it, and nothing it had already done.
-            self.task.train()
             self._apply_resume_rng()
             self.end_epoch()
-            if not self._done():
-                state.start_epoch()
         while not self._done():
             self.run_epoch()
-            if self._done():
-                break
-            state.start_epoch()
         self.trainer.preemption.finish()
         self.fire(Callback.on_train_end)
 
@@ -72,70 +108,119 @@ class FitLoop:
             return True
         if trainer.max_steps != -1 and state.global_step >= trainer.max_steps:
             return True
-        return trainer.max_epochs is not None and state.current_epoch >= trainer.max_epochs
+        return trainer.max_epochs not in (None, -1) and state.current_epoch >= trainer.max_epochs
 
     def run_epoch(self) -> None:
         """Run one training epoch, its validations and its end-of-epoch events."""
-        trainer, state, task = self.trainer, self.state, self.task
-        task.train()
+        trainer, state = self.trainer, self.state
+        self.stepped = False
         self.fire(Callback.on_train_epoch_start)
-        num_batches = trainer.num_training_batches
         exhausted = True
-        for batch_idx, batch, is_last in self._batches(num_batches):
-            stepped = self.run_batch(batch, batch_idx, is_last)
-            if not is_last and trainer.validation_due(batch_idx, is_last=False):
-                self.validate_after(batch_idx)
+        for batch_idx, batch, is_last in self._batches(trainer.num_training_batches):
+            self.run_batch(batch, batch_idx, is_last)
             exhausted = is_last
-            if stepped:
-                self.stop_if_preempted()
             if state.should_stop or (trainer.max_steps != -1 and state.global_step >= trainer.max_steps):
                 break
+        # Step values not due for the loggers by the epoch's end are not carried into the next epoch.
+        trainer.results.pop_step_logs()
         # An epoch cut short by max_steps is not finished: it gets its final validation but no epoch-end
         # events, and a resume with a larger max_steps continues it with its remaining batches, as an
         # uninterrupted run would. A stop request (early stopping) ends the epoch.
-        # The epoch's last step is logged whatever log_every_n_steps says, and under this epoch's number.
-        trainer.flush_step_logs(force=True)
         if exhausted or state.should_stop:
             state.batches_done = True
             self.end_epoch()
-        elif state.batch_idx - 1 != state.validated_after and trainer.validation_due(state.batch_idx - 1, is_last=True):
+        elif state.batch_idx - 1 != state.validated_after and self.validation_due(state.batch_idx - 1, is_last=True):
             # Not twice: max_steps can end the epoch right after a validation within it.
             self.validate_after(state.batch_idx - 1)
 
     def end_epoch(self) -> None:
-        """Finish an epoch whose batches are done: final validation, epoch-end hooks, epoch schedulers.
+        """Finish an epoch whose batches are done: final validation, epoch-end hooks, plateau schedulers.
 
         Each part is marked done in the state before its hooks run, so a checkpoint saved from those hooks
-        resumes after it; the parts still ahead of a checkpoint run when it is resumed.
+        resumes after it; the parts still ahead of a checkpoint run when it is resumed. The epoch counter
+        advances last, as Lightning's does.
         """
-        trainer, state = self.trainer, self.state
+        state = self.state
         last = state.batch_idx - 1
-        if last != state.validated_after and trainer.validation_due(last, is_last=True):
+        if last != state.validated_after and self.validation_due(last, is_last=True):
             self.validate_after(last)
         if not state.epoch_hooks_done:
             self.fire_epoch_end()
-        self.optim_step_schedulers("epoch", state.current_epoch + 1)
-        state.epoch_finished = True
+        if self._all_batches_done():
+            # The other epoch schedulers stepped with the epoch's last optimizer step (see `optimizer_step`).
+            self.step_schedulers("epoch", state.current_epoch + 1, plateau=True)
+        state.finish_epoch()
+        self.stepped = False
+
+    def _all_batches_done(self) -> bool:
+        """Whether the epoch consumed all its batches (not cut short by a stop request)."""
+        batches = self.trainer.num_training_batches
+        return self.state.batch_idx >= batches if batches != math.inf else not self.state.should_stop
+
+    def fire_epoch_end(self) -> None:
+        """Resolve the epoch's aggregates, fire ``on_train_epoch_end`` in Lightning's order, log what they logged."""
+        trainer, results = self.trainer, self.trainer.results
+        results.epoch_end()
+        trainer.dispatcher.fire_epoch_end(Callback.on_train_epoch_end, monitoring=False)
+        results.epoch_end()
+        trainer.log_metrics(results.pop_epoch_logs())
+        # Marked before the monitoring callbacks: ModelCheckpoint saves there, once every other callback and
+        # the task have seen the epoch's end, so a resume from its checkpoint must not fire these hooks again.
+        self.state.epoch_hooks_done = True
+        trainer.dispatcher.fire_epoch_end(Callback.on_train_epoch_end, monitoring=True)
+        results.epoch_end()
+        trainer.log_metrics(results.pop_epoch_logs())
+
+    def step_schedulers(self, interval: str, count: int, plateau: bool) -> None:
+        """Step the schedulers of `interval` due at `count`: the plateau ones, or the others."""
+        assert self.optim is not None
+        self.optim.step_schedulers(interval, count, self.trainer.callback_metrics, plateau=plateau)
+
+    # -------------------------------------------------------------- validation
+    def validation_due(self, batch_idx: int, is_last: bool) -> bool:
+        """Whether validation runs after training batch `batch_idx` of this epoch."""
+        if not any(self.trainer.num_val_batches):
+            return False
+        if is_last and isinstance(self.trainer.val_check_interval, float):
+            return True
+        every = self.val_every
+        # Due when this batch crosses a multiple of `every`.
+        return every is not None and int((batch_idx + 1) / every) > int(batch_idx / every)
 
     def validate_after(self, batch_idx: int) -> None:
         """Validate after training batch `batch_idx`; a checkpoint saved by validation's hooks says so."""
         self.state.validated_after = batch_idx
-        self.trainer.run_validation()
-
-    def fire_epoch_end(self) -> None:
-        """Let the task log, resolve the epoch's aggregates, then let the callbacks see them."""
         trainer = self.trainer
-        trainer.dispatcher.fire_task(Callback.on_train_epoch_end)
-        trainer.log_metrics(trainer.results.epoch_end())
-        # Marked before the callbacks run: ModelCheckpoint saves last, once every other callback has seen
-        # the epoch's end, so a resume from its checkpoint must not fire these hooks again.
-        self.state.epoch_hooks_done = True
-        trainer.dispatcher.fire_callbacks(Callback.on_train_epoch_end)
+        # Validating (how often, on how many batches, or not at all) never moves the training run's RNG.
+        with isolated_rng():
+            trainer.evaluation.run("validate", trainer.val_dataloaders, trainer.num_val_batches)
 
-    def optim_step_schedulers(self, interval: str, count: int) -> None:
-        """Step the schedulers due at this step or epoch."""
-        self.optim.step_schedulers(interval, count, self.trainer.callback_metrics)
+    def sanity_check(self) -> None:
+        """Run `num_sanity_val_steps` validation batches (-1: all, within `limit_val_batches`); keep no metric."""
+        trainer, state = self.trainer, self.state
+        steps = trainer.num_sanity_val_steps
+        if steps == 0 or not any(trainer.num_val_batches):
+            return
+        limits = [n if steps == -1 else min(steps, n) for n in trainer.num_val_batches]
+        saved_metrics = dict(trainer.callback_metrics), dict(trainer.progress_bar_metrics)
+        state.sanity_checking = True
+        self.fire(Callback.on_sanity_check_start)
+        with isolated_rng():
+            trainer.evaluation.run("validate", trainer.val_dataloaders, limits)
+        self.fire(Callback.on_sanity_check_end)
+        state.sanity_checking = False
+        # Sanity metrics come from a few batches of an untrained task: nobody should act on them.
+        for current, saved in zip((trainer.callback_metrics, trainer.progress_bar_metrics), saved_metrics):
+            current.clear()
+            current.update(saved)
 
+    def log_step(self) -> int:
+        """The step under which values are logged now, as Lightning counts it: the steps taken before the
+        current batch, so a batch's step values, its validation and an epoch's end share one step."""
+        step = self.state.global_step
+        return max(step - 1, 0) if self.stepped or self.state.batches_done else step
+
+    # ------------------------------------------------------------------- data
     def _batches(self, num_batches: int | float) -> Iterator[tuple[int, Any, bool]]:
         """Return (batch_idx, batch, is_last) for this epoch, replaying the data order on a resume."""
         state, loader = self.state, self.trainer.train_dataloader
@@ -157,9 +242,9 @@ class FitLoop:
             last = int(num_batches) - 1
             flagged = ((i, batch, i == last) for i, batch in enumerate(batches, start=skip))
         self._apply_resume_rng()
-        if needs_agreement(loader, self.strategy, self.trainer.uneven_inputs):
+        if needs_agreement(loader, self.trainer.strategy, self.trainer.uneven_inputs):
             join = self.trainer.uneven_inputs == "join"
-            return agreed_batches(flagged, self.strategy, state.current_epoch, join=join)
+            return agreed_batches(flagged, self.trainer.strategy, state.current_epoch, join=join)
         return flagged
 
     def _apply_resume_rng(self) -> None:
@@ -168,44 +253,89 @@ class FitLoop:
             self.resume_rng = None
 
     # ----------------------------------------------------------------- batches
-    def run_batch(self, batch: Any, batch_idx: int, is_last: bool) -> bool:
-        """Forward, backward (synchronized at the end of an accumulation window), and maybe a step.
-
-        Returns:
-            Whether an optimizer step was taken.
-        """
-        trainer, task, strategy = self.trainer, self.task, self.strategy
+    def run_batch(self, batch: Any, batch_idx: int, is_last: bool) -> None:
+        """Train on one micro-batch, then validate, step plateau schedulers and check for preemption."""
+        self.stepped = False
         if batch is JOINED:
             # Accumulation is 1 under join: every other rank's batch ends a window, so this one does too.
             self.shadow_batch(batch_idx)
-            return True
+        else:
+            self.train_batch(batch, batch_idx, is_last)
+        if not is_last and self.validation_due(batch_idx, is_last=False):
+            self.validate_after(batch_idx)
+        if self.stepped:
+            if self.optim is not None and self.optim.schedulers:
+                # After the batch's validation, as Lightning steps them: they may monitor a validation metric.
+                self.step_schedulers("step", self.state.global_step, plateau=True)
+            self.stop_if_preempted()
+
+    def train_batch(self, batch: Any, batch_idx: int, is_last: bool) -> None:
+        """Forward, backward (synchronized at the end of an accumulation window), and maybe a step."""
+        trainer, task, strategy = self.trainer, self.trainer.task, self.trainer.strategy
+        results = trainer.results
         batch = strategy.batch_to_device(batch)
-        trainer.results.new_batch(batch)
+        results.new_batch(batch)
         self.fire(Callback.on_train_batch_start, batch, batch_idx)
         window_end = is_last or (batch_idx + 1) % self.accumulate == 0
         strategy.sync_next_backward = window_end
-        with self.precision.autocast():
+        results.hook = "training_step"
+        with trainer.precision.autocast():
             outputs = strategy.training_step(task, batch, batch_idx)
+        results.hook = ""
         loss = self._loss_of(outputs)
-        if self.accumulate > 1:
-            # Average over the window's micro-batches so k steps of size b equal one of size k*b.
-            loss = loss / self.accumulate
-        self.nonfinite.observe(loss)
-        if window_end and not self.nonfinite.window_is_finite(self.state.global_step, batch_idx):
-            # Every rank skips alike: no synchronized backward, no step, the window's gradients dropped.
-            strategy.zero_grad(self.optim.optimizer)
-        else:
-            self.fire(Callback.on_before_backward, loss)
-            strategy.backward(self.precision.scale_loss(loss), sync=window_end)
-            self.fire(Callback.on_after_backward)
-            if window_end:
-                self.optimizer_step()
+        if batch_idx % self.accumulate == 0:
+            self._window_losses = 0
+        kept = True
+        if loss is not None:
+            self._window_losses += 1
+            kept = self.backward(loss, batch_idx, window_end)
+        if window_end and kept:
+            # A window whose every training_step returned None still counts its step, as in Lightning
+            # (whose optimizer step then has no gradient to apply).
+            self.optimizer_step(is_last, apply=self._window_losses > 0)
         # Counted before the batch-end hooks, so a checkpoint taken there resumes after this batch.
         self.state.batch_idx = batch_idx + 1
         self.fire(Callback.on_train_batch_end, outputs, batch, batch_idx)
         if window_end:
-            trainer.flush_step_logs()
-        return window_end
+            self.flush_step_logs()
+
+    def backward(self, loss: Tensor, batch_idx: int, window_end: bool) -> bool:
+        """Reset gradients at a window's start, then back-propagate, as Lightning orders the hooks.
+
+        Returns:
+            False when a non-finite loss (`nonfinite_loss="skip"`) dropped the window.
+        """
+        strategy, optimizer = self.trainer.strategy, self.optimizer
+        if self.accumulate > 1:
+            # Average over the window's micro-batches so k steps of size b equal one of size k*b.
+            loss = loss / self.accumulate
+        if batch_idx % self.accumulate == 0:
+            self.fire(Callback.on_before_zero_grad, optimizer)
+            self.trainer.task.optimizer_zero_grad(self.state.current_epoch, batch_idx, optimizer)
+        self.nonfinite.observe(loss)
+        if window_end and not self.nonfinite.window_is_finite(self.state.global_step, batch_idx):
+            # Every rank skips alike: no synchronized backward, no step, the window's gradients dropped.
+            strategy.zero_grad(optimizer)
+            return False
+        self.fire(Callback.on_before_backward, loss)
+        strategy.backward(self.trainer.precision.scale_loss(loss), sync=window_end)
+        self.fire(Callback.on_after_backward)
+        return True
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of this fit."""
+        assert self.optim is not None
+        return self.optim.optimizer
+
+    def flush_step_logs(self) -> None:
+        """Send the step values to the loggers at a logging step (every `log_every_n_steps` steps, or a stop)."""
+        trainer = self.trainer
+        if self.state.global_step % trainer.log_every_n_steps and not self.state.should_stop:
+            return
+        logs = trainer.results.pop_step_logs()
+        if logs:
+            trainer.log_metrics({**logs, **trainer.strategy.communication_stats()})
 
     def stop_if_preempted(self) -> None:
         """At a step boundary: if any rank was signalled, write last.ckpt on every rank and stop.
@@ -214,10 +344,10 @@ class FitLoop:
             TrainingPreempted: after the checkpoint is written.
         """
         # Collective (with several processes): every rank learns whether any rank was signalled a step ago.
-        signum = self.trainer.preemption.should_stop(self.strategy)
+        signum = self.trainer.preemption.should_stop(self.trainer.strategy)
         if not signum:
             return
-        path = self.trainer.save_preemption_checkpoint()  # collective
+        path = persistence.save_last_checkpoint(self.trainer)  # collective
         raise TrainingPreempted(
             f"Stopped by {signal.Signals(signum).name} after step {self.state.global_step}; saved {path}. "
             f'Resume with ckpt_path="last" (exit status {PREEMPTED_EXIT_CODE}).'
@@ -225,46 +355,62 @@ class FitLoop:
 
     def shadow_batch(self, batch_idx: int) -> None:
         """On a rank whose data ran out, match the collectives of the others' step, then step alike."""
-        strategy = self.strategy
+        strategy = self.trainer.strategy
         assert isinstance(strategy, Joinable)
         strategy.shadow_forward()
         # Collective (in the check): this rank's window had no loss, so it contributes no flag.
         if self.nonfinite.window_is_finite(self.state.global_step, batch_idx):
+            strategy.zero_grad(self.optimizer)
             strategy.shadow_backward()
-            self.optimizer_step()
+            self.optimizer_step(is_last=False)
         else:
-            strategy.zero_grad(self.optim.optimizer)
+            strategy.zero_grad(self.optimizer)
         self.state.batch_idx = batch_idx + 1
 
-    def _loss_of(self, outputs: Any) -> Tensor:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    def _loss_of(self, outputs: Any) -> Tensor | None:
+        """Return the loss `training_step` returned; None skips the batch's backward, as in Lightning."""
+        loss = outputs.get("loss", outputs) if isinstance(outputs, dict) else outputs
+        name = type(self.trainer.task).__name__
+        if loss is None:
+            if self.trainer.world_size > 1:
+                raise RuntimeError(
+                    f"{name}.training_step returned None on rank {self.trainer.global_rank}: skipping a batch "
+                    "is not possible with several processes (the others would wait in the gradient "
+                    "synchronization). Return a loss on every rank, e.g. multiplied by 0."
+                )
+            if not self._warned_none:
+                self._warned_none = True
+                rank_zero_warn(f"{name}.training_step returned None: that batch is skipped (no backward).")
+            return None
         if not isinstance(loss, Tensor):
-            name = type(self.task).__name__
             raise TypeError(
                 f"{name}.training_step returned {type(outputs).__name__}; return the loss as a scalar "
-                "tensor, or a dict with a 'loss' tensor."
+                "tensor, a dict with a 'loss' tensor, or None to skip the batch."
             )
         if loss.numel() != 1:
             raise ValueError(
-                f"{type(self.task).__name__}.training_step returned a loss of shape {tuple(loss.shape)}; "
+                f"{name}.training_step returned a loss of shape {tuple(loss.shape)}; "
                 "the loss must be a scalar (reduce it, e.g. with .mean())."
             )
         return loss
 
-    def optimizer_step(self) -> None:
-        """Clip, step, count, reset gradients and step per-step schedulers."""
-        trainer, state, strategy = self.trainer, self.state, self.strategy
-        optimizer = self.optim.optimizer
-        self.precision.unscale(optimizer)
-        self.fire(Callback.on_before_optimizer_step, optimizer)
-        if trainer.gradient_clip_val is not None:
-            strategy.clip_gradients(self.parameters, trainer.gradient_clip_val)
-        strategy.optimizer_step(optimizer, self.precision.step(optimizer))
+    def optimizer_step(self, is_last: bool, apply: bool = True) -> None:
+        """Clip, step (when `apply`), count, and step the schedulers due at this step (and, on an epoch's last
+        batch, its epoch schedulers, as Lightning does: the epoch-end validation and checkpoint see the new rate)."""
+        trainer, state, strategy = self.trainer, self.state, self.trainer.strategy
+        optimizer = self.optimizer
+        if apply:
+            trainer.precision.unscale(optimizer)
+            self.fire(Callback.on_before_optimizer_step, optimizer)
+            if trainer.gradient_clip_val is not None:
+                strategy.clip_gradients(self.parameters, trainer.gradient_clip_val)
+            strategy.optimizer_step(optimizer, trainer.precision.step(optimizer))
         state.global_step += 1
-        self.fire(Callback.on_before_zero_grad, optimizer)
-        strategy.zero_grad(optimizer)
-        if self.optim.schedulers:
-            self.optim_step_schedulers("step", state.global_step)
+        self.stepped = True
+        if self.optim is not None and self.optim.schedulers:
+            self.step_schedulers("step", state.global_step, plateau=False)
+            if is_last:
+                self.step_schedulers("epoch", state.current_epoch + 1, plateau=False)
 
     # -------------------------------------------------------------- checkpoints
     def accumulated_grads(self) -> list[Tensor | None] | None:
@@ -277,6 +423,7 @@ class FitLoop:
         """Put back the gradients of an accumulation window that a checkpoint interrupted."""
         if grads is None:
             return
+        self._window_losses = 1  # the window had a loss before the checkpoint
         if len(grads) != len(self.parameters):
             raise ValueError("The checkpoint's accumulated gradients do not match the task's parameters.")
         if any(grad is not None and not torch.isfinite(grad).all() for grad in grads):

@@ -35,10 +35,14 @@ class OptimizerSetup:
     optimizer: torch.optim.Optimizer
     schedulers: list[SchedulerConfig]
 
-    def step_schedulers(self, interval: str, count: int, metrics: dict[str, Tensor]) -> None:
-        """Step every scheduler of `interval` whose frequency divides `count` (steps or epochs)."""
+    def step_schedulers(self, interval: str, count: int, metrics: dict[str, Tensor], plateau: bool) -> None:
+        """Step every scheduler of `interval` whose frequency divides `count` (steps or epochs).
+
+        `plateau` picks the ReduceLROnPlateau schedulers (which read a metric, so the loop steps them after
+        validation) or the others, as Lightning separates them.
+        """
         for config in self.schedulers:
-            if config.interval != interval or count % config.frequency:
+            if config.interval != interval or config.needs_metric != plateau or count % config.frequency:
                 continue
             if config.needs_metric:
                 if config.monitor not in metrics:

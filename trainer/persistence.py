@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,63 +22,84 @@ CKPT_READ = ("every_rank", "rank_zero")
 
 __all__ = [
     "CKPT_READ",
+    "CheckpointPathError",
     "apply_worker_result",
     "best_checkpoint",
     "checkpoint_state",
     "find_last_checkpoint",
     "read_checkpoint",
-    "restore",
+    "restore_model",
+    "restore_training",
+    "save_last_checkpoint",
+    "open_checkpoint",
     "worker_result",
 ]
 
 
+class CheckpointPathError(CheckpointError, ValueError):
+    """`ckpt_path` names no checkpoint ("best" without one, an unknown word); a ValueError, as in Lightning."""
+
+
 def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
-    """Assemble everything a bit-exact resume needs (a collective: call it on every rank)."""
-    task, loop = trainer.task, trainer._fit_loop
+    """Assemble everything a bit-exact resume needs (a collective: call it on every rank).
+
+    Lightning's top-level keys (``epoch``, ``global_step``, ``state_dict``, ``hyper_parameters``,
+    ``callbacks``, ``optimizer_states``, ``lr_schedulers``) are there too, so scripts that read a Lightning
+    checkpoint read this one; they share their tensors with syncline's own keys, so the file is no larger.
+    """
+    task, loop, optim, strategy = trainer.task, trainer.fit_loop, trainer.optim, trainer.strategy
+    hparams = to_primitive(task.hparams)
     checkpoint: dict[str, Any] = {
         "syncline_format": FORMAT_VERSION,
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
         "state_dict": task.state_dict(),
-        "hparams": to_primitive(task.hparams),
+        "hparams": hparams,
+        "hyper_parameters": hparams,
         "progress": trainer.state.state_dict(),
         "world_size": trainer.world_size,
         # Collective: every rank's RNG, so each process resumes its own random stream. Training's, not
         # validation's: a checkpoint saved from a validation hook continues the training stream.
-        "rng": trainer.strategy.all_gather_object(
-            {"now": training_rng(), "epoch_start": trainer.state.epoch_start_rng}
-        ),
+        "rng": strategy.all_gather_object({"now": training_rng(), "epoch_start": trainer.state.epoch_start_rng}),
         # The metrics the rest of the epoch acts on (a plateau scheduler, early stopping, a monitored
         # checkpoint), as the uninterrupted run has them.
         "callback_metrics": {
             name: value.detach().cpu() for name, value in trainer.callback_metrics.items() if isinstance(value, Tensor)
         },
-        "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
         "loggers": [logger.state_dict() for logger in trainer.loggers],
     }
+    if task.hparams_name is not None:
+        checkpoint["hparams_name"] = task.hparams_name
+    if task.hparams_type is not None:
+        checkpoint["hparams_type"] = task.hparams_type
     sampler_seed = _train_sampler_seed(trainer)
     if sampler_seed is not None:
         checkpoint["sampler_seed"] = sampler_seed
-    if trainer.optim is not None:
+    if optim is not None:
         # Collective for strategies that spread the optimizer state over ranks: the whole state, gathered.
-        checkpoint["optimizer"] = trainer.optim.state_dict(trainer.strategy.optimizer_state_dict)
-        checkpoint["precision"] = trainer.precision.state_dict()
-        checkpoint["results"] = trainer._train_results.state_dict(task)
-    strategy = trainer.strategy
+        checkpoint["optimizer"] = optim.state_dict(strategy.optimizer_state_dict)
+        checkpoint["optimizer_states"] = [checkpoint["optimizer"]["optimizer"]]
+        checkpoint["lr_schedulers"] = checkpoint["optimizer"]["lr_schedulers"]
+        checkpoint["precision"] = trainer.precision.state_dict() if trainer.precision is not None else {}
+        checkpoint["results"] = trainer.train_results.state_dict(task)
     # Collective: every rank's part of the strategy's state (error feedback, warm-start factors...) and
     # its byte counters, so a resumed run logs the totals an uninterrupted one would.
     by_rank = strategy.all_gather_object((_to_cpu(strategy.state_dict()), strategy.comm_counter.state_dict()))
     checkpoint["strategy"] = {"name": strategy.name, "by_rank": [state for state, _ in by_rank]}
     checkpoint["comm_by_rank"] = [counter for _, counter in by_rank]
-    if strategy.replicas_differ and trainer.optim is not None:
+    if strategy.replicas_differ and optim is not None:
         # Collective: replicas differ between averagings, so every rank's weights and optimizer state.
         checkpoint["replicas_by_rank"] = strategy.all_gather_object(
-            _to_cpu({"state_dict": task.state_dict(), "optimizer": trainer.optim.state_dict()})
+            _to_cpu({"state_dict": task.state_dict(), "optimizer": optim.state_dict()})
         )
-    if loop is not None:
+    if optim is not None:
         grads = loop.accumulated_grads()
         if grads is not None:
             grads = [None if g is None else g.cpu() for g in grads]
         # Collective: an open window's gradients are per process (not yet averaged): keep every rank's.
-        checkpoint["accumulated_grads_by_rank"] = trainer.strategy.all_gather_object(grads)
+        checkpoint["accumulated_grads_by_rank"] = strategy.all_gather_object(grads)
+    # As in Lightning: the callbacks' states, then their on_save_checkpoint hooks, then the task's.
+    checkpoint["callbacks"] = {c.state_key: c.state_dict() for c in trainer.callbacks}
     trainer.dispatcher.fire(Callback.on_save_checkpoint, checkpoint)
     return checkpoint
 
@@ -100,7 +122,7 @@ def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
         and not Path(ckpt_path).exists()
         and not any(c in str(ckpt_path) for c in "/\\.")
     ):
-        raise CheckpointError(
+        raise CheckpointPathError(
             f"ckpt_path={str(ckpt_path)!r} is neither a file nor one of the names: "
             "'best' (the ModelCheckpoint's best), 'last' (the newest last checkpoint), a path, or None."
         )
@@ -109,7 +131,10 @@ def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
     else:
         path = find_last_checkpoint(trainer) if ckpt_path == "last" else str(ckpt_path)
     if path is None:
-        rank_zero_warn(f'ckpt_path="last" found no checkpoint under {trainer.default_root_dir}; training from scratch.')
+        rank_zero_warn(
+            f'ckpt_path="last" found no checkpoint (no last*.ckpt) under {trainer.default_root_dir} or the '
+            "ModelCheckpoint directories; no checkpoint is loaded. Save one with ModelCheckpoint(save_last=True)."
+        )
         return None
     if trainer.ckpt_read == "rank_zero" and trainer.world_size > 1:
         return _read_on_rank_zero(trainer, path)
@@ -151,53 +176,70 @@ def _read_on_rank_zero(trainer: Trainer, path: str) -> dict[str, Any]:
 
 
 def best_checkpoint(trainer: Trainer) -> str:
-    """Return the path of the first ModelCheckpoint's best checkpoint, as ``ckpt_path="best"`` means it."""
+    """Return the path of the first ModelCheckpoint's best checkpoint, as ``ckpt_path="best"`` means it.
+
+    Raises:
+        CheckpointPathError: no ModelCheckpoint, or it has saved no best checkpoint yet.
+    """
     callback = trainer.checkpoint_callback
     if callback is None:
-        raise CheckpointError('ckpt_path="best" needs a ModelCheckpoint callback; pass a path or "last" instead.')
+        raise CheckpointPathError(
+            'ckpt_path="best" is set but no ModelCheckpoint is configured; pass a path or "last" instead.'
+        )
     path = getattr(callback, "best_model_path", "")
     if not path:
-        raise CheckpointError(
-            'ckpt_path="best": the ModelCheckpoint has saved no checkpoint yet (fit first, or pass a path).'
+        raise CheckpointPathError(
+            'ckpt_path="best" is set but the ModelCheckpoint has saved no checkpoint yet (fit first, or pass a path).'
         )
     return path
 
 
 def find_last_checkpoint(trainer: Trainer) -> str | None:
-    """Return rank 0's newest ``last*.ckpt`` (else newest ``*.ckpt``) under the run's directories.
+    """Return rank 0's newest ``last*.ckpt`` under the run's directories, or None when there is none.
 
-    A collective: only rank 0 searches, and every rank gets its answer (None when it found nothing).
+    Only last checkpoints count, as in Lightning: a top-k file is never taken for the last one. A
+    collective: only rank 0 searches, and every rank gets its answer.
     """
     newest = None
     if trainer.is_global_zero:
         roots = {Path(trainer.default_root_dir)}
         roots.update(Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None))
-        found = [p for root in roots if root.is_dir() for p in root.rglob("*.ckpt")]
-        last = [p for p in found if p.name.startswith("last")] or found
-        if last:
-            newest = str(max(last, key=lambda p: p.stat().st_mtime))
+        found = [p for root in roots if root.is_dir() for p in root.rglob("last*.ckpt")]
+        if found:
+            newest = str(max(found, key=lambda p: p.stat().st_mtime))
     # Collective: every rank resumes from the file rank 0 chose, or none does.
     return trainer.strategy.broadcast_object(newest)
 
 
-def restore(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
-    """Restore the task, optimizer, progress, callbacks and the point in the loop the checkpoint was taken."""
-    task, loop = trainer.task, trainer._fit_loop
-    assert loop is not None
+def restore_model(trainer: Trainer, checkpoint: dict[str, Any], callbacks: bool) -> None:
+    """Restore the task's weights (and with `callbacks`, the callbacks' state), as Lightning does before
+    `configure_optimizers`: the task's ``on_load_checkpoint`` first, then the callbacks'."""
+    task = trainer.task
     source = checkpoint.get("loaded_from", "The checkpoint")
-    require_entries(checkpoint, _RESUME_ENTRIES, source)
+    require_entries(checkpoint, _RESUME_ENTRIES if callbacks else ("state_dict",), source)
+    if callbacks:
+        trainer.dispatcher.fire(Callback.on_load_checkpoint, checkpoint)
+    else:
+        task.on_load_checkpoint(checkpoint)  # validate, test and predict restore no callback
     check_model_shapes(task, checkpoint["state_dict"], source)
-    trainer.dispatcher.fire(Callback.on_load_checkpoint, checkpoint)
     task.load_state_dict(checkpoint["state_dict"])
-    trainer.optim.load_state_dict(checkpoint["optimizer"], trainer.strategy.load_optimizer_state_dict)
-    trainer.precision.load_state_dict(checkpoint.get("precision", {}))
-    trainer.state.load_state_dict(checkpoint["progress"])
-    trainer._train_results.load_state_dict(checkpoint.get("results", {}), task)
-    trainer.callback_metrics.update(checkpoint.get("callback_metrics", {}))
+    if not callbacks:
+        return
     saved_callbacks = checkpoint.get("callbacks", {})
     for callback in trainer.callbacks:
         if callback.state_key in saved_callbacks:
             callback.load_state_dict(saved_callbacks[callback.state_key])
+
+
+def restore_training(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    """Restore the optimizer, progress, metrics and the point in the loop the checkpoint was taken."""
+    loop, optim = trainer.fit_loop, trainer.optim
+    assert optim is not None and trainer.precision is not None
+    optim.load_state_dict(checkpoint["optimizer"], trainer.strategy.load_optimizer_state_dict)
+    trainer.precision.load_state_dict(checkpoint.get("precision", {}))
+    trainer.state.load_state_dict(checkpoint["progress"])
+    trainer.train_results.load_state_dict(checkpoint.get("results", {}), trainer.task)
+    trainer.callback_metrics.update(checkpoint.get("callback_metrics", {}))
     saved_world = int(checkpoint.get("world_size", len(checkpoint["rng"])))
     _restore_strategy(trainer, checkpoint, saved_world)
     if saved_world == trainer.world_size:
@@ -275,6 +317,7 @@ def _restore_strategy(trainer: Trainer, checkpoint: dict[str, Any], saved_world:
         return
     if replicas is not None:
         trainer.task.load_state_dict(replicas[rank]["state_dict"])
+        assert trainer.optim is not None
         trainer.optim.load_state_dict(replicas[rank]["optimizer"])
     if any(states):
         strategy.load_state_dict(states[rank])
@@ -311,7 +354,7 @@ def _adapt_to_world_size(trainer: Trainer, saved: int, open_window: bool) -> Non
     uninterrupted run's.
     """
     state, now = trainer.state, trainer.world_size
-    if state.epoch_finished or state.batches_done or state.batch_idx == 0:
+    if state.batches_done or state.batch_idx == 0:
         rank_zero_info(
             f"Resuming a checkpoint saved on {saved} process(es) on {now}: it was taken at an epoch boundary, "
             f"so training continues exactly, with each epoch's data split {now} ways."
@@ -351,7 +394,7 @@ def worker_result(trainer: Trainer, task: Task, returned: Any) -> dict[str, Any]
         "state_dict": {name: value.cpu() for name, value in task.state_dict().items()},
         "progress": trainer.state.state_dict(),
         "callback_metrics": {name: value.cpu() for name, value in trainer.callback_metrics.items()},
-        "logged_metrics": dict(trainer.logged_metrics),
+        "logged_metrics": {name: value.cpu() for name, value in trainer.logged_metrics.items()},
         "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
         "loggers": [logger.state_dict() for logger in trainer.loggers],
     }
@@ -361,10 +404,55 @@ def apply_worker_result(trainer: Trainer, task: Task, result: dict[str, Any]) ->
     """Load what a launched rank 0 sent back, so this process holds the trained task and metrics."""
     task.load_state_dict(result["state_dict"])
     trainer.state.load_state_dict(result["progress"])
-    trainer.callback_metrics.update(result["callback_metrics"])
-    trainer.logged_metrics.update(result["logged_metrics"])
+    for mine, theirs in ((trainer.callback_metrics, "callback_metrics"), (trainer.logged_metrics, "logged_metrics")):
+        mine.clear()
+        mine.update(result[theirs])
     for callback in trainer.callbacks:
         if callback.state_key in result["callbacks"]:
             callback.load_state_dict(result["callbacks"][callback.state_key])
     for logger, state in zip(trainer.loggers, result["loggers"]):
         logger.load_state_dict(state)
+
+
+def save_last_checkpoint(trainer: Trainer) -> str:
+    """Write the last checkpoint where the first ModelCheckpoint keeps it (else in `default_root_dir`), on
+    every rank (a collective); return its path. A preemption stops with it."""
+    callback = trainer.checkpoint_callback
+    path = None
+    if trainer.is_global_zero:
+        path = callback.last_checkpoint_path(trainer) if callback is not None else None  # type: ignore[attr-defined]
+        path = os.path.abspath(path or os.path.join(trainer.default_root_dir, "last.ckpt"))
+    # Collective: the name is rank 0's (it looks at the directory), so every rank saves the same file.
+    path = trainer.strategy.broadcast_object(path)
+    trainer.save_checkpoint(path)  # collective
+    return path
+
+
+def open_checkpoint(trainer: Trainer, ckpt_path: Any, resume: bool) -> dict[str, Any] | None:
+    """Read the checkpoint a stage starts from (a collective), and make every rank's loggers agree.
+
+    With `resume` (fit), a run an elastic agent restarted continues from the newest last checkpoint, and
+    the loggers continue the checkpoint's version directory.
+    """
+    if resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        # An elastic agent restarted the group after a failure: continue from the newest last.ckpt
+        # (collective), or from where the first attempt started when none was written yet.
+        ckpt_path = find_last_checkpoint(trainer) or ckpt_path
+    checkpoint = read_checkpoint(trainer, ckpt_path)
+    if resume and checkpoint is not None:
+        for logger, state in zip(trainer.loggers, checkpoint.get("loggers", [])):
+            logger.load_state_dict(state)
+    _share_logger_state(trainer)
+    return checkpoint
+
+
+def _share_logger_state(trainer: Trainer) -> None:
+    """Make every rank's loggers agree with rank 0's (its run directory), so `log_dir` is one path."""
+    if trainer.world_size == 1 or not trainer.loggers:
+        return
+    states = [logger.state_dict() for logger in trainer.loggers] if trainer.is_global_zero else None
+    # Collective: rank 0 picked the version directory; the others adopt it.
+    states = trainer.strategy.broadcast_object(states)
+    if not trainer.is_global_zero:
+        for logger, state in zip(trainer.loggers, states):
+            logger.load_state_dict(state)

@@ -23,12 +23,14 @@ if TYPE_CHECKING:
 
 __all__ = ["PRECISIONS", "Precision", "fp16_autocast_available"]
 
-#: Accepted spellings, each mapped to its canonical name.
+#: Accepted spellings (Lightning's, its older short ones included), each mapped to its canonical name.
 PRECISIONS: dict[str, str] = {
     "32": "32",
     "32-true": "32",
     "bf16-mixed": "bf16-mixed",
+    "bf16": "bf16-mixed",
     "16-mixed": "16-mixed",
+    "16": "16-mixed",
 }
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import builtins
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,9 +14,69 @@ from torchmetrics import Metric
 if TYPE_CHECKING:
     from syncline.strategies.strategy import ReduceOp, Strategy
 
-__all__ = ["ResultCollection", "infer_batch_size"]
+__all__ = ["LOG_OPTIONS", "ResultCollection", "infer_batch_size"]
 
-_REDUCE_FX = ("mean", "sum", "max", "min")
+#: The spellings of `reduce_fx` that Lightning accepts, each with the reduction it means.
+_REDUCE_FX: dict[Any, str] = {
+    "mean": "mean",
+    "avg": "mean",
+    "sum": "sum",
+    "max": "max",
+    "min": "min",
+    torch.mean: "mean",
+    torch.sum: "sum",
+    builtins.sum: "sum",
+    torch.max: "max",
+    builtins.max: "max",
+    torch.min: "min",
+    builtins.min: "min",
+}
+
+#: Where `self.log` may be called, as in Lightning: per hook, the allowed `on_step` and `on_epoch`
+#: values and their defaults. Hooks not listed (setup, on_fit_start, predict_step, ...) cannot log.
+_STEP = ((False, True), (False, True), True, False)
+_EVAL_STEP = ((False, True), (False, True), False, True)
+_EPOCH = ((False,), (True,), False, True)
+LOG_OPTIONS: dict[str, tuple[tuple[bool, ...], tuple[bool, ...], bool, bool]] = {
+    **dict.fromkeys(
+        (
+            "training_step",
+            "on_train_batch_start",
+            "on_train_batch_end",
+            "on_before_backward",
+            "on_after_backward",
+            "on_before_optimizer_step",
+            "on_before_zero_grad",
+            "optimizer_zero_grad",
+        ),
+        _STEP,
+    ),
+    **dict.fromkeys(
+        (
+            "validation_step",
+            "test_step",
+            "on_validation_batch_start",
+            "on_validation_batch_end",
+            "on_test_batch_start",
+            "on_test_batch_end",
+        ),
+        _EVAL_STEP,
+    ),
+    **dict.fromkeys(
+        (
+            "on_train_start",
+            "on_train_epoch_start",
+            "on_train_epoch_end",
+            "on_validation_start",
+            "on_validation_epoch_start",
+            "on_validation_epoch_end",
+            "on_test_start",
+            "on_test_epoch_start",
+            "on_test_epoch_end",
+        ),
+        _EPOCH,
+    ),
+}
 
 
 @dataclass
@@ -31,6 +92,8 @@ class _Entry:
     metric: Metric | None = None
     total: Tensor | None = None
     weight: float = 0.0
+    #: Logged since its epoch value was last resolved.
+    pending: bool = False
 
 
 def infer_batch_size(batch: Any) -> int:
@@ -53,10 +116,10 @@ class ResultCollection:
 
     Step values go to `trainer.callback_metrics` at once (no host sync); epoch aggregates are kept as
     running tensors and resolved by `epoch_end`, which is where values logged with ``sync_dist`` are
-    reduced across processes.
+    reduced across processes. `hook` names the hook running now; it decides `self.log`'s defaults.
 
     Args:
-        training: whether this collects `training_step` logs (which default to per-step values).
+        training: whether this collects the training stage's logs.
         strategy: reduces values across processes.
         callback_metrics: the trainer's dict of latest values, updated in place.
         progress_bar_metrics: the trainer's dict of values shown on the progress bar.
@@ -74,8 +137,14 @@ class ResultCollection:
         self.callback_metrics = callback_metrics
         self.progress_bar_metrics = progress_bar_metrics
         self.entries: dict[str, _Entry] = {}
+        #: The hook (or step method) running now, set by the dispatcher and the loops.
+        self.hook = ""
+        #: The evaluation loader in progress when there are several (names get ``/dataloader_idx_<i>``).
+        self.dataloader_idx: int | None = None
         #: Step values for the loggers since they were last flushed.
         self.pending_step_logs: dict[str, Tensor] = {}
+        #: Epoch values for the loggers since they were last flushed.
+        self.pending_epoch_logs: dict[str, Tensor] = {}
         #: Source of the batch size for epoch means: set per batch by the loop, read only when needed.
         self.current_batch: Any = None
         self._batch_size: int | None = None
@@ -97,14 +166,18 @@ class ResultCollection:
         prog_bar: bool,
         logger: bool,
         sync_dist: bool,
-        reduce_fx: str,
+        reduce_fx: str | Callable[..., Any],
         batch_size: int | None,
+        add_dataloader_idx: bool = True,
     ) -> None:
         """Record `value` under `name`; see `Task.log` for the options."""
+        if add_dataloader_idx and self.dataloader_idx is not None:
+            name = f"{name}/dataloader_idx_{self.dataloader_idx}"
         entry = self.entries.get(name)
         if entry is None:
             entry = self._new_entry(name, value, on_step, on_epoch, prog_bar, logger, sync_dist, reduce_fx)
         if isinstance(value, Metric):
+            entry.pending = entry.on_epoch
             if entry.on_step:
                 # The value of the batch the metric was last called on, as Lightning logs it.
                 step_value = value._forward_cache
@@ -134,17 +207,16 @@ class ResultCollection:
         prog_bar: bool,
         logger: bool,
         sync_dist: bool,
-        reduce_fx: str,
+        reduce_fx: str | Callable[..., Any],
     ) -> _Entry:
-        if reduce_fx not in _REDUCE_FX:
-            raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of {', '.join(_REDUCE_FX)}.")
-        if on_step is None:
-            on_step = self.training
-        if on_epoch is None:
-            on_epoch = not self.training
-        if not (on_step or on_epoch):
-            raise ValueError(f"self.log({name!r}, ...) with on_step=False and on_epoch=False logs nothing.")
-        entry = _Entry(on_step, on_epoch, prog_bar, logger, sync_dist, reduce_fx)  # type: ignore[arg-type]
+        reduce = _REDUCE_FX.get(reduce_fx.lower() if isinstance(reduce_fx, str) else reduce_fx)
+        if reduce is None:
+            raise ValueError(
+                f"self.log({name!r}, reduce_fx={reduce_fx!r}): use 'mean' (or 'avg'), 'sum', 'max', 'min' or "
+                "torch.mean/sum/max/min; for another reduction log a torchmetrics Metric."
+            )
+        on_step, on_epoch = self._levels(name, on_step, on_epoch)
+        entry = _Entry(on_step, on_epoch, prog_bar, logger, sync_dist, reduce)  # type: ignore[arg-type]
         if isinstance(value, Metric):
             entry.metric = value
         restored = self._restored_aggregates.pop(name, None)
@@ -153,17 +225,41 @@ class ResultCollection:
         self.entries[name] = entry
         return entry
 
+    def _levels(self, name: str, on_step: bool | None, on_epoch: bool | None) -> tuple[bool, bool]:
+        """Return `on_step` and `on_epoch` with the hook's defaults, refusing what the hook does not allow."""
+        options = LOG_OPTIONS.get(self.hook)
+        if options is None:
+            raise ValueError(
+                f"self.log({name!r}, ...) cannot be called in {self.hook or 'this method'} (as in Lightning); log "
+                "from a step or a batch or epoch hook, or write to a logger directly (trainer.logger)."
+            )
+        allowed_step, allowed_epoch, default_step, default_epoch = options
+        on_step = default_step if on_step is None else on_step
+        on_epoch = default_epoch if on_epoch is None else on_epoch
+        for option, chosen, allowed in (("on_step", on_step, allowed_step), ("on_epoch", on_epoch, allowed_epoch)):
+            if chosen not in allowed:
+                raise ValueError(
+                    f"self.log({name!r}, {option}={chosen}) is not possible in {self.hook}; "
+                    f"{option} must be {' or '.join(map(str, allowed))} there."
+                )
+        if not (on_step or on_epoch):
+            raise ValueError(f"self.log({name!r}, ...) with on_step=False and on_epoch=False logs nothing.")
+        return on_step, on_epoch
+
     def _record_step(self, name: str, entry: _Entry, value: Tensor) -> None:
         key = f"{name}_step" if entry.on_epoch else name
-        self.callback_metrics[key] = value
-        if entry.on_epoch:
-            self.callback_metrics[name] = value
+        if self.training:
+            # As in Lightning, evaluation step values reach the loggers and the bar, not callback_metrics.
+            self.callback_metrics[key] = value
+            if entry.on_epoch:
+                self.callback_metrics[name] = value
         if entry.prog_bar:
             self.progress_bar_metrics[key] = value
         if entry.logger:
             self.pending_step_logs[key] = value
 
     def _accumulate(self, entry: _Entry, value: Tensor, batch_size: int | None) -> None:
+        entry.pending = True
         if entry.reduce_fx == "mean":
             if batch_size is None:
                 if self._batch_size is None:
@@ -185,12 +281,18 @@ class ResultCollection:
         # Collective: every rank must log the same names in the same order for this to match up.
         return self.strategy.reduce(value.float(), entry.reduce_fx)
 
-    def epoch_end(self) -> dict[str, Tensor]:
-        """Resolve every epoch aggregate, publish it, reset metrics and return the values to log."""
-        epoch_logs: dict[str, Tensor] = {}
+    def epoch_end(self) -> None:
+        """Resolve the epoch aggregates logged since the last call and publish them.
+
+        Called when an epoch's batches are done, before its epoch-end hooks (so they see the epoch's values
+        in `callback_metrics`, as Lightning's hooks do), and again after them, for what the hooks logged.
+        The values for the loggers wait in `pending_epoch_logs`.
+        """
+        self._restored_aggregates = {}
         for name, entry in self.entries.items():
-            if not entry.on_epoch:
+            if not entry.pending:
                 continue
+            entry.pending = False
             if entry.metric is not None:
                 # torchmetrics synchronizes its own state across processes inside compute().
                 value = entry.metric.compute().detach()
@@ -212,43 +314,59 @@ class ResultCollection:
             if entry.prog_bar:
                 self.progress_bar_metrics[key] = value
             if entry.logger:
-                epoch_logs[key] = value
+                self.pending_epoch_logs[key] = value
             entry.total, entry.weight = None, 0.0
-        return epoch_logs
 
     def pop_step_logs(self) -> dict[str, Tensor]:
         """Return and clear the step values waiting for the loggers."""
         logs, self.pending_step_logs = self.pending_step_logs, {}
         return logs
 
+    def pop_epoch_logs(self) -> dict[str, Tensor]:
+        """Return and clear the epoch values waiting for the loggers."""
+        logs, self.pending_epoch_logs = self.pending_epoch_logs, {}
+        return logs
+
     def reset(self) -> None:
-        """Forget every entry (between evaluation runs)."""
+        """Forget every entry (between evaluation runs, and before each stage)."""
         for entry in self.entries.values():
             if entry.metric is not None:
                 entry.metric.reset()
         self.entries.clear()
         self.pending_step_logs.clear()
+        self.pending_epoch_logs.clear()
+        self._restored_aggregates = {}
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self, task: torch.nn.Module) -> dict[str, Any]:
-        """Return the running epoch aggregates and the state of logged metrics (by module name)."""
+        """Return every entry (its options and running aggregate) and the state of logged metrics.
+
+        Metrics are named by their module path in `task`, so the resumed task's own metric objects take it.
+        """
         module_names = {id(module): name for name, module in task.named_modules()}
-        aggregates = {
-            name: {"total": entry.total, "weight": entry.weight}
-            for name, entry in self.entries.items()
-            if entry.total is not None
-        }
+        entries: dict[str, dict[str, Any]] = {}
         metrics: dict[str, dict[str, Any]] = {}
-        for entry in self.entries.values():
-            if entry.metric is not None and id(entry.metric) in module_names:
-                metrics[module_names[id(entry.metric)]] = {
+        for name, entry in self.entries.items():
+            metric_name = module_names.get(id(entry.metric)) if entry.metric is not None else None
+            if entry.metric is not None and metric_name is None:
+                continue  # a metric outside the task cannot be found again on resume
+            entries[name] = {
+                "options": [entry.on_step, entry.on_epoch, entry.prog_bar, entry.logger, entry.sync_dist],
+                "reduce_fx": entry.reduce_fx,
+                "total": entry.total,
+                "weight": entry.weight,
+                "pending": entry.pending,
+                "metric": metric_name,
+            }
+            if entry.metric is not None and metric_name is not None:
+                metrics[metric_name] = {
                     "state": dict(entry.metric.metric_state),
                     "update_count": entry.metric._update_count,
                 }
-        return {"aggregates": aggregates, "metrics": metrics}
+        return {"entries": entries, "metrics": metrics}
 
     def load_state_dict(self, state: dict[str, Any], task: torch.nn.Module) -> None:
-        """Restore what `state_dict` returned; aggregates attach when their names are logged again."""
+        """Restore what `state_dict` returned: the entries with their aggregates, and the metrics' states."""
         modules = dict(task.named_modules())
         for module_name, saved in state.get("metrics", {}).items():
             metric = modules.get(module_name)
@@ -257,4 +375,10 @@ class ResultCollection:
                     setattr(metric, attr, value)
                 metric._update_count = saved["update_count"]
                 metric._computed = None
+        for name, saved in state.get("entries", {}).items():
+            metric = modules.get(saved["metric"]) if saved["metric"] is not None else None
+            entry = _Entry(*saved["options"], saved["reduce_fx"], metric)  # type: ignore[arg-type]
+            entry.total, entry.weight, entry.pending = saved["total"], saved["weight"], saved["pending"]
+            self.entries[name] = entry
+        # Checkpoints of syncline <= 0.1 kept bare aggregates, attached when their names are logged again.
         self._restored_aggregates = dict(state.get("aggregates", {}))

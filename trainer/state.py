@@ -23,14 +23,14 @@ class TrainerState:
 
     Attributes:
         stage: "fit", "validate", "test", "predict" or "" between runs.
-        current_epoch: index of the training epoch in progress (or the next one, once finished).
+        current_epoch: epochs finished so far, as Lightning counts them: the index of the epoch in progress
+            (its hooks see it), advanced once the epoch's last event is done, so a fit of 3 epochs ends at 3.
         global_step: optimizer steps taken so far.
         batch_idx: training micro-batches completed in the current epoch.
         validated_after: the batch index after which validation last ran in this epoch (-1: none yet).
         batches_done: the current epoch has consumed its last batch (or was asked to stop); its final
             validation, epoch-end hooks and epoch schedulers may still be ahead.
-        epoch_hooks_done: the epoch-end hooks have run; only the epoch schedulers' step is ahead.
-        epoch_finished: everything of the current epoch is done; a resume starts the next one.
+        epoch_hooks_done: the epoch-end hooks have run; only the plateau schedulers' step is ahead.
         sanity_checking: the sanity validation is running (its metrics are discarded).
         should_stop: a callback asked training to stop at the next opportunity.
     """
@@ -42,7 +42,6 @@ class TrainerState:
     validated_after: int = -1
     batches_done: bool = False
     epoch_hooks_done: bool = False
-    epoch_finished: bool = False
     sanity_checking: bool = False
     should_stop: bool = False
     #: RNG states taken just before the current epoch's training iterator was created; a mid-epoch
@@ -59,17 +58,22 @@ class TrainerState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
+        state = dict(state)
+        # Written before the epoch counter advanced at the epoch's end (format of syncline <= 0.1): such a
+        # checkpoint said `epoch_finished` where the counter now has moved on to the next epoch.
+        finished = state.pop("epoch_finished", False)
+        if "batches_done" not in state:
+            state["batches_done"] = state["epoch_hooks_done"] = finished
         for name, value in state.items():
             setattr(self, name, value)
-        if "batches_done" not in state:
-            # Written before these fields existed: such a checkpoint was either mid-epoch or finished.
-            self.batches_done = self.epoch_hooks_done = self.epoch_finished
+        if finished:
+            self.finish_epoch()
 
-    def start_epoch(self) -> None:
-        """Move to the next epoch's first batch."""
+    def finish_epoch(self) -> None:
+        """Count the current epoch as done and move to the next one's first batch."""
         self.current_epoch += 1
         self.batch_idx, self.validated_after = 0, -1
-        self.batches_done = self.epoch_hooks_done = self.epoch_finished = False
+        self.batches_done = self.epoch_hooks_done = False
 
 
 def capture_rng() -> dict[str, Any]:

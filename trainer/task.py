@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import inspect
 import os
+from argparse import Namespace
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor, nn
+
+from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -49,7 +54,12 @@ class Task(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Trainer | None = None
-        self.hparams = AttributeDict()
+        self.hparams: Any = AttributeDict()
+        #: The `__init__` argument `save_hyperparameters` took as the whole hyperparameters (Lightning's
+        #: ``hparams_name``), so `load_from_checkpoint` passes them back under that name.
+        self.hparams_name: str | None = None
+        #: Whether the loggers record the hyperparameters (`save_hyperparameters(logger=...)`).
+        self.hparams_logged = True
 
     # ------------------------------------------------------------ environment
     @property
@@ -92,48 +102,108 @@ class Task(nn.Module):
             return tensor.device
         return torch.device("cpu")
 
-    def save_hyperparameters(self, **hparams: Any) -> None:
-        """Record the arguments of the caller's `__init__` (or the given keywords) in `self.hparams`.
+    def save_hyperparameters(
+        self,
+        *args: Any,
+        ignore: Sequence[str] | str | None = None,
+        frame: FrameType | None = None,
+        logger: bool = True,
+    ) -> None:
+        """Record the arguments of `__init__` in `self.hparams`, as Lightning does.
 
-        They are logged by the loggers and stored in checkpoints.
+        Without `args`, every argument of every `__init__` of the subclass chain running now is recorded
+        (a subclass's value wins over its parent's); names in `args` record only those; one non-string
+        argument (a dict, a Namespace, an OmegaConf DictConfig) becomes `hparams` itself (a DictConfig stays
+        one). Modules and other objects are kept (a module with Lightning's warning to `ignore` it). They are
+        logged by the loggers (unless `logger` is False) and stored in checkpoints.
+
+        Args:
+            args: names of arguments to record, or one object to use as the hyperparameters.
+            ignore: names of arguments to leave out.
+            frame: the frame of the `__init__` to read (default: the caller's).
+            logger: send the hyperparameters to the loggers.
         """
-        if not hparams:
-            frame = inspect.currentframe()
-            caller = frame.f_back if frame is not None else None
-            if caller is not None:
-                arg_info = inspect.getargvalues(caller)
-                hparams = {name: arg_info.locals[name] for name in arg_info.args if name != "self"}
-                if arg_info.keywords:
-                    hparams.update(arg_info.locals[arg_info.keywords])
-        self.hparams.update(hparams)
+        if frame is None:
+            current = inspect.currentframe()
+            frame = current.f_back if current is not None else None
+        init_args = _init_arguments(self, frame)
+        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
+        init_args = {name: value for name, value in init_args.items() if name not in ignored}
+        objects = [arg for arg in args if not isinstance(arg, str)]
+        if len(objects) == 1:
+            hparams: Any = objects[0]
+            self.hparams_name = next((name for name, value in init_args.items() if value is hparams), None)
+        else:
+            hparams = {name: init_args[name] for name in args if isinstance(name, str)} if args else init_args
+            self.hparams_name = "kwargs" if hparams else None
+        if isinstance(hparams, Namespace):
+            hparams = vars(hparams)
+        if isinstance(hparams, dict) and isinstance(self.hparams, dict):
+            self.hparams.update(hparams)
+        elif isinstance(hparams, Mapping):
+            self.hparams = hparams  # an OmegaConf DictConfig stays one, as in Lightning
+        else:
+            raise ValueError(
+                f"{type(self).__name__}.save_hyperparameters got {type(hparams).__name__}; pass argument names, "
+                "or one dict, Namespace or DictConfig."
+            )
+        self.hparams_logged = logger
+        for name, value in self.hparams.items():
+            if isinstance(value, nn.Module):
+                rank_zero_warn(
+                    f"Attribute {name!r} is an instance of `nn.Module` and is already saved during checkpointing. "
+                    f"It is recommended to ignore them using `self.save_hyperparameters(ignore=[{name!r}])`."
+                )
+
+    @property
+    def hparams_type(self) -> str | None:
+        """ "DictConfig" when `hparams` is an OmegaConf DictConfig (checkpoints rebuild it as one), else None."""
+        return "DictConfig" if type(self.hparams).__name__ == "DictConfig" else None
 
     @classmethod
     def load_from_checkpoint(
-        cls: type[TaskT], checkpoint_path: str | os.PathLike[str], map_location: Any = None, **overrides: Any
+        cls: type[TaskT],
+        checkpoint_path: str | os.PathLike[str],
+        map_location: Any = None,
+        strict: bool | None = None,
+        **kwargs: Any,
     ) -> TaskT:
         """Build the task from a checkpoint's saved hyperparameters and load its weights, as Lightning does.
 
-        The constructor gets the hyperparameters `save_hyperparameters` recorded, with `overrides` taking
-        precedence; the weights are then loaded strictly. The task is returned in training mode on the
+        The constructor gets the hyperparameters `save_hyperparameters` recorded, with `kwargs` taking
+        precedence; arguments the constructor does not take are dropped (unless it takes ``**kwargs``), as
+        in Lightning. Then the task's ``on_load_checkpoint`` sees the checkpoint and the weights are loaded
+        (`strict`, by default the task's `strict_loading`). The task is returned in training mode on the
         device `map_location` names (the CPU by default); call ``.eval()`` for inference.
 
         Raises:
             CheckpointError: the file is missing, unreadable or not a syncline checkpoint.
-            TypeError: the saved hyperparameters (or `overrides`) do not fit the constructor.
+            TypeError: the saved hyperparameters (or `kwargs`) do not fit the constructor.
         """
         from syncline.trainer.checkpoint import load_checkpoint, require_entries
 
         checkpoint = load_checkpoint(checkpoint_path, map_location=map_location or "cpu")
         require_entries(checkpoint, ("state_dict",), checkpoint_path)
-        arguments = {**checkpoint.get("hparams", {}), **overrides}
+        saved: Any = checkpoint.get("hyper_parameters", checkpoint.get("hparams", {}))
+        if checkpoint.get("hparams_type") == "DictConfig":
+            from omegaconf import OmegaConf
+
+            saved = OmegaConf.create(saved)
+        parameters = inspect.signature(cls.__init__).parameters
+        name = checkpoint.get("hparams_name")
+        arguments = {name: saved} if name and name != "kwargs" and name in parameters else dict(saved)
+        arguments.update(kwargs)
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            arguments = {key: value for key, value in arguments.items() if key in parameters}
         try:
             task = cls(**arguments)
         except TypeError as error:
             raise TypeError(
                 f"{cls.__name__}.load_from_checkpoint({str(checkpoint_path)!r}): {error}. The checkpoint's "
-                f"hyperparameters are {sorted(checkpoint.get('hparams', {}))}; pass missing ones as keywords."
+                f"hyperparameters are {sorted(saved)}; pass missing ones as keywords."
             ) from error
-        task.load_state_dict(checkpoint["state_dict"])
+        task.on_load_checkpoint(checkpoint)
+        task.load_state_dict(checkpoint["state_dict"], strict=task.strict_loading if strict is None else strict)
         if isinstance(map_location, (str, int, torch.device)):
             task.to(map_location)
         return task
@@ -149,8 +219,9 @@ class Task(nn.Module):
         prog_bar: bool = False,
         logger: bool = True,
         sync_dist: bool = False,
-        reduce_fx: str = "mean",
+        reduce_fx: str | Callable[..., Any] = "mean",
         batch_size: int | None = None,
+        add_dataloader_idx: bool = True,
     ) -> None:
         """Record a metric for the loggers, the progress bar and `trainer.callback_metrics`.
 
@@ -158,15 +229,17 @@ class Task(nn.Module):
             name: key of the metric.
             value: a scalar tensor, a number, or a torchmetrics `Metric` (its batch value per step; its
                 `compute()` at epoch end, after which it is reset).
-            on_step: log the value of every step; default True in `training_step`, else False.
-            on_epoch: log the epoch's aggregate; default False in `training_step`, else True.
+            on_step: log the value of every step; default True in `training_step` and the training batch
+                hooks, else False (Lightning's default for each hook; epoch-end hooks log epoch values only).
+            on_epoch: log the epoch's aggregate; the opposite default.
                 With both, the keys ``name_step`` and ``name_epoch`` are logged.
             prog_bar: show it on the progress bar.
             logger: send it to the loggers.
             sync_dist: reduce it across processes (`reduce_fx`) before it is used.
-            reduce_fx: how steps are aggregated into the epoch value: "mean" (weighted by batch size),
-                "sum", "max" or "min".
+            reduce_fx: how steps are aggregated into the epoch value: "mean" (or "avg"; weighted by batch
+                size), "sum", "max", "min", or torch.mean / torch.sum / torch.max / torch.min.
             batch_size: weight of this value in the epoch mean; inferred from the batch when None.
+            add_dataloader_idx: with several evaluation loaders, log under ``name/dataloader_idx_<i>``.
         """
         self.trainer.results.log(
             name,
@@ -178,6 +251,7 @@ class Task(nn.Module):
             sync_dist=sync_dist,
             reduce_fx=reduce_fx,
             batch_size=batch_size,
+            add_dataloader_idx=add_dataloader_idx,
         )
 
     def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
@@ -252,7 +326,7 @@ class Task(nn.Module):
         """Called at the start of each training epoch."""
 
     def on_train_epoch_end(self) -> None:
-        """Called at the end of each training epoch; epoch aggregates are computed after it."""
+        """Called at the end of each training epoch; `trainer.callback_metrics` holds the epoch's values."""
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Called before each training micro-batch."""
@@ -270,13 +344,35 @@ class Task(nn.Module):
         """Called before clipping and the optimizer step."""
 
     def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """Called before gradients are reset."""
+        """Called before gradients are reset, at the start of each accumulation window."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Reset the gradients before the first backward of an accumulation window (override to change how)."""
+        self.trainer.strategy.zero_grad(optimizer)
+
+    def on_validation_start(self) -> None:
+        """Called when a validation run begins."""
+
+    def on_validation_end(self) -> None:
+        """Called when a validation run ends, after its metrics are logged."""
 
     def on_validation_epoch_start(self) -> None:
         """Called before the first validation batch."""
 
     def on_validation_epoch_end(self) -> None:
-        """Called after the last validation batch; epoch aggregates are computed after it."""
+        """Called after the last validation batch; `trainer.callback_metrics` holds this run's values."""
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called before each validation batch."""
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called after each validation batch."""
+
+    def on_test_start(self) -> None:
+        """Called when testing begins."""
+
+    def on_test_end(self) -> None:
+        """Called when testing ends."""
 
     def on_test_epoch_start(self) -> None:
         """Called before the first test batch."""
@@ -284,8 +380,57 @@ class Task(nn.Module):
     def on_test_epoch_end(self) -> None:
         """Called after the last test batch."""
 
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called before each test batch."""
+
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called after each test batch."""
+
+    def on_predict_start(self) -> None:
+        """Called when prediction begins."""
+
+    def on_predict_end(self) -> None:
+        """Called when prediction ends."""
+
+    def on_predict_epoch_start(self) -> None:
+        """Called before the first predict batch."""
+
+    def on_predict_epoch_end(self) -> None:
+        """Called after the last predict batch."""
+
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called before each predict batch."""
+
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called after each predict batch."""
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add entries to a checkpoint being written."""
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Read entries from a checkpoint being restored."""
+
+
+def _init_arguments(task: Task, frame: FrameType | None) -> dict[str, Any]:
+    """Return the arguments of every `__init__` of `task` on the stack from `frame` outwards.
+
+    The innermost frame is the parent class's `__init__` (called through ``super().__init__``); the outer ones
+    are its subclasses', whose values win, as in Lightning.
+    """
+    chain: list[dict[str, Any]] = []
+    while frame is not None:
+        code = frame.f_code
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        if code.co_name == "__init__" and names and frame.f_locals.get(names[0]) is task:
+            arguments = {name: frame.f_locals[name] for name in names[1:] if name in frame.f_locals}
+            if code.co_flags & inspect.CO_VARKEYWORDS:
+                varargs = 1 if code.co_flags & inspect.CO_VARARGS else 0
+                arguments.update(frame.f_locals.get(code.co_varnames[len(names) + varargs], {}))
+            chain.append(arguments)
+        elif chain:
+            break
+        frame = frame.f_back
+    merged: dict[str, Any] = {}
+    for arguments in chain:
+        merged.update(arguments)
+    return merged

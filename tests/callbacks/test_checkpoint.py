@@ -128,11 +128,6 @@ def test_monitor_never_logged_lists_the_logged_keys(tmp_path):
     assert not list(tmp_path.glob("*.ckpt"))
 
 
-def test_filename_field_never_logged_is_an_error(tmp_path):
-    with pytest.raises(KeyError, match="accuracy"):
-        _fit(tmp_path, ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{accuracy:.2f}"), epochs=1)
-
-
 def test_format_checkpoint_name_follows_lightning(tmp_path):
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch:02d}-{val_loss:.3f}")
     name = checkpoint.format_checkpoint_name({"epoch": 3, "step": 7, "val_loss": torch.tensor(0.12345)})

@@ -37,10 +37,11 @@ def test_fit_writes_the_logged_values(tmp_path):
     # One process communicates nothing, and says so: comm/bytes and comm/total_bytes are 0.
     assert list(rows[0]) == ["step", "train_loss", "comm/bytes", "comm/total_bytes", "epoch", "val_loss"]
     train = [(int(r["step"]), float(r["train_loss"])) for r in rows if r["train_loss"]]
-    assert [step for step, _ in train] == [1, 2, 3, 4]
+    # Lightning's steps: a step's values under the step before it, the first row at step 0.
+    assert [step for step, _ in train] == [0, 1, 2, 3]
     assert [value for _, value in train] == pytest.approx(task.losses)
     val = [(int(r["step"]), float(r["epoch"])) for r in rows if r["val_loss"]]
-    assert val == [(2, 0.0), (4, 1.0)]
+    assert val == [(1, 0.0), (3, 1.0)]
 
 
 def test_hparams_yaml(tmp_path):

@@ -33,7 +33,8 @@ def test_stops_after_patience_checks_without_improvement(tmp_path, mode, values,
     stopper = EarlyStopping("val_metric", patience=2, mode=mode)
     trainer, task = _fit(tmp_path, stopper, values)
     assert task.epochs_started == list(range(stop_epoch + 1))
-    assert trainer.current_epoch == stop_epoch
+    # As in Lightning, the counter advances past the stopped epoch.
+    assert trainer.current_epoch == stop_epoch + 1
     assert stopper.stopped_epoch == stop_epoch
     assert stopper.wait_count == 2
 
@@ -41,7 +42,7 @@ def test_stops_after_patience_checks_without_improvement(tmp_path, mode, values,
 def test_min_delta_demands_a_large_enough_improvement(tmp_path):
     values = [5.0, 4.95, 4.92, 4.91, 4.0]
     trainer, _ = _fit(tmp_path, EarlyStopping("val_metric", patience=3, min_delta=0.1), values)
-    assert trainer.current_epoch == 3
+    assert trainer.current_epoch == 4  # stopped in epoch 3
     # Without min_delta every epoch improves.
     trainer, _ = _fit(tmp_path, EarlyStopping("val_metric", patience=3), values, max_epochs=5)
     assert trainer.current_epoch == 5 and not trainer.should_stop
@@ -58,12 +59,13 @@ def test_sanity_check_is_not_a_check(tmp_path):
     """With patience 1, counting the sanity validation (same value as epoch 0) would stop at epoch 0."""
     stopper = EarlyStopping("val_metric", patience=1)
     trainer, _ = _fit(tmp_path, stopper, [5.0, 6.0, 1.0], num_sanity_val_steps=1)
-    assert trainer.current_epoch == 1
+    assert stopper.stopped_epoch == 1 and trainer.current_epoch == 2
 
 
 def test_non_finite_metric_stops_at_once(tmp_path):
-    trainer, _ = _fit(tmp_path, EarlyStopping("val_metric", patience=5), [3.0, math.nan, 1.0])
-    assert trainer.current_epoch == 1
+    stopper = EarlyStopping("val_metric", patience=5)
+    trainer, _ = _fit(tmp_path, stopper, [3.0, math.nan, 1.0])
+    assert stopper.stopped_epoch == 1 and trainer.current_epoch == 2
 
 
 def test_missing_metric_lists_the_logged_keys(tmp_path):

@@ -48,18 +48,21 @@ def test_step_values_equal_the_schedulers_lrs(tmp_path):
 
 
 def test_step_logging_follows_log_every_n_steps_and_accumulation(tmp_path):
-    """Accumulation 2 over 8 micro-batches is 4 steps per epoch: one value per logging step, not per micro-batch."""
+    """Accumulation 2 over 8 micro-batches is 4 steps per epoch: one value per logging step, not per micro-batch.
+    As in Lightning, a step is a logging step when the steps taken after it divide by log_every_n_steps, and its
+    rate is logged under the step before it."""
     logger = _fit(
         tmp_path, LearningRateMonitor(), Scheduled("step"), batches=8, accumulate_grad_batches=2, log_every_n_steps=2
     )
-    assert [step for step, _ in logger.values("lr-SGD")] == [0, 2, 4, 6]
+    assert [step for step, _ in logger.values("lr-SGD")] == [1, 3, 5, 7]
 
 
 def test_epoch_interval_logs_every_param_group_once_per_epoch(tmp_path):
     task = Scheduled("epoch", groups=2)
     logger = _fit(tmp_path, LearningRateMonitor(), task, epochs=3)
-    assert logger.values("lr-Adam-pg0") == [(0, 0.1), (4, 0.1), (8, 0.05)]
-    assert logger.values("lr-Adam-pg1") == [(0, 0.01), (4, 0.01), (8, 0.005)]
+    # Lightning's names: parameter groups counted from 1 after a slash.
+    assert logger.values("lr-Adam/pg1") == [(0, 0.1), (4, 0.1), (8, 0.05)]
+    assert logger.values("lr-Adam/pg2") == [(0, 0.01), (4, 0.01), (8, 0.005)]
     assert "lr-Adam" not in {key for _, metrics in logger.calls for key in metrics}
 
 
@@ -70,7 +73,7 @@ def test_explicit_interval_overrides_the_schedulers(tmp_path):
 
 def test_without_scheduler_logs_the_constant_lr_per_step(tmp_path):
     logger = _fit(tmp_path, LearningRateMonitor(), Scripted(lr=0.3), epochs=1, log_every_n_steps=2)
-    assert logger.values("lr-SGD") == [(0, 0.3), (2, 0.3)]
+    assert logger.values("lr-SGD") == [(1, 0.3), (3, 0.3)]
 
 
 def test_needs_a_logger(tmp_path):
@@ -92,5 +95,28 @@ def test_scheduler_name_names_the_curve(tmp_path):
             return config
 
     logger = _fit(tmp_path, LearningRateMonitor(), Named("step"), log_every_n_steps=1)
-    assert [value for _, value in logger.values("lr-warmup")][:3] == pytest.approx([0.1, 0.1, 0.05])
+    # As in Lightning, the scheduler's name is used as given.
+    assert [value for _, value in logger.values("warmup")][:3] == pytest.approx([0.1, 0.1, 0.05])
     assert logger.values("lr-SGD") == []
+
+
+def test_named_param_groups_and_the_rate_in_callback_metrics(tmp_path):
+    """Lightning names a group by its "name" entry, and puts the rates in callback_metrics (monitorable)."""
+
+    class NamedGroups(Scripted):
+        def configure_optimizers(self):
+            return torch.optim.Adam(
+                [
+                    {"params": [self.layer.weight], "lr": 0.1, "name": "weights"},
+                    {"params": [self.layer.bias], "lr": 0.01},
+                ]
+            )
+
+    logger = RecordingLogger(str(tmp_path))
+    trainer = make_trainer(tmp_path, callbacks=[LearningRateMonitor()], logger=logger, log_every_n_steps=1)
+    trainer.fit(NamedGroups(), make_loader(2))
+    assert {key for _, metrics in logger.calls for key in metrics if key.startswith("lr")} == {
+        "lr-Adam/weights",
+        "lr-Adam/pg2",
+    }
+    assert float(trainer.callback_metrics["lr-Adam/weights"]) == pytest.approx(0.1)

@@ -43,9 +43,10 @@ def test_fit_writes_scalars_at_their_steps_and_hparams(tmp_path):
     assert logger.log_dir == str(tmp_path / "logs" / "version_0")
     events = _events(logger.log_dir)
     train = _scalars(events, "train_loss")
-    assert [step for step, _ in train] == list(range(1, 7))
+    # Lightning's steps: each step's values under the step before it, validation with the epoch's last batch.
+    assert [step for step, _ in train] == list(range(6))
     assert [value for _, value in train] == pytest.approx(task.losses, rel=1e-6)
-    assert [step for step, _ in _scalars(events, "val_loss")] == [3, 6]
+    assert [step for step, _ in _scalars(events, "val_loss")] == [2, 5]
     assert _session_hparams(events) == {"lr": 0.05, "optimizer/name": "sgd", "optimizer/momentum": 0.9}
     saved = yaml.safe_load((tmp_path / "logs" / "version_0" / "hparams.yaml").read_text())
     assert saved == {"lr": 0.05, "optimizer": {"name": "sgd", "momentum": 0.9}}
@@ -53,12 +54,14 @@ def test_fit_writes_scalars_at_their_steps_and_hparams(tmp_path):
 
 @pytest.mark.parametrize("validate", [True, False])
 def test_epoch_tag_has_one_event_per_logged_step_with_the_epoch_of_that_step(tmp_path, validate):
-    """Steps 1-5 are epoch 0 and 6-10 epoch 1; the last step of each epoch is logged whatever the interval."""
+    """Steps 1-5 are epoch 0 and 6-10 epoch 1, logged as Lightning does under the step before (0-4, 5-9): every
+    second step, and with validation the epoch's end too (at the step of its last batch)."""
     logger = TensorBoardLogger(tmp_path)
     trainer = make_trainer(tmp_path, max_epochs=2, logger=logger, log_every_n_steps=2)
     trainer.fit(Scripted(), make_loader(5), make_loader(1) if validate else None)
     epoch = _scalars(_events(logger.log_dir), "epoch")
-    assert epoch == [(2, 0), (4, 0), (5, 0), (6, 1), (8, 1), (10, 1)]
+    ends = [(4, 0), (9, 1)] if validate else []
+    assert epoch == sorted({(1, 0), (3, 0), (5, 1), (7, 1), (9, 1), *ends})
 
 
 def test_default_hp_metric_adds_a_placeholder(tmp_path):
@@ -123,7 +126,7 @@ def test_trainer_resume_keeps_one_version_directory(tmp_path):
     assert trainer.checkpoint_callback.dirpath == str(tmp_path / "logs" / "version_0" / "checkpoints")
     steps = [step for step, _ in _scalars(_events(tmp_path / "logs" / "version_0"), "train_loss")]
     # Sorted: the reader orders event files by name, whose timestamp has a resolution of one second.
-    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    assert sorted(steps) == [0, 1, 2, 3, 4, 5]
 
 
 def test_nothing_is_written_on_a_non_zero_rank(tmp_path, monkeypatch):
@@ -167,4 +170,5 @@ def test_a_run_cut_and_resumed_logs_the_same_points_as_an_uninterrupted_one(tmp_
         if tag.endswith("_ms"):  # timings: the same steps, not the same values
             expected, got = [step for step, _ in expected], [step for step, _ in got]
         assert got == expected, tag
-    assert 8 in [step for step, _ in _scalars(resumed, "val_loss")]
+    # The cut's last validation (after step 8) is logged, as Lightning logs it, at step 7.
+    assert 7 in [step for step, _ in _scalars(resumed, "val_loss")]

@@ -33,7 +33,9 @@ class _PerStep(Callback):
     def __init__(self) -> None:
         self.steps = []
 
-    def on_before_zero_grad(self, trainer, task, optimizer):
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):
+        # Every micro-batch takes a step here (no accumulation); Lightning's on_before_zero_grad would come
+        # before the next step's backward instead.
         stats = trainer.strategy.communication_stats()
         self.steps.append((stats["comm/bucket_cap_mb"], int(stats["comm/buckets"])))
 

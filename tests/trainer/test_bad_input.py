@@ -15,13 +15,14 @@ def _fit(task, **kwargs):
     Trainer(max_steps=2, **quiet(**kwargs)).fit(task, loader(regression_data(16)))
 
 
-def test_training_step_returning_none():
-    class ReturnsNone(Regressor):
+def test_training_step_returning_something_else():
+    class ReturnsText(Regressor):
         def training_step(self, batch, batch_idx):
             super().training_step(batch, batch_idx)
+            return "loss"
 
-    with pytest.raises(TypeError, match=r"ReturnsNone.training_step returned NoneType; return the loss"):
-        _fit(ReturnsNone())
+    with pytest.raises(TypeError, match=r"ReturnsText.training_step returned str; return the loss"):
+        _fit(ReturnsText())
 
 
 def test_training_step_returning_a_non_scalar():
@@ -107,7 +108,7 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     [
         ({"accumulate_grad_batches": 0}, "accumulate_grad_batches must be an int >= 1"),
         ({"max_steps": -5}, r"Trainer\(max_steps=-5\): max_steps must be an int >= -1 \(-1 for no limit\)"),
-        ({"max_epochs": -1}, "max_epochs must be None or an int >= 0"),
+        ({"max_epochs": -2}, "max_epochs must be None or an int >= -1"),
         ({"val_check_interval": 1.5}, "val_check_interval=1.5.*fraction of the epoch in \\(0, 1\\]"),
         ({"gradient_clip_val": 0}, "gradient_clip_val must be None or a finite number > 0"),
         ({"strategy": "warp_drive"}, "Unknown strategy 'warp_drive'. Valid strategies: .*single"),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import syncline.trainer as trainer_package
-from syncline.callbacks import Callback
+from syncline.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from syncline.trainer import Task, Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
@@ -51,66 +51,146 @@ def test_every_hook_the_trainer_fires_is_declared_on_callback():
     assert task_hooks <= set(HOOKS), sorted(task_hooks - set(HOOKS))
 
 
-def test_fit_fires_hooks_in_lightning_order():
-    recorder, calls = _recorder()
-    data = regression_data(16)
-    trainer = Trainer(max_epochs=1, accumulate_grad_batches=2, num_sanity_val_steps=1, callbacks=[recorder], **quiet())
-    trainer.fit(Regressor(), loader(data, 8), loader(data, 8))
-    train_batch = ["on_train_batch_start", "on_before_backward", "on_after_backward"]
-    step = ["on_before_optimizer_step", "on_before_zero_grad"]
-    val_batch = ["on_validation_batch_start", "on_validation_batch_end"]
-    val_run = ["on_validation_start", "on_validation_epoch_start", *val_batch, *val_batch]
-    val_run += ["on_validation_epoch_end", "on_validation_end"]
+def _hooked_task(calls: list[str], base: type[Task] = Regressor) -> Task:
+    """Return a task recording every hook it receives (and its steps) as "name", before running it."""
+    recorded = [*HOOKS, "configure_optimizers", "training_step", "validation_step", "optimizer_zero_grad"]
+    recorded = [name for name in recorded if hasattr(base, name)]
+    cls = type("HookedTask", (base,), {})
+
+    def make(name: str):
+        def hook(self, *args, **kwargs):
+            calls.append(name)
+            return getattr(super(cls, self), name)(*args, **kwargs)
+
+        return hook
+
+    for name in recorded:
+        setattr(cls, name, make(name))
+    return cls()
+
+
+def _recorder_named(calls: list[str], prefix: str = "Callback.") -> Callback:
+    """Return a callback recording every hook as "Callback.<hook>" into `calls`."""
+
+    def make(name: str):
+        def hook(self, trainer, task, *args, **kwargs):
+            calls.append(prefix + name)
+
+        return hook
+
+    return type("Recorder", (Callback,), {name: make(name) for name in HOOKS})()
+
+
+def _both(*names: str) -> list[str]:
+    """Lightning's order for most hooks: the callbacks', then the task's."""
+    return [entry for name in names for entry in (f"Callback.{name}", name)]
+
+
+def _eval_run(noun: str, batches: int, step: str) -> list[str]:
+    batch = [*_both(f"on_{noun}_batch_start"), step, *_both(f"on_{noun}_batch_end")]
+    return [
+        *_both(f"on_{noun}_start", f"on_{noun}_epoch_start"),
+        *(batch * batches),
+        *_both(f"on_{noun}_epoch_end", f"on_{noun}_end"),
+    ]
+
+
+def _train_batch(step: bool, zero_grad: bool) -> list[str]:
+    calls = [*_both("on_train_batch_start"), "training_step"]
+    if zero_grad:
+        calls += [*_both("on_before_zero_grad"), "optimizer_zero_grad"]
+    calls += _both("on_before_backward", "on_after_backward")
+    if step:
+        calls += _both("on_before_optimizer_step")
+    return [*calls, *_both("on_train_batch_end")]
+
+
+def test_fit_fires_every_hook_in_lightning_order(tmp_path):
+    """Lightning's `test_trainer_model_hook_system_fit`, with syncline's hooks: callbacks before the task, the
+    gradients reset before the window's first backward, ModelCheckpoint (a monitoring callback) after the
+    task's `on_train_epoch_end`, the callbacks' `on_save_checkpoint` before the task's."""
+    calls: list[str] = []
+    task = _hooked_task(calls)
+    data = regression_data(32)
+    kwargs = quiet(max_epochs=1, accumulate_grad_batches=2, limit_train_batches=4, limit_val_batches=2)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path)
+    trainer = Trainer(**{**kwargs, "enable_checkpointing": True}, callbacks=[_recorder_named(calls), checkpoint])
+    trainer.fit(task, loader(data, 8), loader(data, 8))
+    validation = _eval_run("validation", 2, "validation_step")
     expected = [
-        "setup",
-        "on_fit_start",
-        "on_sanity_check_start",
-        "on_validation_start",
-        "on_validation_epoch_start",
-        *val_batch,
-        "on_validation_epoch_end",
-        "on_validation_end",
-        "on_sanity_check_end",
-        "on_train_start",
-        "on_train_epoch_start",
-        *train_batch,
-        "on_train_batch_end",  # first micro-batch of the window: no step
-        *train_batch,
-        *step,
-        "on_train_batch_end",
-        *val_run,
-        "on_train_epoch_end",
-        "on_train_end",
-        "on_fit_end",
-        "teardown",
+        *_both("setup"),
+        "configure_optimizers",
+        *_both("on_fit_start"),
+        "Callback.on_sanity_check_start",
+        *validation,
+        "Callback.on_sanity_check_end",
+        *_both("on_train_start", "on_train_epoch_start"),
+        *_train_batch(step=False, zero_grad=True),
+        *_train_batch(step=True, zero_grad=False),
+        *_train_batch(step=False, zero_grad=True),
+        *_train_batch(step=True, zero_grad=False),
+        *validation,
+        *_both("on_train_epoch_end"),
+        *_both("on_save_checkpoint"),  # ModelCheckpoint saves here, after the task's epoch end
+        *_both("on_train_end", "on_fit_end", "teardown"),
     ]
     assert calls == expected
 
 
-def test_task_hooks_run_before_callbacks_and_exception_hook_fires():
+def test_resume_restores_the_task_and_callbacks_before_configure_optimizers(tmp_path):
+    """Lightning's resume order: setup, the task's on_load_checkpoint, the callbacks', configure_optimizers."""
+    data = loader(regression_data(32), 8)
+    first = Trainer(**{**quiet(max_epochs=1, default_root_dir=tmp_path), "enable_checkpointing": True})
+    first.fit(Regressor(), data)
+    calls: list[str] = []
+    trainer = Trainer(**quiet(max_epochs=2), callbacks=[_recorder_named(calls)])
+    trainer.fit(_hooked_task(calls), data, ckpt_path=first.checkpoint_callback.best_model_path)
+    assert calls[:7] == [
+        *_both("setup"),
+        "on_load_checkpoint",
+        "Callback.on_load_checkpoint",
+        "configure_optimizers",
+        *_both("on_fit_start"),
+    ]
+    assert trainer.current_epoch == 2 and trainer.global_step == 8
+
+
+@pytest.mark.parametrize("stage", ["validate", "test"])
+def test_evaluation_without_batches_fires_no_evaluation_hook(stage):
+    """Lightning's `test_trainer_model_hook_system_eval` with 0 batches: only setup and teardown."""
+    calls: list[str] = []
+    trainer = Trainer(**quiet(limit_val_batches=0), callbacks=[_recorder_named(calls)])
+    empty = loader(regression_data(8), 8) if stage == "validate" else loader(regression_data(0), 8)
+    assert getattr(trainer, stage)(_hooked_task(calls), empty) == []
+    assert calls == [*_both("setup"), *_both("teardown")]
+
+
+def test_monitoring_callbacks_see_what_the_task_logs_at_the_epoch_end(tmp_path):
+    """As in Lightning, other callbacks run before the task's `on_train_epoch_end`, the monitoring ones
+    (ModelCheckpoint, EarlyStopping) after it, so they can monitor a key the task logs there."""
     order: list[str] = []
 
-    class HookedTask(Regressor):
-        def on_train_epoch_start(self):
+    class Logs(Regressor):
+        def on_train_epoch_end(self):
             order.append("task")
+            self.log("epoch_metric", float(self.current_epoch))
 
-        def training_step(self, batch, batch_idx):
-            raise RuntimeError("boom")
+    class Other(Callback):
+        def on_train_epoch_end(self, trainer, task):
+            order.append("other")
 
-    class Watcher(Callback):
-        def on_train_epoch_start(self, trainer, task):
-            order.append("callback")
+    class Stopper(EarlyStopping):
+        def on_train_epoch_end(self, trainer, task):
+            order.append("early_stopping")
+            super().on_train_epoch_end(trainer, task)
 
-        def on_exception(self, trainer, task, exception):
-            order.append(f"exception:{exception}")
-
-        def teardown(self, trainer, task, stage):
-            order.append("teardown")
-
-    trainer = Trainer(max_epochs=1, callbacks=[Watcher()], **quiet())
-    with pytest.raises(RuntimeError, match="boom"):
-        trainer.fit(HookedTask(), loader(regression_data(16)))
-    assert order == ["task", "callback", "exception:boom", "teardown"]
+    stopper = Stopper(monitor="epoch_metric", mode="min", patience=1, check_on_train_epoch_end=True)
+    trainer = Trainer(**quiet(max_epochs=5), callbacks=[stopper, Other()])
+    trainer.fit(Logs(), loader(regression_data(16), 8))
+    assert order[:3] == ["other", "task", "early_stopping"]
+    # epoch_metric rises from 0: no improvement at epoch 1, so EarlyStopping stops there; the counter then
+    # advances past the stopped epoch, as Lightning's does.
+    assert stopper.stopped_epoch == 1 and trainer.current_epoch == 2
 
 
 def test_validate_test_and_predict_fire_their_hooks():

@@ -138,7 +138,7 @@ def test_resume_after_max_steps_continues_the_cut_epoch(tmp_path):
     reference, _ = fit(16)  # 10 batches per epoch: ends mid-epoch 1
     _, first = fit(13)
     first.save_checkpoint(tmp_path / "at13.ckpt")
-    assert not first.state.epoch_finished
+    assert not first.state.batches_done and first.current_epoch == 1
     resumed, trainer = fit(16, ckpt_path=tmp_path / "at13.ckpt", init_seed=3)
     assert trainer.global_step == 16
     for name, value in reference.state_dict().items():

@@ -1,0 +1,213 @@
+"""The Trainer's arguments: each checked with one clear message, and Lightning's spellings resolved.
+
+`TrainerConf` in `config.py` lists the same arguments for the command line; what they may hold is
+decided here, before anything is launched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from syncline.callbacks.callback import Callback
+from syncline.callbacks.logger import Logger
+from syncline.options import OptionError, check_int, check_number
+from syncline.strategies.join import Joinable
+from syncline.strategies.registry import resolve_strategy
+from syncline.strategies.strategy import Strategy
+from syncline.trainer.nonfinite import NONFINITE_LOSS
+from syncline.trainer.persistence import CKPT_READ
+from syncline.trainer.precision import PRECISIONS
+from syncline.trainer.preemption import PREEMPTION_SIGNALS
+from syncline.trainer.uneven import UNEVEN_INPUTS
+
+__all__ = [
+    "ACCELERATORS",
+    "LIGHTNING_STRATEGIES",
+    "build_callbacks",
+    "build_loggers",
+    "check_options",
+    "device_type",
+    "resolve_devices",
+    "strategy_of",
+]
+
+#: The accelerators `Trainer(accelerator=...)` accepts, and the device type each means.
+ACCELERATORS = {"auto": None, "cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
+
+#: Lightning's strategy names, with the syncline strategy closest to each (torch's own DDP).
+LIGHTNING_STRATEGIES: dict[str, dict[str, Any]] = {
+    "ddp": {"name": "native_ddp"},
+    "ddp_find_unused_parameters_true": {"name": "native_ddp", "find_unused_parameters": True},
+}
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """Check every argument of `Trainer.__init__` (its `locals()`), each with one clear message.
+
+    Raises:
+        OptionError: a value the argument does not allow; the message names it and what is allowed.
+    """
+    check_int("Trainer", "max_epochs", options["max_epochs"], -1, none_ok=True, meaning="-1 for no limit")
+    check_int("Trainer", "max_steps", options["max_steps"], -1, meaning="-1 for no limit")
+    check_int("Trainer", "accumulate_grad_batches", options["accumulate_grad_batches"], 1)
+    check_number("Trainer", "gradient_clip_val", options["gradient_clip_val"], above=0, none_ok=True)
+    check_int("Trainer", "log_every_n_steps", options["log_every_n_steps"], 1)
+    check_int("Trainer", "num_sanity_val_steps", options["num_sanity_val_steps"], -1, meaning="-1 for all batches")
+    check_int("Trainer", "seed", options["seed"], 0, none_ok=True)
+    check_int("Trainer", "max_restarts", options["max_restarts"], 0, meaning="restarts of the worker group")
+    for name in ("limit_train_batches", "limit_val_batches"):
+        limit = options[name]
+        if isinstance(limit, float):
+            check_number("Trainer", name, limit, minimum=0, meaning="a float is a fraction of the batches, up to 1.0")
+            if limit > 1.0:
+                raise OptionError(
+                    f"Trainer({name}={limit!r}): a float is a fraction up to 1.0; pass an int of batches."
+                )
+        else:
+            check_int("Trainer", name, limit, 0, none_ok=True, meaning="batches; or a float fraction in [0, 1]")
+    interval = options["val_check_interval"]
+    if isinstance(interval, float):
+        if not (0 < interval <= 1.0):
+            raise OptionError(
+                f"Trainer(val_check_interval={interval!r}): a float is a fraction of the epoch in (0, 1]; "
+                "pass an int for a number of batches."
+            )
+    else:
+        check_int("Trainer", "val_check_interval", interval, 1, meaning="batches; or a float fraction in (0, 1]")
+    _check_choice("ckpt_read", options["ckpt_read"], CKPT_READ)
+    _check_choice("nonfinite_loss", options["nonfinite_loss"], NONFINITE_LOSS)
+    _check_choice("uneven_inputs", options["uneven_inputs"], UNEVEN_INPUTS)
+    signal = options["preemption_signal"]
+    if signal is not None and signal not in PREEMPTION_SIGNALS:
+        raise OptionError(
+            f"Trainer(preemption_signal={signal!r}): use one of {', '.join(PREEMPTION_SIGNALS)}, "
+            "or None for Ctrl-C only."
+        )
+    precision = options["precision"]
+    if str(precision) not in PRECISIONS:
+        raise OptionError(
+            f"Unknown precision {precision!r}. Valid values: {', '.join(PRECISIONS)} (64-bit and '-true' half "
+            "precisions are not supported)."
+        )
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise OptionError(f"Trainer({name}={value!r}): {name} must be one of {', '.join(choices)}.")
+
+
+def device_type(accelerator: str, devices: int) -> str | None:
+    """Check `accelerator` against the machine and return its device type (None for "auto")."""
+    if accelerator not in ACCELERATORS:
+        raise OptionError(f"Unknown accelerator {accelerator!r}. Valid values: {', '.join(ACCELERATORS)}.")
+    kind = ACCELERATORS[accelerator]
+    if kind == "cuda":
+        available = torch.cuda.device_count()
+        if available == 0:
+            raise OptionError(f"accelerator={accelerator!r} but no CUDA device is visible; use 'cpu' or 'auto'.")
+        if devices > available:
+            raise OptionError(f"devices={devices} with accelerator={accelerator!r}, but only {available} GPU(s).")
+    return kind
+
+
+def resolve_devices(devices: int | str, accelerator: str) -> int:
+    """Return the number of processes `devices` asks for, Lightning's spellings included.
+
+    An int or a string of digits is that many processes; "auto" is every GPU on a GPU machine (one process
+    on the CPU); -1 is every GPU.
+    """
+    gpus = torch.cuda.device_count() if ACCELERATORS.get(accelerator, "") in (None, "cuda") else 0
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if devices == "auto":
+        return max(gpus, 1)
+    if devices == -1:
+        if not gpus:
+            raise OptionError(
+                "Trainer(devices=-1) means every GPU, and none is visible; pass devices=N for N processes on the CPU."
+            )
+        return gpus
+    check_int("Trainer", "devices", devices, 1, meaning="processes; or 'auto', or -1 for every GPU")
+    return int(devices)
+
+
+def strategy_of(strategy: str | Strategy, devices: int, accumulate_grad_batches: int, uneven_inputs: str) -> Strategy:
+    """Return the Strategy `strategy` names (Lightning's "ddp" is `native_ddp`), checked against the other options."""
+    if isinstance(strategy, str) and strategy in LIGHTNING_STRATEGIES:
+        spec = dict(LIGHTNING_STRATEGIES[strategy])
+        resolved = resolve_strategy(spec.pop("name"), devices, **spec)
+    else:
+        resolved = resolve_strategy(strategy, devices)
+    if uneven_inputs == "join":
+        _check_joinable(resolved, accumulate_grad_batches)
+    if devices > 1 and not resolved.multi_process:
+        raise OptionError(
+            f"devices={devices} needs a data-parallel strategy, but {resolved!r} trains in one "
+            "process. Use strategy='auto', 'bucketed_ddp' or 'native_ddp', or devices=1."
+        )
+    return resolved
+
+
+def _check_joinable(strategy: Strategy, accumulate_grad_batches: int) -> None:
+    """Refuse uneven_inputs="join" where a joined rank could not shadow the others' collectives."""
+    if not (isinstance(strategy, Joinable) and strategy.supports_join):
+        raise OptionError(
+            f"Trainer(uneven_inputs='join'): strategy {strategy.name or type(strategy).__name__!r} cannot shadow "
+            "its collectives on a rank whose data ran out. Use strategy='bucketed_ddp' or 'native_ddp', or "
+            "uneven_inputs='check' with the same number of batches on every rank."
+        )
+    if accumulate_grad_batches != 1:
+        raise OptionError(
+            f"Trainer(uneven_inputs='join', accumulate_grad_batches={accumulate_grad_batches}): join shadows "
+            "one step per batch; use accumulate_grad_batches=1, or uneven_inputs='check' with even data."
+        )
+    try:
+        strategy.enable_join()
+    except ValueError as error:
+        raise OptionError(str(error)) from None
+
+
+def build_loggers(logger: bool | Logger | Sequence[Logger], default_root_dir: str) -> list[Logger]:
+    """Return the loggers `Trainer(logger=...)` asks for: True is a TensorBoardLogger under `default_root_dir`."""
+    if logger is True:
+        from syncline.callbacks.tensorboard import TensorBoardLogger
+
+        return [TensorBoardLogger(save_dir=default_root_dir)]
+    if logger is False or logger is None:
+        return []
+    if isinstance(logger, Logger):
+        return [logger]
+    loggers = list(logger)
+    for item in loggers:
+        if not isinstance(item, Logger):
+            raise TypeError(f"logger entries must be callbacks.Logger instances, got {type(item).__name__}.")
+    return loggers
+
+
+def build_callbacks(
+    callbacks: Sequence[Callback] | Callback | None, checkpointing: bool, progress_bar: bool
+) -> list[Callback]:
+    """Return the callbacks, with a ProgressBar and a ModelCheckpoint unless switched off; checkpoints last."""
+    from syncline.callbacks.checkpoint import ModelCheckpoint
+    from syncline.callbacks.progress import ProgressBar
+
+    if isinstance(callbacks, Callback):
+        callbacks = [callbacks]
+    result = list(callbacks or [])
+    for callback in result:
+        if not isinstance(callback, Callback):
+            raise TypeError(f"callbacks must be Callback instances, got {type(callback).__name__}.")
+    if progress_bar and not any(isinstance(c, ProgressBar) for c in result):
+        result.insert(0, ProgressBar())
+    if not progress_bar:
+        result = [c for c in result if not isinstance(c, ProgressBar)]
+    if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in result):
+        result.append(ModelCheckpoint())
+    # Checkpoints go last, so the state they save includes what other callbacks did at the same event.
+    result.sort(key=lambda c: isinstance(c, ModelCheckpoint))
+    if not checkpointing and any(isinstance(c, ModelCheckpoint) for c in result):
+        raise OptionError("enable_checkpointing=False but a ModelCheckpoint was passed in callbacks; drop one.")
+    return result
