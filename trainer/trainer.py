@@ -403,8 +403,8 @@ class Trainer:
         self.fit_loop.setup(self.optim)
         if checkpoint is not None:
             persistence.restore_training(self, checkpoint)
-        if not any(module.training for module in task.modules()):
-            rank_zero_warn(f"{type(task).__name__} is in eval mode at the start of fit; it trains in that mode.")
+        if in_eval := sum(not module.training for module in task.modules()):  # kept so, as Lightning does
+            rank_zero_warn(f"Found {in_eval} module(s) in eval mode at the start of training; they train so.")
         self.dispatcher.fire(Callback.on_fit_start)
         if self.is_global_zero and task.hparams_logged:
             for logger in self.loggers:

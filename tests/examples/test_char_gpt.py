@@ -12,6 +12,7 @@ TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=16, max_ch
 
 
 def _val_loss(task: CharGPT, batches: int = 4) -> float:
+    training = task.training
     task.eval()
     losses = []
     with torch.no_grad():
@@ -19,6 +20,8 @@ def _val_loss(task: CharGPT, batches: int = 4) -> float:
             if i == batches:
                 break
             losses.append(task._loss(task(inputs), targets).item())
+    # Back in the mode it had: the Trainer trains a task in the mode it is given, as Lightning does.
+    task.train(training)
     return sum(losses) / len(losses)
 
 
