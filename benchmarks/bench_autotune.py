@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine, spawn_world, summary, write_json
 from syncline.strategies.bucketed_ddp import BucketedDDP
-from syncline.strategies.process_group import init_process_group_from_env
+from syncline.strategies.comm.process_group import init_process_group_from_env
 
 DEFAULT_CAPS = (1.0, 5.0, 25.0, 100.0)
 

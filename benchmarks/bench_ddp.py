@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cpu_model, spawn_world, write_json
 from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.comm.process_group import init_process_group_from_env
 from syncline.strategies.native_ddp import NativeDDP
-from syncline.strategies.process_group import init_process_group_from_env
 
 WIDTH, DEPTH, BATCH = 512, 12, 64
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from syncline.strategies.launcher import free_port
+from syncline.strategies.comm.launcher import free_port
 
 __all__ = [
     "fill_marked_block",

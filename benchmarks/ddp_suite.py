@@ -210,7 +210,7 @@ class _Runner:
 def rank_timings(
     rank: int, world_size: int, workload_name: str, size: str, variants, plan: DDPPlan, timeout: float, device: str
 ):
-    from syncline.strategies.process_group import init_process_group_from_env
+    from syncline.strategies.comm.process_group import init_process_group_from_env
 
     cuda = device == "cuda"
     init_process_group_from_env(backend="nccl" if cuda else "gloo", timeout=timeout)

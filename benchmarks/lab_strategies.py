@@ -132,7 +132,7 @@ def _worker(spec: dict[str, Any]) -> None:
     from syncline.callbacks import Callback
     from syncline.examples.char_gpt import CharGPT
     from syncline.strategies import STRATEGIES
-    from syncline.strategies.bucket_autotune import AUTO, DEFAULT_CAPS_MB
+    from syncline.strategies.comm.bucket_autotune import AUTO, DEFAULT_CAPS_MB
     from syncline.trainer import Trainer
 
     torch.set_num_threads(1)

@@ -27,14 +27,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from syncline.options import OptionError, check_int, check_number
-from syncline.strategies.backward_sync import BackwardSyncControl
-from syncline.strategies.bucket_autotune import AUTO, DEFAULT_CAPS_MB, BucketAutotune, distinct_caps
-from syncline.strategies.comm_events import CommEvents
-from syncline.strategies.comm_hooks import COMM_HOOKS, CommHook
-from syncline.strategies.join import Joinable
-from syncline.strategies.process_group import ProcessGroupStrategy, broadcast_coalesced
-from syncline.strategies.reducer import Reducer
-from syncline.strategies.sparse_gradients import sparse_gradient_parameters
+from syncline.strategies.comm.backward_sync import BackwardSyncControl
+from syncline.strategies.comm.bucket_autotune import AUTO, DEFAULT_CAPS_MB, BucketAutotune, distinct_caps
+from syncline.strategies.comm.events import CommEvents
+from syncline.strategies.comm.hooks import COMM_HOOKS, CommHook
+from syncline.strategies.comm.join import Joinable
+from syncline.strategies.comm.process_group import ProcessGroupStrategy, broadcast_coalesced
+from syncline.strategies.comm.reducer import Reducer
+from syncline.strategies.comm.sparse_gradients import sparse_gradient_parameters
 from syncline.trainer.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class BucketedDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
     Args:
         bucket_cap_mb: the most MiB of gradients per bucket (one all-reduce each), or "auto": try the caps
             of `autotune_caps_mb` in the first synchronized steps and keep the fastest
-            (`strategies/bucket_autotune.py`).
+            (`strategies/comm/bucket_autotune.py`).
         first_bucket_mb: cap of the first bucket to be reduced, small so communication starts early.
         find_unused_parameters: tolerate parameters that a forward does not use, at the cost of a
             walk of the autograd graph and one extra small all-reduce per synchronized step.

@@ -28,10 +28,10 @@ from torch.futures import Future
 
 from syncline.options import check_number
 from syncline.strategies.bucketed_ddp import BlockingHookDDP, refuse_autotune
-from syncline.strategies.comm_counter import CommCounter
-from syncline.strategies.comm_hooks import GradBucket
-from syncline.strategies.compression import ErrorFeedback, minmax_dequantize, minmax_quantize, pack, unpack
-from syncline.strategies.transfers import all_gather_in_pieces, all_to_all_in_pieces
+from syncline.strategies.comm.compression import ErrorFeedback, minmax_dequantize, minmax_quantize, pack, unpack
+from syncline.strategies.comm.counter import CommCounter
+from syncline.strategies.comm.hooks import GradBucket
+from syncline.strategies.comm.transfers import all_gather_in_pieces, all_to_all_in_pieces
 
 __all__ = ["ByteGrad", "ByteGradState", "bytegrad_hook", "compressed_average"]
 

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from syncline.options import OptionError, check_int
-from syncline.strategies.compression import minmax_dequantize, minmax_quantize, pack, unpack
+from syncline.strategies.comm.compression import minmax_dequantize, minmax_quantize, pack, unpack
+from syncline.strategies.comm.transfers import all_gather_in_pieces, exchange
 from syncline.strategies.model_averaging import ModelAveraging, average_parameters, flatten_by_dtype, unflatten_into
-from syncline.strategies.transfers import all_gather_in_pieces, exchange
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task

@@ -27,8 +27,8 @@ from torch import Tensor
 
 from syncline.options import check_int
 from syncline.strategies.bucketed_ddp import BucketedDDP
-from syncline.strategies.comm_counter import CommCounter
-from syncline.strategies.comm_events import collective_span
+from syncline.strategies.comm.counter import CommCounter
+from syncline.strategies.comm.events import collective_span
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task

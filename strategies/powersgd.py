@@ -31,9 +31,9 @@ from torch.futures import Future
 
 from syncline.options import check_int, check_number
 from syncline.strategies.bucketed_ddp import BlockingHookDDP
-from syncline.strategies.comm_counter import CommCounter
-from syncline.strategies.comm_hooks import GradBucket, count_bytes
-from syncline.strategies.compression import ErrorFeedback
+from syncline.strategies.comm.compression import ErrorFeedback
+from syncline.strategies.comm.counter import CommCounter
+from syncline.strategies.comm.hooks import GradBucket, count_bytes
 
 __all__ = ["PowerSGD", "PowerSGDState", "powersgd_hook"]
 

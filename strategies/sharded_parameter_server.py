@@ -41,9 +41,9 @@ from torch.futures import Future
 
 from syncline.options import check_number
 from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
-from syncline.strategies.comm_counter import CommCounter
-from syncline.strategies.comm_hooks import GradBucket, count_bytes
-from syncline.strategies.transfers import all_gather_in_pieces, all_to_all_in_pieces, future_of
+from syncline.strategies.comm.counter import CommCounter
+from syncline.strategies.comm.hooks import GradBucket, count_bytes
+from syncline.strategies.comm.transfers import all_gather_in_pieces, all_to_all_in_pieces, future_of
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task

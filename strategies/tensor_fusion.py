@@ -52,8 +52,8 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from syncline.options import check_number
-from syncline.strategies.backward_sync import BackwardSyncControl
-from syncline.strategies.process_group import ProcessGroupStrategy, broadcast_coalesced
+from syncline.strategies.comm.backward_sync import BackwardSyncControl
+from syncline.strategies.comm.process_group import ProcessGroupStrategy, broadcast_coalesced
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 from syncline.callbacks.callback import Callback, CallbackDispatcher
 from syncline.callbacks.logger import Logger
 from syncline.options import OptionError, check_int, check_number
-from syncline.strategies.join import Joinable
-from syncline.strategies.launcher import launch, launched_by_torchrun
+from syncline.strategies.comm.join import Joinable
+from syncline.strategies.comm.launcher import launch, launched_by_torchrun
 from syncline.strategies.registry import resolve_strategy
 from syncline.strategies.strategy import Strategy
 from syncline.trainer import persistence

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
-from syncline.strategies.comm_hooks import GradBucket
+from syncline.strategies.comm.hooks import GradBucket
 
 __all__ = ["Bucket", "Slot", "assign_buckets"]
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from syncline.strategies.comm_counter import CommCounter
+from syncline.strategies.comm.counter import CommCounter
 
 __all__ = [
     "COMM_HOOKS",

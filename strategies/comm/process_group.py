@@ -24,8 +24,8 @@ from torch.nn.parameter import UninitializedParameter
 
 from syncline.options import check_number
 from syncline.strategies import worker_guard
-from syncline.strategies.collective_log import COLLECTIVES, diagnosis_wait
-from syncline.strategies.reducer_errors import CollectiveError
+from syncline.strategies.comm.collective_log import COLLECTIVES, diagnosis_wait
+from syncline.strategies.comm.reducer_errors import CollectiveError
 from syncline.strategies.strategy import ReduceOp, Strategy
 
 if TYPE_CHECKING:

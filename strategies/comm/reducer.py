@@ -7,7 +7,7 @@ The reducer averages those gradients across ranks while the backward pass is sti
    smaller, so communication starts early), in reverse registration order as a guess of the order in
    which gradients become ready. After the first synchronized backward the buckets are rebuilt once
    in the order rank 0 actually observed. `set_bucket_cap` lays them out again with another cap
-   (bucket autotuning, `strategies/bucket_autotune.py`), between synchronized backwards.
+   (bucket autotuning, `strategies/comm/bucket_autotune.py`), between synchronized backwards.
 2. **Views.** With `gradient_as_bucket_view`, each `param.grad` *is* a view into its bucket, so
    autograd accumulates straight into the buffer and no copy is made per step.
 3. **Overlap.** A post-accumulate-grad hook records each parameter as it arrives (a C `list.append`
@@ -45,13 +45,13 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.utils.hooks import RemovableHandle
 
-from syncline.strategies.autograd_graph import grad_accumulators, parameters_reached
-from syncline.strategies.buckets import Bucket, Slot, assign_buckets
-from syncline.strategies.collective_log import COLLECTIVES, diagnosis_wait
-from syncline.strategies.comm_counter import CommCounter
-from syncline.strategies.comm_events import CommEvents
-from syncline.strategies.comm_hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
-from syncline.strategies.reducer_errors import (
+from syncline.strategies.comm.autograd_graph import grad_accumulators, parameters_reached
+from syncline.strategies.comm.buckets import Bucket, Slot, assign_buckets
+from syncline.strategies.comm.collective_log import COLLECTIVES, diagnosis_wait
+from syncline.strategies.comm.counter import CommCounter
+from syncline.strategies.comm.events import CommEvents
+from syncline.strategies.comm.hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
+from syncline.strategies.comm.reducer_errors import (
     CollectiveError,
     UnusedParametersError,
     ready_twice_message,
@@ -60,7 +60,7 @@ from syncline.strategies.reducer_errors import (
     unsynced_message,
     unused_message,
 )
-from syncline.strategies.sparse_gradients import average_sparse_gradients
+from syncline.strategies.comm.sparse_gradients import average_sparse_gradients
 
 __all__ = [
     "CollectiveError",
@@ -184,7 +184,7 @@ class Reducer:
         self._build_buckets(self._order, attach_missing=True)
         self._rebuilt = not rebuild_buckets
         #: Where bucket launches, completions and the exposed wait are recorded while a timeline listens
-        #: (`strategies/comm_events.py`); None records nothing and costs one attribute test per bucket.
+        #: (`strategies/comm/events.py`); None records nothing and costs one attribute test per bucket.
         self.events: CommEvents | None = None
 
         # Per-backward state, reset by `prepare_for_backward`.

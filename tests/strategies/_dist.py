@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from syncline.strategies.launcher import free_port
+from syncline.strategies.comm.launcher import free_port
 
 __all__ = ["RankOutcome", "run_distributed", "run_ranks"]
 

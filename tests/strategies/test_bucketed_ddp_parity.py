@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from syncline.strategies import BucketedDDP, NativeDDP
-from syncline.strategies.process_group import init_process_group_from_env
+from syncline.strategies.comm.process_group import init_process_group_from_env
 
 GLOBAL_BATCH = 8
 STEPS = 4
