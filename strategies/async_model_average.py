@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from syncline.options import check_number
-from syncline.strategies.model_averaging import ModelAveraging, flatten_by_dtype, unflatten_into
+from syncline.strategies.comm.flat import flatten, flatten_by_dtype, unflatten_into
+from syncline.strategies.model_averaging import ModelAveraging
 from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ class AsyncModelAverage(ModelAveraging):
         if result is None:
             return
         for tensors, average, then in result:
-            current = torch.cat([t.detach().reshape(-1) for t in tensors])
+            current = flatten(tensors)
             unflatten_into(tensors, current + (average - then))
         self._applied.set()
 

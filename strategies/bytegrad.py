@@ -22,18 +22,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import check_number
 from syncline.strategies.bucketed_ddp import BlockingHookDDP, refuse_autotune
-from syncline.strategies.comm.compression import ErrorFeedback, minmax_dequantize, minmax_quantize, pack, unpack
+from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
 from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.hooks import GradBucket
-from syncline.strategies.comm.transfers import all_gather_in_pieces, all_to_all_in_pieces
 
-__all__ = ["ByteGrad", "ByteGradState", "bytegrad_hook", "compressed_average"]
+__all__ = ["ByteGrad", "ByteGradState", "bytegrad_hook"]
 
 
 @dataclass
@@ -53,40 +51,6 @@ class ByteGradState:
     counter: CommCounter | None = None
 
 
-def compressed_average(
-    values: Tensor, group: dist.ProcessGroup | None, counter: CommCounter | None
-) -> tuple[Tensor, Tensor]:
-    """Average flat `values` across `group` with 8-bit scatter-reduce and all-gather (steps 2-6 above).
-
-    Args:
-        values: this rank's flat tensor; the same size on every rank.
-        group: the process group.
-        counter: where the bytes handed to collectives are counted; None counts nothing.
-
-    Returns:
-        The average, in `values`' dtype, identical on every rank; and what this rank's quantization
-        made of `values` (its contribution as the others decoded it), for error feedback.
-    """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    quantized = minmax_quantize(values, world)
-    payloads = pack(quantized)
-    sizes = [payload.numel() for payload in payloads]
-    # Scatter: chunk j goes to rank j; the own chunk is not handed to the collective.
-    versions = [payload if j == rank else payload.new_empty(sizes[rank]) for j, payload in enumerate(payloads)]
-    _count(counter, *(payload for j, payload in enumerate(payloads) if j != rank))
-    # Collective: all-to-all of the uint8 chunks, in pieces (blocking: the reduction below needs them).
-    all_to_all_in_pieces(payloads, versions, group=group)
-    own_chunk = minmax_dequantize(unpack(versions)).view(world, sizes[rank] - 8).mean(dim=0)
-
-    # Gather: all-gather needs equal sizes; pad to the largest chunk (tensor_split puts it first).
-    requantized = F.pad(pack(minmax_quantize(own_chunk))[0], (0, sizes[0] - sizes[rank]))
-    _count(counter, requantized)
-    # Collective: all-gather of every rank's averaged, re-quantized chunk, in pieces.
-    gathered = all_gather_in_pieces(requantized, world, group=group)[0].split(requantized.numel())
-    average = minmax_dequantize(unpack([chunk[:size] for chunk, size in zip(gathered, sizes)]), values.dtype)
-    return average, minmax_dequantize(quantized, values.dtype)
-
-
 def bytegrad_hook(state: ByteGradState, bucket: GradBucket) -> Future[Tensor]:
     """Average the bucket across the group, communicating it as 8-bit chunks (BAGUA's ByteGrad).
 
@@ -104,11 +68,6 @@ def bytegrad_hook(state: ByteGradState, bucket: GradBucket) -> Future[Tensor]:
     future: Future[Tensor] = Future()
     future.set_result(buffer)
     return future
-
-
-def _count(counter: CommCounter | None, *tensors: Tensor) -> None:
-    if counter is not None:
-        counter.add_tensors(*tensors)
 
 
 def _spans(bucket: GradBucket, state: ByteGradState) -> list[tuple[str, int, int]]:

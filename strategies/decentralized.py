@@ -29,9 +29,10 @@ import torch
 from torch import Tensor
 
 from syncline.options import OptionError, check_int
-from syncline.strategies.comm.compression import minmax_dequantize, minmax_quantize, pack, unpack
+from syncline.strategies.comm.compression import minmax_dequantize, minmax_quantize, pack_flat, unpack_flat
+from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
 from syncline.strategies.comm.transfers import all_gather_in_pieces, exchange
-from syncline.strategies.model_averaging import ModelAveraging, average_parameters, flatten_by_dtype, unflatten_into
+from syncline.strategies.model_averaging import ModelAveraging, average_parameters
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -41,7 +42,7 @@ __all__ = ["PEERS", "Decentralized", "shift_one_partner"]
 #: The peer selections `Decentralized(peers=...)` accepts.
 PEERS = ("shift_one", "all")
 _COMPRESSIONS = (None, "uint8")
-#: Values per quantization chunk: each chunk has its own minimum and step (8 bytes of header).
+#: Values per quantization chunk: each chunk has its own minimum and step (its header).
 _CHUNK = 4096
 
 
@@ -146,8 +147,7 @@ class Decentralized(ModelAveraging):
                 continue
             mine_there, theirs_here = self.estimates[f"mine@{partner}"][index], self.estimates[str(partner)][index]
             quantized = minmax_quantize(flat - mine_there, chunks=_chunks(flat))
-            payload = torch.cat(pack(quantized))
-            received = unpack(_split_payload(self._exchange(payload, partner), quantized.sizes))
+            received = unpack_flat(self._exchange(pack_flat(quantized), partner), quantized.sizes)
             mine_there += minmax_dequantize(quantized, flat.dtype)
             theirs_here += minmax_dequantize(received, flat.dtype)
             unflatten_into(tensors, flat + (theirs_here - mine_there) / 2)
@@ -164,14 +164,13 @@ class Decentralized(ModelAveraging):
         rank, world = self.global_rank, self.world_size
         for index, (tensors, flat) in enumerate(flatten_by_dtype(self._params)):
             quantized = minmax_quantize(flat - self.estimates[str(rank)][index], chunks=_chunks(flat))
-            payload = torch.cat(pack(quantized))
+            payload = pack_flat(quantized)
             # Collective: every rank's quantized difference (all payloads have the same size).
             gathered = all_gather_in_pieces(payload, world)[0].split(payload.numel())
             self.comm_counter.add(payload.numel())
             for peer, received in enumerate(gathered):
-                self.estimates[str(peer)][index] += minmax_dequantize(
-                    unpack(_split_payload(received, quantized.sizes)), flat.dtype
-                )
+                difference = minmax_dequantize(unpack_flat(received, quantized.sizes), flat.dtype)
+                self.estimates[str(peer)][index] += difference
             mean = torch.stack([self.estimates[str(peer)][index] for peer in range(world)]).mean(dim=0)
             unflatten_into(tensors, flat + mean - self.estimates[str(rank)][index])
 
@@ -197,8 +196,3 @@ class Decentralized(ModelAveraging):
 
 def _chunks(flat: Tensor) -> int:
     return max(1, -(-flat.numel() // _CHUNK))
-
-
-def _split_payload(payload: Tensor, sizes: list[int]) -> list[Tensor]:
-    """Cut a concatenation of `pack`ed chunks back into chunks (8-byte header + codes each)."""
-    return list(payload.split([8 + size for size in sizes]))

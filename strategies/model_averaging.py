@@ -18,7 +18,7 @@ as in torch's `PostLocalSGDOptimizer`, which averages parameters alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,26 +29,12 @@ from syncline.options import check_int
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.events import collective_span
+from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
 
-__all__ = ["ModelAveraging", "average_parameters", "flatten_by_dtype"]
-
-
-def flatten_by_dtype(tensors: Iterable[Tensor]) -> list[tuple[list[Tensor], Tensor]]:
-    """Return, per (dtype, device), the tensors and one flat copy of them (what one collective sends)."""
-    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    return [(group, torch.cat([t.detach().reshape(-1) for t in group])) for group in groups.values()]
-
-
-def unflatten_into(tensors: list[Tensor], flat: Tensor) -> None:
-    """Copy `flat` back into `tensors` (the inverse of one group of `flatten_by_dtype`)."""
-    with torch.no_grad():
-        for tensor, value in zip(tensors, flat.split([t.numel() for t in tensors])):
-            tensor.copy_(value.view_as(tensor))
+__all__ = ["ModelAveraging", "average_parameters"]
 
 
 def average_parameters(params: list[Tensor], group: Any = None, counter: CommCounter | None = None) -> None:

@@ -30,8 +30,8 @@ from torch.futures import Future
 
 from syncline.options import OptionError, check_int, check_number
 from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
-from syncline.strategies.comm.counter import CommCounter
-from syncline.strategies.comm.hooks import GradBucket, count_bytes
+from syncline.strategies.comm.counter import CommCounter, count_bytes
+from syncline.strategies.comm.hooks import GradBucket
 from syncline.strategies.comm.process_group import broadcast_coalesced
 from syncline.strategies.comm.transfers import all_to_all_in_pieces, future_of
 
@@ -65,7 +65,7 @@ def reduce_to_server_hook(state: ReduceToServerState, bucket: GradBucket) -> Fut
     # Divide before the sum so low-precision sums cannot overflow.
     buffer.div_(world_size)
     if rank != server:
-        count_bytes(state, buffer)
+        count_bytes(state.counter, buffer)
         sends: list[Tensor | None] = [buffer if peer == server else None for peer in range(world_size)]
         # Collective (point to point, asynchronous): this worker's bucket to the server.
         works = all_to_all_in_pieces(sends, [None] * world_size, group=state.process_group, async_op=True)

@@ -32,8 +32,9 @@ from torch.futures import Future
 from syncline.options import check_int, check_number
 from syncline.strategies.bucketed_ddp import BlockingHookDDP
 from syncline.strategies.comm.compression import ErrorFeedback
-from syncline.strategies.comm.counter import CommCounter
-from syncline.strategies.comm.hooks import GradBucket, count_bytes
+from syncline.strategies.comm.counter import CommCounter, count_bytes
+from syncline.strategies.comm.flat import flatten, unflatten
+from syncline.strategies.comm.hooks import GradBucket
 
 __all__ = ["PowerSGD", "PowerSGDState", "powersgd_hook"]
 
@@ -92,12 +93,10 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> Future[Tensor]:
     low_rank = [span for span in spans if state.compresses(span[1])]
 
     if exact:
-        flat = torch.cat([buffer[start:end] for _, _, start, end in exact]).div_(world)
-        count_bytes(state, flat)
+        pieces = [buffer[start:end] for _, _, start, end in exact]
         # Collective: exact all-reduce of the vectors and the matrices not worth compressing.
-        dist.all_reduce(flat, group=group)
-        for piece, (_, _, start, end) in zip(flat.split([end - start for _, _, start, end in exact]), exact):
-            buffer[start:end] = piece
+        for piece, average in zip(pieces, _all_reduce_mean(pieces, state, world)):
+            piece.copy_(average)
 
     if low_rank:
         matrices = [_corrected_matrix(state, buffer, span) for span in low_rank]
@@ -139,11 +138,11 @@ def _initial_factor(state: PowerSGDState, name: str, matrix: Tensor) -> Tensor:
 
 def _all_reduce_mean(tensors: list[Tensor], state: PowerSGDState, world: int) -> list[Tensor]:
     """Average `tensors` across the group with one all-reduce of their concatenation."""
-    flat = torch.cat([t.reshape(-1) for t in tensors]).div_(world)
-    count_bytes(state, flat)
-    # Collective: one all-reduce of every matrix's factor (P or Q) of this bucket.
+    flat = flatten(tensors).div_(world)
+    count_bytes(state.counter, flat)
+    # Collective: one all-reduce of every tensor (the exact gradients, or every matrix's P or Q) of this bucket.
     dist.all_reduce(flat, group=state.process_group)
-    return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    return unflatten(flat, tensors)
 
 
 class PowerSGD(BlockingHookDDP):

@@ -27,8 +27,7 @@ from torch import Tensor
 
 from syncline.options import check_int, check_number
 from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
-from syncline.strategies.bytegrad import compressed_average
-from syncline.strategies.comm.compression import ErrorFeedback
+from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
 from syncline.strategies.comm.events import collective_span
 from syncline.strategies.strategy import replace_step
 

@@ -41,8 +41,8 @@ from torch.futures import Future
 
 from syncline.options import check_number
 from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
-from syncline.strategies.comm.counter import CommCounter
-from syncline.strategies.comm.hooks import GradBucket, count_bytes
+from syncline.strategies.comm.counter import CommCounter, count_bytes
+from syncline.strategies.comm.hooks import GradBucket
 from syncline.strategies.comm.transfers import all_gather_in_pieces, all_to_all_in_pieces, future_of
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def reduce_scatter_hook(state: ReduceScatterState, bucket: GradBucket) -> Future
     full = torch.cat([buffer, buffer.new_zeros(padding)]) if padding else buffer
     parts = list(full.split(chunk))
     received = buffer.new_empty(world_size, chunk)
-    count_bytes(state, *(part for peer, part in enumerate(parts) if peer != rank))
+    count_bytes(state.counter, *(part for peer, part in enumerate(parts) if peer != rank))
     # Collective (point to point, asynchronous): chunk j to rank j; every rank's version of this rank's chunk.
     works = all_to_all_in_pieces(parts, list(received), group=state.process_group, async_op=True)
     start, stop = shard_range(buffer.numel(), rank, world_size)

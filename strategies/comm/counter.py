@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-__all__ = ["CommCounter"]
+__all__ = ["CommCounter", "count_bytes"]
 
 
 class CommCounter:
@@ -63,3 +63,9 @@ class CommCounter:
     def as_dict(self) -> dict[str, float]:
         """Return ``{"comm/bytes": ..., "comm/total_bytes": ...}`` as the loop logs them."""
         return {"comm/bytes": float(self.step_bytes), "comm/total_bytes": float(self.total_bytes)}
+
+
+def count_bytes(counter: CommCounter | None, *tensors: Tensor) -> None:
+    """Count `tensors` as handed to a collective in `counter` (a hook's state may hold None: count nothing)."""
+    if counter is not None:
+        counter.add_tensors(*tensors)

@@ -50,6 +50,7 @@ from syncline.strategies.comm.buckets import Bucket, Slot, assign_buckets
 from syncline.strategies.comm.collective_log import COLLECTIVES, diagnosis_wait
 from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.events import CommEvents
+from syncline.strategies.comm.flat import group_by_dtype
 from syncline.strategies.comm.hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
 from syncline.strategies.comm.reducer_errors import (
     CollectiveError,
@@ -247,12 +248,8 @@ class Reducer:
 
     def gradient_group_bytes(self) -> list[int]:
         """Bytes of the dense gradients of each dtype and device (what one bucket could hold at most)."""
-        groups: dict[tuple[torch.dtype, torch.device], int] = {}
-        for param, sparse in zip(self._params, self._is_sparse):
-            if not sparse:
-                key = (param.dtype, param.device)
-                groups[key] = groups.get(key, 0) + param.numel() * param.element_size()
-        return list(groups.values())
+        dense = [param for param, sparse in zip(self._params, self._is_sparse) if not sparse]
+        return [sum(p.numel() * p.element_size() for p in group) for group in group_by_dtype(dense)]
 
     def set_bucket_cap(self, bucket_cap_mb: float) -> None:
         """Lay the buckets out again with another cap, in the current order (bucket autotuning).
@@ -712,7 +709,8 @@ class Reducer:
                 if self._as_view and (param.grad is not None or attach_missing):
                     param.grad = view
             params = [self._params[i] for i in indices]
-            buckets.append(Bucket(GradBucket(bucket_index, buffer, params, offsets), list(indices)))
+            names = [self._names[i] for i in indices]
+            buckets.append(Bucket(GradBucket(bucket_index, buffer, params, offsets, names), list(indices)))
         assert all((slot is None) == sparse for slot, sparse in zip(slots, self._is_sparse)), (
             "every dense parameter belongs to exactly one bucket"
         )
