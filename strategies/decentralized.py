@@ -74,7 +74,7 @@ class Decentralized(ModelAveraging):
         peers: "shift_one" (one peer per averaging, rotating) or "all" (every rank: an all-reduce).
         period: optimizer steps between two averagings.
         compression: None (send parameters) or "uint8" (send MinMax-quantized differences).
-        kwargs: passed to `BucketedDDP` (`backend`, `timeout`, ...).
+        kwargs: passed to the core (`backend`, `timeout`, ...).
     """
 
     name = "decentralized"
@@ -91,9 +91,13 @@ class Decentralized(ModelAveraging):
         self.peers = peers
         self.period = period
         self.compression = compression
-        self.rounds = 0
         #: uint8 only: estimates of models, by key ("mine@<peer>", "<peer>"; "<rank>" for peers="all").
         self.estimates: dict[str, list[Tensor]] = {}
+
+    @property
+    def rounds(self) -> int:
+        """Averagings so far: the local steps over `period` (the core's `steps`, as no warm-up precedes them)."""
+        return self.steps // self.period
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse compression="uint8" on one process (there is no peer to send differences to)."""
@@ -103,15 +107,10 @@ class Decentralized(ModelAveraging):
                 "quantized differences to); run with trainer.devices >= 2 or compression=None."
             )
 
-    def setup(self, task: Task) -> None:
-        """Set up, and start every estimate from the common initial parameters (uint8).
-
-        Raises:
-            OptionError: compression="uint8" on one process (there is no peer to send differences to).
-        """
-        self.check_world_size(self.world_size)
-        super().setup(task)  # rank 0's parameters everywhere: every estimate starts equal on every rank
-        self.rounds, self.estimates = 0, {}
+    def after_setup(self, task: Task) -> None:
+        """Start every estimate from the common initial parameters (uint8): rank 0's, on every rank."""
+        super().after_setup(task)
+        self.estimates = {}
         if self.compression == "uint8":
             rank, world = self.global_rank, self.world_size
             keys = (
@@ -126,8 +125,7 @@ class Decentralized(ModelAveraging):
         """Average with this round's peers every `period` local steps."""
         if local_step % self.period:
             return
-        round_ = self.rounds
-        self.rounds += 1
+        round_ = self.rounds - 1  # averagings before this one: how far the peers have rotated
         if self.peers == "all" and self.compression is None:
             # Collective: one coalesced all-reduce of the parameters.
             average_parameters(self._params, counter=self.comm_counter)
@@ -169,24 +167,24 @@ class Decentralized(ModelAveraging):
             gathered = all_gather_in_pieces(payload, world)[0].split(payload.numel())
             self.comm_counter.add(payload.numel())
             for peer, received in enumerate(gathered):
-                difference = minmax_dequantize(unpack_flat(received, quantized.sizes), flat.dtype)
-                self.estimates[str(peer)][index] += difference
+                self.estimates[str(peer)][index] += minmax_dequantize(
+                    unpack_flat(received, quantized.sizes), flat.dtype
+                )
             mean = torch.stack([self.estimates[str(peer)][index] for peer in range(world)]).mean(dim=0)
             unflatten_into(tensors, flat + mean - self.estimates[str(rank)][index])
 
     # ------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's round counter and estimates (they differ per rank)."""
+    def algorithm_state_dict(self) -> dict[str, Any]:
+        """This rank's estimates (they differ per rank), and the averagings so far (`rounds`, from `steps`)."""
         return {
-            **super().state_dict(),
+            **super().algorithm_state_dict(),
             "rounds": self.rounds,
             "estimates": {key: [t.detach().cpu().clone() for t in flats] for key, flats in self.estimates.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned."""
-        super().load_state_dict(state)
-        self.rounds = int(state["rounds"])
+    def load_algorithm_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `algorithm_state_dict` returned ("rounds" follows from the restored `steps`)."""
+        super().load_algorithm_state_dict(state)
         device = self.root_device
         self.estimates = {key: [t.to(device) for t in flats] for key, flats in state["estimates"].items()}
 
