@@ -11,7 +11,7 @@ needs, called at the moments their names say (as BAGUA's `Algorithm`, `bagua/tor
     setup(task)                 check_world_size(world_size) first (the launcher asks it too); then the
                                 reducer built and rank 0's weights on every rank -> after_setup(task)
     backward(loss, sync)        the reducer averages gradients if syncs_gradients() -> after_backward()
-    optimizer_step(opt, step)   apply_update(opt, step); steps += 1              -> after_optimizer_step()
+    optimizer_step(opt, step)   apply_update(opt, step); steps += 1 (stages)     -> after_optimizer_step()
                                 the stage moved (stage())                        -> stage_changed()
 
 What a bucket sends is the comm hook, a plain function ``hook(state, bucket) -> Future[Tensor]``
@@ -119,7 +119,8 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         self.broadcast_buffers = broadcast_buffers
         self.overlap = overlap
         self.static_graph = static_graph
-        #: Optimizer steps taken: the counter every stage is derived from (restored from checkpoints).
+        #: Optimizer steps taken, the counter a stage is derived from: counted (and checkpointed) for an
+        #: algorithm with `stages`; one with a single stage leaves it, and the name, to its subclasses.
         self.steps = 0
         self._stage = 0
         self._comm_events: CommEvents | None = None
@@ -305,7 +306,8 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
         """Apply the update, count the step, run what follows it, and close the step's byte count."""
         self.apply_update(optimizer, step)
-        self.steps += 1
+        if self.stages:
+            self.steps += 1
         self.after_optimizer_step()
         self._enter_stage()
         self.comm_counter.close_step()
