@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from syncline.strategies import STRATEGIES, BucketedDDP, NativeDDP, resolve_strategy
 from syncline.strategies.comm.process_group import init_process_group_from_env
-from syncline.strategies.comm.reducer import CollectiveError, UnusedParametersError
+from syncline.strategies.comm.reducer_errors import CollectiveError, UnusedParametersError
 
 GLOBAL_BATCH = 12  # divisible by 2 and 3, so every world size shards it evenly
 TINY_MB = 1e-9  # smaller than any parameter: one parameter per bucket

@@ -10,7 +10,9 @@ import torch.distributed as dist
 from _dist import run_distributed
 from torch import nn
 
-from syncline.strategies.comm.reducer import Reducer, UnusedParametersError, assign_buckets
+from syncline.strategies.comm.buckets import assign_buckets
+from syncline.strategies.comm.reducer import Reducer
+from syncline.strategies.comm.reducer_errors import UnusedParametersError
 
 TINY_MB = 1e-9
 
