@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 
 from syncline.options import check_number
-from syncline.strategies import worker_guard
+from syncline.strategies.comm import worker_guard
 from syncline.strategies.comm.collective_log import COLLECTIVES, diagnosis_wait
 from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
 from syncline.strategies.comm.reducer_errors import CollectiveError
