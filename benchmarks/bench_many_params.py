@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import cpu_model, spawn_world, write_json
+from benchmarks.common import cpu_model, run_world, write_json
+from benchmarks.workloads import LayerStack
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.comm.launcher import free_port
 from syncline.strategies.comm.process_group import init_process_group_from_env
@@ -53,18 +53,6 @@ PAIRS = {
 }
 
 
-class Net(nn.Module):
-    """`depth` x (Linear(16, 16) + LayerNorm(16)): four parameter tensors per block."""
-
-    def __init__(self, depth: int) -> None:
-        super().__init__()
-        blocks = (nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(depth))
-        self.layers = nn.Sequential(*blocks)
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.layers(batch).square().mean()
-
-
 class Variant:
     """One strategy training its own copy of the model."""
 
@@ -72,7 +60,7 @@ class Variant:
         self.name = name
         self.strategy = strategy
         torch.manual_seed(0)
-        self.model = Net(depth)
+        self.model = LayerStack(WIDTH, depth)
         strategy.setup(self.model)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
 
@@ -96,11 +84,7 @@ def build_variants(depth: int) -> list[Variant]:
     ]
 
 
-def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
+def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list | None:
     init_process_group_from_env(backend="gloo")
     variants = build_variants(args.depth)
     batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
@@ -120,10 +104,7 @@ def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, re
             timings[variant.name]["block"].append(statistics.median(block))
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, timings)
-    if rank == 0:
-        results.put(gathered)
-    dist.barrier()
-    dist.destroy_process_group()
+    return gathered if rank == 0 else None
 
 
 def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
@@ -155,7 +136,7 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
                 "max": round(max(paired), 4),
             },
         }
-    model = Net(args.depth)
+    model = LayerStack(WIDTH, args.depth)
     return {
         "machine": {
             "cpu": cpu_model(),
@@ -212,7 +193,7 @@ def one_process(args: argparse.Namespace) -> dict:
     runs = {}
     for name in names:
         torch.manual_seed(0)
-        model, strategy = Net(args.depth), makers[name]()
+        model, strategy = LayerStack(WIDTH, args.depth), makers[name]()
         if strategy is not None:
             strategy.setup(model)
         runs[name] = (model, strategy, torch.optim.SGD(model.parameters(), lr=1e-3))
@@ -247,7 +228,7 @@ def one_process(args: argparse.Namespace) -> dict:
                 else:
                     strategy.zero_grad(optimizer)
     dist.destroy_process_group()
-    tensors = len(list(Net(args.depth).parameters()))
+    tensors = len(list(LayerStack(WIDTH, args.depth).parameters()))
     plain = statistics.median(times["plain"]["backward"])
     result = {"parameter_tensors": tensors, "repeats": args.repeats, "steps_per_block": args.steps, "variants": {}}
     for name in names:
@@ -285,7 +266,7 @@ def main() -> None:
         return
     args.out = args.out or results_dir / "many_params.json"
 
-    per_rank, load = spawn_world(run_rank, args.world_size, args)
+    (per_rank, *_), load = run_world(run_rank, args.world_size, (args,))
     summary = summarize(per_rank, args)
     summary["machine"]["load_average_1min"] = load
     print_table(summary)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.common import machine, run_ranks, summary
+from benchmarks.common import machine, summary
+from syncline.strategies.comm.ranks import run_distributed
 
 RESULTS = Path(__file__).parent / "results" / "nonfinite.json"
 STEPS, REPEATS, WARMUP = 50, 5, 10
@@ -75,7 +76,7 @@ def _measure(rank: int, world_size: int) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    results: Any = run_ranks(_measure, 2, timeout=300)
+    results: Any = run_distributed(_measure, 2, timeout=300)
     # The slower rank's time per iteration.
     merged = {name: [max(a, b) for a, b in zip(results[0][name], results[1][name])] for name in results[0]}
     report = {name: summary(values) for name, values in merged.items()}

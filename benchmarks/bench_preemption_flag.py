@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.common import machine, ms, run_ranks
+from benchmarks.common import machine, ms
+from syncline.strategies.comm.ranks import run_distributed
 
 __all__ = ["main"]
 
@@ -77,7 +78,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    results = run_ranks(_measure, args.world_size, (args.steps, args.repeats, args.width), timeout=600)
+    results = run_distributed(_measure, args.world_size, (args.steps, args.repeats, args.width), timeout=600)
     step, checked, trip = (
         statistics.median(r[k] for r in results) for k in ("step_s", "checked_step_s", "round_trip_s")
     )

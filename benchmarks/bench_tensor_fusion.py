@@ -21,8 +21,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from benchmarks.common import ROOT, load_average, machine, run_ranks, summary, write_json
+from benchmarks.common import ROOT, load_average, machine, summary, write_json
 from syncline.strategies import BucketedDDP, Strategy, TensorFusion
+from syncline.strategies.comm.ranks import run_distributed
 
 DEPTH, WIDTH, BATCH, WARMUP = 8, 512, 32, 3
 OUT = ROOT / "benchmarks" / "results" / "tensor_fusion.json"
@@ -75,7 +76,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     load_before = load_average()
-    ranks = run_ranks(_rank, 2, args=(args.steps, args.repeats), timeout=1200)
+    ranks = run_distributed(_rank, 2, args=(args.steps, args.repeats), timeout=1200)
     result = ranks[0]
     rows = {label: {**summary(result["times"][label]), **result["counters"][label]} for label in VARIANTS}
     reference = rows["bucketed_ddp"]["median_ms"]

@@ -2,9 +2,8 @@
 
 - `summary(values)`: median, quartiles, min and max of a list of seconds, in milliseconds.
 - `machine()`: CPU, cores, torch, python, backend, and the 1-minute load average.
-- `run_ranks(fn, world_size, args, timeout)`: `fn(rank, world_size, *args)` in real processes joined by
-  gloo on 127.0.0.1 at a free port, one intra-op thread each; returns every rank's value or raises with
-  every rank's error. A rank that outlives the timeout is killed.
+- `run_world(fn, world_size, args, timeout)`: `fn(rank, world_size, *args)` on local ranks joined by gloo,
+  through the runner the tests use (`strategies/comm/ranks.py`), with the load average around it.
 - `run_child(module, args, timeout)`: `python -m <module> ...` in a fresh interpreter (its own session,
   killed with its children on timeout); returns the JSON object it wrote to the file named by `--out`.
 """
@@ -12,11 +11,8 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-import pickle
 import platform
-import queue
 import re
 import signal
 import statistics
@@ -24,12 +20,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from syncline.strategies.comm.launcher import free_port
+from syncline.strategies.comm.ranks import run_distributed
 
 __all__ = [
     "fill_marked_block",
@@ -40,7 +35,7 @@ __all__ = [
     "machine",
     "ms",
     "run_child",
-    "run_ranks",
+    "run_world",
     "summary",
 ]
 
@@ -110,93 +105,17 @@ def cpu_model() -> str:
 
 
 # ------------------------------------------------------ multi-process jobs
-def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 600.0) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` in `world_size` fresh processes; return each rank's value.
+def run_world(
+    fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 3600.0
+) -> tuple[list[Any], dict]:
+    """Run `fn(rank, world_size, *args)` on `world_size` local ranks (`strategies/comm/ranks.py`).
 
-    Raises:
-        BenchmarkError: a rank raised, died, or was still running after `timeout` seconds.
+    Returns every rank's value and the machine's 1-minute load average before and after, since other jobs
+    widen the spread.
     """
-    # A forkserver that has imported torch once: each job's ranks start in a fraction of a second, from a
-    # process that has run nothing else.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel", "torch.optim"])
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_rank_main, args=(fn, rank, world_size, port, args, results), daemon=True)
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    outcomes: dict[int, tuple[Any, str | None]] = {}
-    deadline = time.monotonic() + timeout
-    while len(outcomes) < world_size and time.monotonic() < deadline:
-        try:
-            rank, value, error = pickle.loads(results.get(timeout=0.5))
-            outcomes[rank] = (value, error)
-        except queue.Empty:
-            if all(not p.is_alive() for p in processes):
-                break
-    for process in processes:
-        process.join(timeout=10 if len(outcomes) == world_size else 0)
-        if process.is_alive():
-            process.kill()
-            process.join()
-    errors = []
-    for rank, process in enumerate(processes):
-        if rank not in outcomes:
-            why = f"timed out after {timeout:g} s" if time.monotonic() >= deadline else f"exit code {process.exitcode}"
-            errors.append(f"rank {rank} {why} without reporting")
-        elif outcomes[rank][1] is not None:
-            errors.append(f"rank {rank} raised:\n{outcomes[rank][1]}")
-    if errors:
-        raise BenchmarkError("distributed benchmark failed:\n" + "\n".join(errors))
-    return [outcomes[rank][0] for rank in range(world_size)]
-
-
-def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results) -> None:
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    # One core per rank: the ranks must not fight over the cores with their intra-op threads.
-    torch.set_num_threads(1)
-    try:
-        outcome = (rank, fn(rank, world_size, *args), None)
-    except BaseException:
-        outcome = (rank, None, traceback.format_exc())
-    results.put(pickle.dumps(outcome))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def spawn_world(run_rank: Callable[..., None], world_size: int, args: Any) -> tuple[Any, dict[str, float]]:
-    """Run ``run_rank(rank, world_size, port, args, results)`` in `world_size` spawned processes.
-
-    Returns what the ranks put on `results` first (the benchmark scripts' rank 0 puts its per-rank
-    figures there) and the machine's 1-minute load average before and after, since other jobs widen
-    the spread.
-    """
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [
-        context.Process(target=run_rank, args=(rank, world_size, port, args, results)) for rank in range(world_size)
-    ]
-    load_before = os.getloadavg()[0]
-    for process in processes:
-        process.start()
-    per_rank = results.get(timeout=3600)
-    for process in processes:
-        process.join()
-    return per_rank, {"before": load_before, "after": os.getloadavg()[0]}
+    before = os.getloadavg()[0]
+    values = run_distributed(fn, world_size, args, timeout=timeout)
+    return values, {"before": before, "after": os.getloadavg()[0]}
 
 
 #: The Trainer arguments of a measured run: no logs, checkpoints or progress output, no sanity validation.

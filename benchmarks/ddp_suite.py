@@ -34,8 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import ms, run_ranks, summary
+from benchmarks.common import ms, summary
 from benchmarks.workloads import build
+from syncline.strategies.comm.ranks import run_distributed
 
 __all__ = [
     "DDPPlan",
@@ -253,7 +254,7 @@ def _run_job(
     workload_name: str, size: str, plan: DDPPlan, variants: list[Variant], world_size: int, device: str, timeout: float
 ) -> dict[str, Any]:
     args = (workload_name, size, variants, plan, timeout, device)
-    per_rank = run_ranks(rank_timings, world_size, args, timeout=timeout)
+    per_rank = run_distributed(rank_timings, world_size, args, timeout=timeout)
     return summarize_job(workload_name, size, plan, variants, per_rank)
 
 

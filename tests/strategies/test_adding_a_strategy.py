@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import torch
-from _dist import run_distributed
 from torch import nn
 
+from syncline.strategies.comm.ranks import run_distributed
 from syncline.strategies.registry import STRATEGIES, register_strategy, resolve_strategy
 from syncline.trainer import Trainer
 from tests.trainer._tasks import loader, quiet, regression_data

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_distributed
 from torch import nn
 
 from syncline.strategies.comm.buckets import assign_buckets
+from syncline.strategies.comm.ranks import run_distributed
 from syncline.strategies.comm.reducer import Reducer
 from syncline.strategies.comm.reducer_errors import UnusedParametersError
 
