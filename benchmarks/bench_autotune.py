@@ -1,7 +1,7 @@
 """Bucket autotune against every fixed cap it chooses from: BucketedDDP(bucket_cap_mb="auto") side by side.
 
     python benchmarks/bench_autotune.py                            # world size 2 on this machine, gloo
-    python -m benchmarks.cluster --nodes 2 --rate 100mbit -- benchmarks/bench_autotune.py --repeats 3
+    python -m benchmarks.lab.cluster --nodes 2 --rate 100mbit -- benchmarks/bench_autotune.py --repeats 3
 
 Every variant trains its own copy of the same model (default: bench_ddp.py's 12 x (Linear(512, 512) +
 LayerNorm(512)), 12.7 MB of gradients; SGD, batch 64 per rank) in the same processes: BucketedDDP with

@@ -29,6 +29,7 @@ from syncline.strategies.comm.ranks import run_distributed
 __all__ = [
     "fill_marked_block",
     "LAUNCHED_AT",
+    "RESULTS",
     "ROOT",
     "BenchmarkError",
     "cpu_model",
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Where the committed results live.
+RESULTS = ROOT / "benchmarks" / "results"
 #: Environment variable in which `run_child` passes the wall-clock time it started the child.
 LAUNCHED_AT = "SYNCLINE_BENCH_LAUNCHED_AT"
 

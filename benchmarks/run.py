@@ -23,7 +23,7 @@ Sections (in the order they run):
   servers, tensor_fusion, the sharded server and tensor_fusion under bf16-mixed, bucketed_ddp and
   native_ddp: samples per second, memory per rank, bytes per step and time to a target validation loss.
 - `lab` (only when named, `--sections lab`; about two hours -> results/lab.json; root and iproute2): the
-  network lab (benchmarks/lab.py): every strategy against its link's bound on 2 and 4 nodes at 1 Gbit/s
+  network lab (benchmarks/lab/__init__.py): every strategy against its link's bound on 2 and 4 nodes at 1 Gbit/s
   and 100 Mbit/s, the overlap and bucket-size sweep on shaped links, and BAGUA's trade-off (seconds to a
   fixed validation loss, strategy x link x nodes). Where namespaces are not permitted it says so in one
   line and records only that.
@@ -312,7 +312,7 @@ def run_gpt2(plan: Plan, log) -> dict[str, Any]:
 
 
 def run_lab(plan: Plan, log) -> dict[str, Any]:
-    """The network lab (benchmarks/lab.py): strategies against the link's bound, overlap, BAGUA's trade-off."""
+    """The network lab (benchmarks/lab/__init__.py): strategies against the link's bound, overlap, BAGUA's trade-off."""
     return run_lab_section(plan.lab, log)
 
 

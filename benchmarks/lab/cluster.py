@@ -7,7 +7,7 @@ full-duplex link of `rate`, and a step's communication has a lower bound: the bu
 rate. One torchrun node runs in each namespace (``--nnodes N --node-rank i``, rendezvous at node 0's
 address, gloo on the node's own interface), as a real multi-node job would.
 
-    python -m benchmarks.cluster --nodes 4 --rate 100mbit -- -m syncline trainer.max_steps=50
+    python -m benchmarks.lab.cluster --nodes 4 --rate 100mbit -- -m syncline trainer.max_steps=50
 
 What follows ``--`` is what torchrun runs: a script and its arguments, or ``-m module ...``. Everything the
 lab creates lives in a private mount and network namespace (``unshare -mn``, with a private tmpfs on /run
@@ -46,6 +46,9 @@ __all__ = [
     "skipped_without_namespaces",
     "torchrun_command",
 ]
+
+#: The repository root, where `python -m benchmarks ...` finds the package.
+_ROOT = Path(__file__).resolve().parents[2]
 
 SUBNET = "10.77.0"
 MASTER_PORT = 29500
@@ -185,8 +188,8 @@ def run_lab(
     # The lab runs in a child that owns the private namespaces: when it exits, for whatever reason, the
     # kernel frees every namespace, veth and bridge it made, and its tmpfs on /run with them.
     lab = subprocess.Popen(
-        ["unshare", "-mn", sys.executable, "-m", "benchmarks.cluster", _INSIDE, json.dumps(spec)],
-        cwd=Path(__file__).resolve().parents[1],
+        ["unshare", "-mn", sys.executable, "-m", "benchmarks.lab.cluster", _INSIDE, json.dumps(spec)],
+        cwd=_ROOT,
         start_new_session=True,
     )
     try:
@@ -380,18 +383,19 @@ def _temporary_dir() -> str:
 
 # ------------------------------------------------------------------ command line
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.cluster --nodes N --rate R -- <what torchrun runs>``."""
+    """``python -m benchmarks.lab.cluster --nodes N --rate R -- <what torchrun runs>``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [_INSIDE]:
         _inside(json.loads(argv[1]))
         return 0
     if "--" not in argv:
         print(
-            "usage: python -m benchmarks.cluster [options] -- <script and arguments | -m module ...>", file=sys.stderr
+            "usage: python -m benchmarks.lab.cluster [options] -- <script and arguments | -m module ...>",
+            file=sys.stderr,
         )
         return 2
     split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cluster", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.lab.cluster", description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2, help="network namespaces, one torchrun node each")
     parser.add_argument("--rate", default=None, help="each node's link rate, e.g. 100mbit or 1gbit (default: unshaped)")
     parser.add_argument("--nproc-per-node", type=int, default=1)

@@ -21,7 +21,7 @@ experiment, not an API).
 Every run ends by printing a checksum of the trained weights: the deferred runs must match `bucketed_ddp`'s
 bit for bit (per-parameter optimizers such as AdamW update a subset exactly as they update all).
 
-    python -m benchmarks.lab_deferred_update --rate 1gbit --batch-sizes 2 8
+    python -m benchmarks.lab.deferred_update --rate 1gbit --batch-sizes 2 8
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import run_worker_if_asked, run_worker_job, skipped_without_namespaces
-from benchmarks.common import QUIET_TRAINER, write_json
-from benchmarks.lab_strategies import DEFAULT_MODEL
+from benchmarks.common import QUIET_TRAINER, RESULTS, write_json
+from benchmarks.lab.cluster import run_worker_if_asked, run_worker_job, skipped_without_namespaces
+from benchmarks.lab.strategies import DEFAULT_MODEL
 
 __all__ = ["HOLDS", "run_deferred"]
 
@@ -252,7 +252,7 @@ def run_deferred(
         "warmup": warmup,
         "timeline": None if timeline is None else str(timeline.resolve()),
     }
-    runs = run_worker_job("benchmarks.lab_deferred_update", spec, nodes, rate, timeout)
+    runs = run_worker_job("benchmarks.lab.deferred_update", spec, nodes, rate, timeout)
     reference = next(r["weights_sum"] for r in runs if r["hold"] is None)
     rows = []
     for hold in HOLDS:
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 8], help="CharGPT windows per rank")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_deferred_update.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "lab_deferred_update.json")
     parser.add_argument(
         "--timeline", type=Path, metavar="DIR", help="write a Chrome trace of plain bucketed_ddp per batch size here"
     )

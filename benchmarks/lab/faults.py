@@ -1,7 +1,7 @@
 """Faults on a two-node lab cluster: how long until the last process of the job is gone (issue 25).
 
 For each strategy, three faults while a small model trains under torchrun on two lab nodes (network
-namespaces joined by a bridge, `benchmarks.cluster`), with the strategy's collective timeout set to
+namespaces joined by a bridge, `benchmarks.lab.cluster`), with the strategy's collective timeout set to
 ``--timeout`` seconds:
 
 - ``caller_killed``: SIGKILL of node 1's torchrun agent, the process that started node 1's worker;
@@ -13,7 +13,7 @@ gone, each node's exit status, whether ``last.ckpt`` was written, and what still
 node afterwards (nothing should). Everything lives in a private namespace (``unshare -mn``) and is
 gone with it.
 
-    python -m benchmarks.lab_faults --strategies bucketed_ddp async_model_average parameter_server \
+    python -m benchmarks.lab.faults --strategies bucketed_ddp async_model_average parameter_server \
         tensor_fusion --out benchmarks/results/lab_faults.json
 """
 
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import build_nodes, namespaces_unavailable, skipped_without_namespaces, torchrun_command
-from benchmarks.common import write_json
+from benchmarks.common import ROOT, write_json
+from benchmarks.lab.cluster import build_nodes, namespaces_unavailable, skipped_without_namespaces, torchrun_command
 
 FAULTS = ("caller_killed", "partition", "stuck")
 STRATEGIES = ("bucketed_ddp", "async_model_average", "parameter_server", "tensor_fusion")
@@ -113,7 +113,7 @@ def _one(strategy: str, fault: str, spec: dict[str, Any]) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1"}
     agents = []
     for node in range(2):
-        command = torchrun_command(2, node, 1, ["-m", "benchmarks.lab_faults", _TRAIN, str(work / "job.json")])
+        command = torchrun_command(2, node, 1, ["-m", "benchmarks.lab.faults", _TRAIN, str(work / "job.json")])
         with open(work / f"node{node}.log", "w") as log:
             agents.append(
                 subprocess.Popen(
@@ -230,8 +230,8 @@ def run(strategies: Sequence[str], faults: Sequence[str], timeout: float, out: P
         "result": str(work / "result.json"),
     }
     lab = subprocess.Popen(
-        ["unshare", "-mn", sys.executable, "-m", "benchmarks.lab_faults", _INSIDE, json.dumps(spec)],
-        cwd=Path(__file__).resolve().parents[1],
+        ["unshare", "-mn", sys.executable, "-m", "benchmarks.lab.faults", _INSIDE, json.dumps(spec)],
+        cwd=ROOT,
         start_new_session=True,
     )
     lab.wait()
@@ -244,7 +244,7 @@ def run(strategies: Sequence[str], faults: Sequence[str], timeout: float, out: P
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.lab_faults [--strategies ...] [--faults ...] [--timeout S] [--out FILE]``."""
+    """``python -m benchmarks.lab.faults [--strategies ...] [--faults ...] [--timeout S] [--out FILE]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [_INSIDE]:
         _inside(json.loads(argv[1]))

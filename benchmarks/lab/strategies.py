@@ -1,6 +1,6 @@
 """Every strategy against its link's bound, in the network lab (docs/performance.md, "Strategies on shaped links").
 
-For each node count and link rate the lab (`benchmarks/cluster.py`) builds a cluster and runs one torchrun
+For each node count and link rate the lab (`benchmarks/lab/cluster.py`) builds a cluster and runs one torchrun
 job across it; the job trains the default example's CharGPT, widened so that its gradients weigh several
 MB, with each strategy in turn (one process per node, one thread each). For every strategy it records,
 after a few untimed steps (for `bucket_cap_mb="auto"` also after its trial steps, so that what is timed
@@ -20,7 +20,7 @@ is the cap it chose):
 measured / bound near 1 means the strategy waits for nothing but its own bytes on the wire (or its own
 compute); well above 1 means it leaves the link idle while it waits, or waits on something else.
 
-    python -m benchmarks.lab_strategies --nodes 2 4 --rates none 1gbit 100mbit --steps 12
+    python -m benchmarks.lab.strategies --nodes 2 4 --rates none 1gbit 100mbit --steps 12
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import (
+from benchmarks.common import QUIET_TRAINER, RESULTS, write_json
+from benchmarks.lab.cluster import (
     lab_rate,
     link_bound,
     parse_rate,
@@ -43,7 +44,6 @@ from benchmarks.cluster import (
     run_worker_job,
     skipped_without_namespaces,
 )
-from benchmarks.common import QUIET_TRAINER, write_json
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -248,7 +248,7 @@ def run_strategies(
         "warmup": warmup,
         "model": model or DEFAULT_MODEL,
     }
-    records = run_worker_job("benchmarks.lab_strategies", spec, nodes, rate, timeout, slow_start_after_idle)
+    records = run_worker_job("benchmarks.lab.strategies", spec, nodes, rate, timeout, slow_start_after_idle)
     return lab_rows(records, nodes, rate)
 
 
@@ -356,9 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-slow-start-after-idle",
         action="store_true",
-        help="set the nodes' net.ipv4.tcp_slow_start_after_idle=0 (see benchmarks.cluster.run_lab)",
+        help="set the nodes' net.ipv4.tcp_slow_start_after_idle=0 (see benchmarks.lab.cluster.run_lab)",
     )
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_strategies.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "lab_strategies.json")
     parser.add_argument("--phases", action="store_true", help="only time the model's forward/backward/step here")
     parser.add_argument("--table", type=Path, nargs="+", help="only print one table of these runs' JSON files")
     args = parser.parse_args(argv)

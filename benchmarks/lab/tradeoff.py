@@ -5,7 +5,7 @@ target quality sooner than exact all-reduce where the network is slow, and costs
 This runs the claim on the default example: `examples/char_gpt.py`'s CharGPT with its default
 hyperparameters and schedule (one epoch of 439 steps of 32 windows), the global batch split over the
 nodes (16 windows per rank on 2 nodes, 8 on 4), one process per node with one thread, in a lab cluster
-(`benchmarks/cluster.py`) whose links are unshaped or shaped to 1 Gbit/s or 100 Mbit/s.
+(`benchmarks/lab/cluster.py`) whose links are unshaped or shaped to 1 Gbit/s or 100 Mbit/s.
 
 Every strategy trains until the validation loss (the first `val_batches` x 32 windows of the validation
 text, the same windows at any node count, every `val_every` steps) first reaches `target`, or until the
@@ -14,8 +14,8 @@ which every synchronous strategy shares and which the asynchronous ones meet at 
 steps it took, seconds per step, the bytes per step the strategy handed to collectives (`comm/bytes`),
 and the speed-up over `bucketed_ddp` in the same cell.
 
-    python -m benchmarks.lab_tradeoff --nodes 2 4 --rates none 1gbit 100mbit   # about 50 minutes
-    python -m benchmarks.lab_tradeoff --plot docs/img/tradeoff.png --write docs/performance.md  # from the JSON
+    python -m benchmarks.lab.tradeoff --nodes 2 4 --rates none 1gbit 100mbit   # about 50 minutes
+    python -m benchmarks.lab.tradeoff --plot docs/img/tradeoff.png --write docs/performance.md  # from the JSON
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import lab_rate, run_worker_if_asked, run_worker_job, skipped_without_namespaces
-from benchmarks.common import QUIET_TRAINER, fill_marked_block
+from benchmarks.common import QUIET_TRAINER, RESULTS, fill_marked_block
+from benchmarks.lab.cluster import lab_rate, run_worker_if_asked, run_worker_job, skipped_without_namespaces
 
 __all__ = ["STRATEGIES", "TARGET_LOSS", "fill_page", "grid_tables", "run_cell", "speedups", "table"]
 
@@ -140,7 +140,7 @@ def run_cell(
         "val_every": val_every,
         "val_batches": val_batches,
     }
-    records = run_worker_job("benchmarks.lab_tradeoff", spec, nodes, rate, timeout)
+    records = run_worker_job("benchmarks.lab.tradeoff", spec, nodes, rate, timeout)
     for record in records:
         record.update(nodes=nodes, rate=rate or "unshaped")
     return records
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--target", type=float, default=TARGET_LOSS)
     parser.add_argument("--max-steps", type=int, default=439)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_tradeoff.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "lab_tradeoff.json")
     parser.add_argument("--plot", type=Path, help="only draw the figure from --out's JSON into this PNG")
     parser.add_argument("--write", type=Path, metavar="PAGE", help="only fill PAGE's <!-- lab-tradeoff --> block")
     args = parser.parse_args(argv)
