@@ -1,7 +1,7 @@
 """Bucket autotune against every fixed cap it chooses from: BucketedDDP(bucket_cap_mb="auto") side by side.
 
-    python benchmarks/bench_autotune.py                            # world size 2 on this machine, gloo
-    python -m benchmarks.lab.cluster --nodes 2 --rate 100mbit -- benchmarks/bench_autotune.py --repeats 3
+    python -m benchmarks autotune                            # world size 2 on this machine, gloo
+    python -m benchmarks lab cluster --nodes 2 --rate 100mbit -- -m benchmarks autotune --repeats 3
 
 Every variant trains its own copy of the same model (default: bench_ddp.py's 12 x (Linear(512, 512) +
 LayerNorm(512)), 12.7 MB of gradients; SGD, batch 64 per rank) in the same processes: BucketedDDP with
@@ -23,16 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import machine, run_world, summary, write_json
+from benchmarks.common import RESULTS, machine, run_world, summary, write_json
 from benchmarks.workloads import LayerStack
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.comm.process_group import init_process_group_from_env
@@ -149,8 +146,8 @@ def print_table(result: dict) -> None:
     print(f"auto / best fixed ({result['best_fixed']}) median step: {result['auto_over_best_fixed']:.3f}")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--world-size", type=int, default=2, help="processes to spawn (ignored under torchrun)")
     parser.add_argument("--caps", type=float, nargs="+", default=list(DEFAULT_CAPS), help="fixed caps, MiB")
     parser.add_argument("--repeats", type=int, default=5)
@@ -161,12 +158,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "autotune.json")
-    return parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=RESULTS / "autotune.json")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def command(args: argparse.Namespace) -> None:
+    """Run every variant (on this machine, or as a torchrun job in the lab) and write the JSON."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (the network lab)
         gathered = run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
         load = None
@@ -178,7 +174,3 @@ def main(argv: list[str] | None = None) -> None:
     result["machine"]["load_average_1min"] = load
     print_table(result)
     write_json(args.out, result)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Benchmark BucketedDDP against torch's DDP (NativeDDP) and two naive all-reduce baselines.
 
-    python benchmarks/bench_ddp.py                  # world size 2, gloo, one thread per rank
+    python -m benchmarks ddp                  # world size 2, gloo, one thread per rank
 
 Every variant trains its own copy of the same model (12 x (Linear(512, 512) + LayerNorm), batch 64
 per rank, SGD) in the same two processes. Variants are interleaved: each repeat runs a block of
@@ -26,14 +26,11 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cpu_model, run_world, write_json
 from benchmarks.workloads import LayerStack
@@ -252,21 +249,20 @@ def print_table(summary: dict) -> None:
         print(f"BucketedDDP reducer's own measure of its exposed wait: {own} ms")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant per repeat")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each block")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ddp.json")
-    args = parser.parse_args()
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the command."""
 
     (per_rank, *_), load = run_world(run_rank, args.world_size, (args,))
     summary = summarize(per_rank, args)
     summary["machine"]["load_average_1min"] = load
     print_table(summary)
     write_json(args.out, summary)
-
-
-if __name__ == "__main__":
-    main()

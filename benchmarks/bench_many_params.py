@@ -1,6 +1,6 @@
 """Per-parameter cost: BucketedDDP against torch's DDP on a model of thousands of small parameter tensors.
 
-    python benchmarks/bench_many_params.py          # world size 2, gloo, one thread per rank
+    python -m benchmarks many-params          # world size 2, gloo, one thread per rank
 
 The model is `DEPTH` x (Linear(WIDTH, WIDTH) + LayerNorm(WIDTH)) with a small width, so that a step's
 compute is small and the reducer's per-parameter bookkeeping (one Python hook per gradient, the
@@ -27,14 +27,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cpu_model, run_world, write_json
 from benchmarks.workloads import LayerStack
@@ -242,8 +239,8 @@ def one_process(args: argparse.Namespace) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--depth", type=int, default=1000, help="blocks of 4 parameter tensors")
     parser.add_argument("--repeats", type=int, default=12)
@@ -251,7 +248,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each block")
     parser.add_argument("--one-process", action="store_true", help="the reducer's own per-parameter cost")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the command."""
     results_dir = Path(__file__).parent / "results"
     if args.one_process:
         result = one_process(args)
@@ -271,7 +271,3 @@ def main() -> None:
     summary["machine"]["load_average_1min"] = load
     print_table(summary)
     write_json(args.out, summary)
-
-
-if __name__ == "__main__":
-    main()

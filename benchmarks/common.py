@@ -4,12 +4,13 @@
 - `machine()`: CPU, cores, torch, python, backend, and the 1-minute load average.
 - `run_world(fn, world_size, args, timeout)`: `fn(rank, world_size, *args)` on local ranks joined by gloo,
   through the runner the tests use (`strategies/comm/ranks.py`), with the load average around it.
-- `run_child(module, args, timeout)`: `python -m <module> ...` in a fresh interpreter (its own session,
-  killed with its children on timeout); returns the JSON object it wrote to the file named by `--out`.
+- `run_child(command, args, timeout)`: `python -m benchmarks <command> ...` in a fresh interpreter (its own
+  session, killed with its children on timeout); returns the JSON object it wrote to the file named by `--out`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -27,6 +28,7 @@ from typing import Any
 from syncline.strategies.comm.ranks import run_distributed
 
 __all__ = [
+    "add_child_arguments",
     "fill_marked_block",
     "LAUNCHED_AT",
     "RESULTS",
@@ -36,6 +38,7 @@ __all__ = [
     "machine",
     "ms",
     "run_child",
+    "run_child_command",
     "run_world",
     "summary",
 ]
@@ -130,14 +133,14 @@ QUIET_TRAINER: dict[str, Any] = {
 }
 
 
-def child_main(train: Callable[[dict[str, Any]], Any], description: str) -> None:
-    """``python -m <module> --config JSON --out FILE``: write ``train(config)`` as the JSON `run_child` reads."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=description)
+def add_child_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a command `run_child` starts: what to train (``--config JSON``) and where to write (``--out``)."""
     parser.add_argument("--config", required=True, help="JSON: what to train and how")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+
+
+def run_child_command(train: Callable[[dict[str, Any]], Any], args: argparse.Namespace) -> None:
+    """Write ``train(config)`` as the JSON `run_child` reads."""
     args.out.write_text(json.dumps(train(json.loads(args.config))))
 
 
@@ -148,21 +151,21 @@ def write_json(path: Path, data: Any) -> None:
     print(f"\nwrote {path}")
 
 
-def run_child(module: str, args: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run `python -m module *args --out FILE` from the repository root; return the JSON it wrote.
+def run_child(command: str, args: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``python -m benchmarks <command> *args --out FILE`` in a fresh interpreter; return the JSON it wrote.
 
     Raises:
         BenchmarkError: the process failed, wrote nothing, or ran past `timeout` seconds.
     """
     with tempfile.TemporaryDirectory(prefix="syncline-bench-") as tmp:
         out = Path(tmp, "result.json")
-        command = [sys.executable, "-m", module, *args, "--out", str(out)]
+        argv = [sys.executable, "-m", "benchmarks", *command.split(), *args, "--out", str(out)]
         child_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         # The child measures its time to first step from this moment (the same clock, the same machine).
         child_env[LAUNCHED_AT] = repr(time.time())
         # Its own session, so that a timeout kills the child's own workers too (elastic launch spawns ranks).
         process = subprocess.Popen(
-            command,
+            argv,
             cwd=tmp,
             env=child_env,
             stdout=subprocess.PIPE,
@@ -175,9 +178,9 @@ def run_child(module: str, args: Sequence[str], timeout: float, env: dict[str, s
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             output, _ = process.communicate()
-            raise BenchmarkError(f"{' '.join(command)} timed out after {timeout:g} s:\n{output[-3000:]}") from None
+            raise BenchmarkError(f"{' '.join(argv)} timed out after {timeout:g} s:\n{output[-3000:]}") from None
         if process.returncode != 0 or not out.exists():
-            raise BenchmarkError(f"{' '.join(command)} failed ({process.returncode}):\n{output[-3000:]}")
+            raise BenchmarkError(f"{' '.join(argv)} failed ({process.returncode}):\n{output[-3000:]}")
         return json.loads(out.read_text())
 
 

@@ -13,7 +13,7 @@ gone, each node's exit status, whether ``last.ckpt`` was written, and what still
 node afterwards (nothing should). Everything lives in a private namespace (``unshare -mn``) and is
 gone with it.
 
-    python -m benchmarks.lab.faults --strategies bucketed_ddp async_model_average parameter_server \
+    python -m benchmarks lab faults --strategies bucketed_ddp async_model_average parameter_server \
         tensor_fusion --out benchmarks/results/lab_faults.json
 """
 
@@ -113,7 +113,7 @@ def _one(strategy: str, fault: str, spec: dict[str, Any]) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1"}
     agents = []
     for node in range(2):
-        command = torchrun_command(2, node, 1, ["-m", "benchmarks.lab.faults", _TRAIN, str(work / "job.json")])
+        command = torchrun_command(2, node, 1, ["-m", "benchmarks", "lab", "faults", _TRAIN, str(work / "job.json")])
         with open(work / f"node{node}.log", "w") as log:
             agents.append(
                 subprocess.Popen(
@@ -230,7 +230,7 @@ def run(strategies: Sequence[str], faults: Sequence[str], timeout: float, out: P
         "result": str(work / "result.json"),
     }
     lab = subprocess.Popen(
-        ["unshare", "-mn", sys.executable, "-m", "benchmarks.lab.faults", _INSIDE, json.dumps(spec)],
+        ["unshare", "-mn", sys.executable, "-m", "benchmarks", "lab", "faults", _INSIDE, json.dumps(spec)],
         cwd=ROOT,
         start_new_session=True,
     )
@@ -243,21 +243,24 @@ def run(strategies: Sequence[str], faults: Sequence[str], timeout: float, out: P
     return records
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.lab.faults [--strategies ...] [--faults ...] [--timeout S] [--out FILE]``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == [_INSIDE]:
-        _inside(json.loads(argv[1]))
-        return 0
-    if argv[:1] == [_TRAIN]:
-        train(json.loads(Path(argv[1]).read_text()))
-        return 0
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
     parser.add_argument("--timeout", type=float, default=30.0, help="the strategies' collective timeout (s)")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
+    parser.add_argument(_INSIDE, metavar="SPEC", help=argparse.SUPPRESS)
+    parser.add_argument(_TRAIN, metavar="JOB", help=argparse.SUPPRESS)
+
+
+def command(args: argparse.Namespace) -> int | None:
+    """``python -m benchmarks lab faults [--strategies ...] [--faults ...] [--timeout S] [--out FILE]``."""
+    if args.inside_lab is not None:
+        _inside(json.loads(args.inside_lab))
+        return 0
+    if args.train is not None:
+        train(json.loads(Path(args.train).read_text()))
+        return 0
     if skipped_without_namespaces("lab_faults"):
         return 0
     for record in run(args.strategies, args.faults, args.timeout, args.out):
@@ -268,7 +271,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"last.ckpt {record['last_ckpt']}; listening after: {record['listening_after']}"
         )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

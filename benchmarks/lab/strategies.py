@@ -20,7 +20,7 @@ is the cap it chose):
 measured / bound near 1 means the strategy waits for nothing but its own bytes on the wire (or its own
 compute); well above 1 means it leaves the link idle while it waits, or waits on something else.
 
-    python -m benchmarks.lab.strategies --nodes 2 4 --rates none 1gbit 100mbit --steps 12
+    python -m benchmarks lab strategies --nodes 2 4 --rates none 1gbit 100mbit --steps 12
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 
 from benchmarks.common import QUIET_TRAINER, RESULTS, write_json
 from benchmarks.lab.cluster import (
+    add_worker_argument,
     lab_rate,
     link_bound,
     parse_rate,
@@ -248,7 +248,7 @@ def run_strategies(
         "warmup": warmup,
         "model": model or DEFAULT_MODEL,
     }
-    records = run_worker_job("benchmarks.lab.strategies", spec, nodes, rate, timeout, slow_start_after_idle)
+    records = run_worker_job("strategies", spec, nodes, rate, timeout, slow_start_after_idle)
     return lab_rows(records, nodes, rate)
 
 
@@ -333,12 +333,9 @@ def model_overrides(settings: Sequence[str]) -> dict[str, int]:
     return overrides
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the lab for every node count and rate asked for; print the tables and write the JSON."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if run_worker_if_asked(argv, _worker):
-        return 0
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
+    add_worker_argument(parser)
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
     parser.add_argument(
         "--rates", type=lab_rate, nargs="+", default=[None, "1gbit", "100mbit"], help="tc rates, or none"
@@ -361,7 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "lab_strategies.json")
     parser.add_argument("--phases", action="store_true", help="only time the model's forward/backward/step here")
     parser.add_argument("--table", type=Path, nargs="+", help="only print one table of these runs' JSON files")
-    args = parser.parse_args(argv)
+
+
+def command(args: argparse.Namespace) -> int | None:
+    """Run the lab for every node count and rate asked for; print the tables and write the JSON."""
+    if run_worker_if_asked(args, _worker):
+        return 0
     model = {**DEFAULT_MODEL, **model_overrides(args.model)}
     if args.table:
         print(grid_table([row for path in args.table for row in json.loads(path.read_text())["rows"]]))
@@ -386,7 +388,3 @@ def main(argv: list[str] | None = None) -> int:
             rows += new
     write_json(args.out, {"steps": args.steps, "warmup": args.warmup, "model": model, "rows": rows})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,14 +6,15 @@ checked; what is checked is that every variant ran and "auto" reports its choice
 
 from __future__ import annotations
 
-from benchmarks.bench_autotune import parse_args, run_rank, summarize
+from benchmarks.bench_autotune import run_rank, summarize
+from benchmarks.cli import parse_args
 from syncline.strategies.comm.ranks import run_distributed
 
 TINY = ["--width", "16", "--depth", "3", "--caps", "0.001", "0.002", "1", "--repeats", "2", "--steps", "2"]
 
 
 def test_auto_and_every_fixed_cap_run_side_by_side():
-    args = parse_args(TINY)
+    args = parse_args(["autotune", *TINY])
     gathered, _ = run_distributed(run_rank, world_size=2, args=(args,), timeout=120)
     result = summarize(gathered, args)
     assert list(result["variants"]) == ["0.001 MiB", "0.002 MiB", "1 MiB", "auto"]
