@@ -1,6 +1,8 @@
-"""`python -m benchmarks`: run the suite (see `benchmarks/run.py`)."""
+"""`python -m benchmarks [command] ...`: the suite and every benchmark (see `benchmarks/cli.py`)."""
 
-from benchmarks.run import main
+import sys
+
+from benchmarks.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """The averaging family on the default example: CharGPT, 2 processes, the same shortened run for each.
 
-    python -m benchmarks.averaging_example                      # all runs -> benchmarks/results/averaging.json
-    python -m benchmarks.averaging_example --steps 150 --repeats 3
+    python -m benchmarks averaging                      # all runs -> benchmarks/results/averaging.json
+    python -m benchmarks averaging --steps 150 --repeats 3
 
 Each run is a fresh process (`run_child`) that trains `examples/char_gpt.py`'s CharGPT for `--steps`
 optimizer steps on 2 processes (the Trainer launches them; one thread each), validates on 20 batches and
@@ -147,16 +147,19 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
 
 def run(name: str, steps: int) -> dict[str, Any]:
     """Run one configuration in a fresh process."""
-    return run_child("benchmarks.averaging_example", ["--one", json.dumps({"name": name, "steps": steps})], 900)
+    return run_child("averaging", ["--one", json.dumps({"name": name, "steps": steps})], 900)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the speed comparison")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the command."""
     if args.one:
         args.out.write_text(json.dumps(_train(json.loads(args.one))))
         return
@@ -177,7 +180,7 @@ def main() -> None:
             print(json.dumps(speed[name][-1]), flush=True)
     medians = {name: statistics.median(r["train_s"] for r in runs) for name, runs in speed.items()}
     report = {
-        "command": f"python -m benchmarks.averaging_example --steps {args.steps} --repeats {args.repeats}",
+        "command": f"python -m benchmarks averaging --steps {args.steps} --repeats {args.repeats}",
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "machine": machine(),
         "steps": args.steps,
@@ -191,7 +194,3 @@ def main() -> None:
     }
     args.out.write_text(json.dumps(report, indent=1))
     print(json.dumps({"quality": quality, "speed": report["speed"]["train_s_median"]}, indent=1))
-
-
-if __name__ == "__main__":
-    main()

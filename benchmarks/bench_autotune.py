@@ -1,7 +1,7 @@
 """Bucket autotune against every fixed cap it chooses from: BucketedDDP(bucket_cap_mb="auto") side by side.
 
-    python benchmarks/bench_autotune.py                            # world size 2 on this machine, gloo
-    python -m benchmarks.cluster --nodes 2 --rate 100mbit -- benchmarks/bench_autotune.py --repeats 3
+    python -m benchmarks autotune                            # world size 2 on this machine, gloo
+    python -m benchmarks lab cluster --nodes 2 --rate 100mbit -- -m benchmarks autotune --repeats 3
 
 Every variant trains its own copy of the same model (default: bench_ddp.py's 12 x (Linear(512, 512) +
 LayerNorm(512)), 12.7 MB of gradients; SGD, batch 64 per rank) in the same processes: BucketedDDP with
@@ -23,33 +23,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import machine, spawn_world, summary, write_json
+from benchmarks.common import RESULTS, machine, run_world, summary, write_json
+from benchmarks.workloads import LayerStack
 from syncline.strategies.bucketed_ddp import BucketedDDP
-from syncline.strategies.process_group import init_process_group_from_env
+from syncline.strategies.comm.process_group import init_process_group_from_env
 
 DEFAULT_CAPS = (1.0, 5.0, 25.0, 100.0)
-
-
-class Net(nn.Module):
-    """`depth` x (Linear(width, width) + LayerNorm(width)), as bench_ddp.py's task."""
-
-    def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        blocks = (nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width)) for _ in range(depth))
-        self.layers = nn.Sequential(*blocks)
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.layers(batch).square().mean()
 
 
 def variant_names(caps: list[float]) -> list[str]:
@@ -62,7 +47,7 @@ def make_strategy(name: str, caps: list[float], tune_steps: int) -> BucketedDDP:
     return BucketedDDP(bucket_cap_mb=float(name.split()[0]))
 
 
-def step(strategy: BucketedDDP, model: Net, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+def step(strategy: BucketedDDP, model: LayerStack, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
     start = time.perf_counter()
     loss = strategy.training_step(model, batch, 0)
     strategy.backward(loss, sync=True)
@@ -74,7 +59,7 @@ def step(strategy: BucketedDDP, model: Net, optimizer: torch.optim.Optimizer, ba
 def run_variant(name: str, args: argparse.Namespace, batch: torch.Tensor) -> dict:
     """Build one variant, warm it up (tune it), time it; return this rank's step times and the chosen cap."""
     torch.manual_seed(0)
-    model = Net(args.width, args.depth)
+    model = LayerStack(args.width, args.depth)
     strategy = make_strategy(name, args.caps, args.tune_steps)
     strategy.setup(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -91,15 +76,8 @@ def run_variant(name: str, args: argparse.Namespace, batch: torch.Tensor) -> dic
     return {"steps": timed, "tuning": tuning, "chosen_mb": chosen}
 
 
-def run_rank(rank: int, world_size: int, port: int | None, args: argparse.Namespace, results=None) -> dict | None:
-    if port is not None:  # spawned here; under torchrun the environment is already set
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
+def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list | None:
+    """One rank's runs of every variant; rank 0 returns every rank's (the others None)."""
     torch.set_num_threads(args.threads)
     init_process_group_from_env(backend="gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -112,13 +90,7 @@ def run_rank(rank: int, world_size: int, port: int | None, args: argparse.Namesp
             runs[name].append(run_variant(name, args, batch))
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, runs)
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank != 0:
-        return None
-    if results is not None:
-        results.put(gathered)
-    return gathered
+    return gathered if rank == 0 else None
 
 
 def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
@@ -148,7 +120,7 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
         "machine": {**machine(), "world_size": len(per_rank), "threads_per_rank": args.threads},
         "setup": {
             "model": f"{args.depth} x (Linear({args.width}, {args.width}) + LayerNorm({args.width}))",
-            "gradient_mb": round(sum(p.numel() * 4 for p in Net(args.width, args.depth).parameters()) / 1e6, 2),
+            "gradient_mb": round(sum(p.numel() * 4 for p in LayerStack(args.width, args.depth).parameters()) / 1e6, 2),
             "batch_per_rank": args.batch,
             "caps_mb": args.caps,
             "repeats": args.repeats,
@@ -174,8 +146,8 @@ def print_table(result: dict) -> None:
     print(f"auto / best fixed ({result['best_fixed']}) median step: {result['auto_over_best_fixed']:.3f}")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--world-size", type=int, default=2, help="processes to spawn (ignored under torchrun)")
     parser.add_argument("--caps", type=float, nargs="+", default=list(DEFAULT_CAPS), help="fixed caps, MiB")
     parser.add_argument("--repeats", type=int, default=5)
@@ -186,24 +158,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "autotune.json")
-    return parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=RESULTS / "autotune.json")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def command(args: argparse.Namespace) -> None:
+    """Run every variant (on this machine, or as a torchrun job in the lab) and write the JSON."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (the network lab)
-        gathered = run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, args)
+        gathered = run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
         load = None
     else:
-        gathered, load = spawn_world(run_rank, args.world_size, args)
+        (gathered, *_), load = run_world(run_rank, args.world_size, (args,))
     if gathered is None:
         return
     result = summarize(gathered, args)
     result["machine"]["load_average_1min"] = load
     print_table(result)
     write_json(args.out, result)
-
-
-if __name__ == "__main__":
-    main()

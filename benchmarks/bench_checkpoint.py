@@ -1,6 +1,6 @@
 """Cost of verified checkpoints: `save_checkpoint`/`load_checkpoint` against the same atomic save without a hash.
 
-    python benchmarks/bench_checkpoint.py            # a ~100 MB checkpoint, 5 repeats
+    python -m benchmarks checkpoint            # a ~100 MB checkpoint, 5 repeats
 
 Both variants write to a temporary file, fsync it, rename it over the target and fsync the directory;
 the verified one also streams the payload through SHA-256 and appends the 64-byte trailer, and its load
@@ -48,11 +48,14 @@ def _timed(fn: Any, *args: Any) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--megabytes", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
-    options = parser.parse_args()
+
+
+def command(options: argparse.Namespace) -> None:
+    """Run the command."""
     torch.manual_seed(0)
     # A model-like checkpoint: a few large tensors and many small ones.
     floats = options.megabytes * 2**20 // 4
@@ -83,7 +86,3 @@ def main() -> None:
         print(f"  {name:14s} {value:8.1f}  ({low:.1f}-{high:.1f})")
     print(f"  verified/plain: save {result['ratio_save']:.2f}x, load {result['ratio_load']:.2f}x")
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Benchmark BucketedDDP against torch's DDP (NativeDDP) and two naive all-reduce baselines.
 
-    python benchmarks/bench_ddp.py                  # world size 2, gloo, one thread per rank
+    python -m benchmarks ddp                  # world size 2, gloo, one thread per rank
 
 Every variant trains its own copy of the same model (12 x (Linear(512, 512) + LayerNorm), batch 64
 per rank, SGD) in the same two processes. Variants are interleaved: each repeat runs a block of
@@ -26,35 +26,19 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import cpu_model, spawn_world, write_json
+from benchmarks.common import cpu_model, run_world, write_json
+from benchmarks.workloads import LayerStack
 from syncline.strategies.bucketed_ddp import BucketedDDP
+from syncline.strategies.comm.process_group import init_process_group_from_env
 from syncline.strategies.native_ddp import NativeDDP
-from syncline.strategies.process_group import init_process_group_from_env
 
 WIDTH, DEPTH, BATCH = 512, 12, 64
-
-
-class Net(nn.Module):
-    """12 x (Linear(512, 512) + LayerNorm(512)), as the benchmark's task."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(
-            *(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(DEPTH))
-        )
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.layers(batch).square().mean()
 
 
 # ---------------------------------------------------------------- variants
@@ -65,7 +49,7 @@ class Variant:
         self.name = name
         self.sync = sync
         torch.manual_seed(0)
-        self.model = Net()
+        self.model = LayerStack(WIDTH, DEPTH)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
 
     def step(self, batch: torch.Tensor, batch_idx: int) -> tuple[float, float | None]:
@@ -137,11 +121,7 @@ def build_variants() -> list[Variant]:
 
 
 # ------------------------------------------------------------------ timing
-def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
+def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list | None:
     init_process_group_from_env(backend="gloo")
     variants = build_variants()
     generator = torch.Generator().manual_seed(rank)
@@ -167,10 +147,7 @@ def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, re
             timings[variant.name]["block"].append(statistics.median(block))
     gathered = [None] * world_size
     dist.all_gather_object(gathered, timings)
-    if rank == 0:
-        results.put(gathered)
-    dist.barrier()
-    dist.destroy_process_group()
+    return gathered if rank == 0 else None
 
 
 def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
@@ -228,7 +205,7 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
         "setup": {
             "world_size": args.world_size,
             "model": f"{DEPTH} x (Linear({WIDTH}, {WIDTH}) + LayerNorm({WIDTH}))",
-            "parameters": sum(p.numel() for p in Net().parameters()),
+            "parameters": sum(p.numel() for p in LayerStack(WIDTH, DEPTH).parameters()),
             "batch_per_rank": BATCH,
             "optimizer": "SGD(lr=1e-3)",
             "repeats": args.repeats,
@@ -272,21 +249,20 @@ def print_table(summary: dict) -> None:
         print(f"BucketedDDP reducer's own measure of its exposed wait: {own} ms")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant per repeat")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each block")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ddp.json")
-    args = parser.parse_args()
 
-    per_rank, load = spawn_world(run_rank, args.world_size, args)
+
+def command(args: argparse.Namespace) -> None:
+    """Run the command."""
+
+    (per_rank, *_), load = run_world(run_rank, args.world_size, (args,))
     summary = summarize(per_rank, args)
     summary["machine"]["load_average_1min"] = load
     print_table(summary)
     write_json(args.out, summary)
-
-
-if __name__ == "__main__":
-    main()

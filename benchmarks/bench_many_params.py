@@ -1,6 +1,6 @@
 """Per-parameter cost: BucketedDDP against torch's DDP on a model of thousands of small parameter tensors.
 
-    python benchmarks/bench_many_params.py          # world size 2, gloo, one thread per rank
+    python -m benchmarks many-params          # world size 2, gloo, one thread per rank
 
 The model is `DEPTH` x (Linear(WIDTH, WIDTH) + LayerNorm(WIDTH)) with a small width, so that a step's
 compute is small and the reducer's per-parameter bookkeeping (one Python hook per gradient, the
@@ -27,21 +27,18 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import cpu_model, spawn_world, write_json
+from benchmarks.common import cpu_model, run_world, write_json
+from benchmarks.workloads import LayerStack
 from syncline.strategies.bucketed_ddp import BucketedDDP
-from syncline.strategies.launcher import free_port
+from syncline.strategies.comm.launcher import free_port
+from syncline.strategies.comm.process_group import init_process_group_from_env
 from syncline.strategies.native_ddp import NativeDDP
-from syncline.strategies.process_group import init_process_group_from_env
 
 WIDTH, BATCH = 16, 8
 
@@ -53,18 +50,6 @@ PAIRS = {
 }
 
 
-class Net(nn.Module):
-    """`depth` x (Linear(16, 16) + LayerNorm(16)): four parameter tensors per block."""
-
-    def __init__(self, depth: int) -> None:
-        super().__init__()
-        blocks = (nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(depth))
-        self.layers = nn.Sequential(*blocks)
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.layers(batch).square().mean()
-
-
 class Variant:
     """One strategy training its own copy of the model."""
 
@@ -72,7 +57,7 @@ class Variant:
         self.name = name
         self.strategy = strategy
         torch.manual_seed(0)
-        self.model = Net(depth)
+        self.model = LayerStack(WIDTH, depth)
         strategy.setup(self.model)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
 
@@ -96,11 +81,7 @@ def build_variants(depth: int) -> list[Variant]:
     ]
 
 
-def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
+def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list | None:
     init_process_group_from_env(backend="gloo")
     variants = build_variants(args.depth)
     batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
@@ -120,10 +101,7 @@ def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace, re
             timings[variant.name]["block"].append(statistics.median(block))
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, timings)
-    if rank == 0:
-        results.put(gathered)
-    dist.barrier()
-    dist.destroy_process_group()
+    return gathered if rank == 0 else None
 
 
 def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
@@ -155,7 +133,7 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
                 "max": round(max(paired), 4),
             },
         }
-    model = Net(args.depth)
+    model = LayerStack(WIDTH, args.depth)
     return {
         "machine": {
             "cpu": cpu_model(),
@@ -212,7 +190,7 @@ def one_process(args: argparse.Namespace) -> dict:
     runs = {}
     for name in names:
         torch.manual_seed(0)
-        model, strategy = Net(args.depth), makers[name]()
+        model, strategy = LayerStack(WIDTH, args.depth), makers[name]()
         if strategy is not None:
             strategy.setup(model)
         runs[name] = (model, strategy, torch.optim.SGD(model.parameters(), lr=1e-3))
@@ -247,7 +225,7 @@ def one_process(args: argparse.Namespace) -> dict:
                 else:
                     strategy.zero_grad(optimizer)
     dist.destroy_process_group()
-    tensors = len(list(Net(args.depth).parameters()))
+    tensors = len(list(LayerStack(WIDTH, args.depth).parameters()))
     plain = statistics.median(times["plain"]["backward"])
     result = {"parameter_tensors": tensors, "repeats": args.repeats, "steps_per_block": args.steps, "variants": {}}
     for name in names:
@@ -261,8 +239,8 @@ def one_process(args: argparse.Namespace) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--depth", type=int, default=1000, help="blocks of 4 parameter tensors")
     parser.add_argument("--repeats", type=int, default=12)
@@ -270,7 +248,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each block")
     parser.add_argument("--one-process", action="store_true", help="the reducer's own per-parameter cost")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the command."""
     results_dir = Path(__file__).parent / "results"
     if args.one_process:
         result = one_process(args)
@@ -285,12 +266,8 @@ def main() -> None:
         return
     args.out = args.out or results_dir / "many_params.json"
 
-    per_rank, load = spawn_world(run_rank, args.world_size, args)
+    (per_rank, *_), load = run_world(run_rank, args.world_size, (args,))
     summary = summarize(per_rank, args)
     summary["machine"]["load_average_1min"] = load
     print_table(summary)
     write_json(args.out, summary)
-
-
-if __name__ == "__main__":
-    main()

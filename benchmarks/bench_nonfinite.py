@@ -1,6 +1,6 @@
 """Per-step cost of the non-finite loss check against a BucketedDDP training step, 2 ranks on gloo.
 
-    python -m benchmarks.bench_nonfinite            # world size 2, one thread per rank
+    python -m benchmarks nonfinite            # world size 2, one thread per rank
 
 In the same two processes, interleaved per repeat: a training step of a small MLP (forward, backward
 with BucketedDDP's all-reduces, SGD step, zero_grad) without the check, and the check alone
@@ -11,6 +11,7 @@ sync). Reported: medians (p25-p75) over all timed iterations and the check/step 
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -20,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.common import machine, run_ranks, summary
+from benchmarks.common import machine, summary
+from syncline.strategies.comm.ranks import run_distributed
 
 RESULTS = Path(__file__).parent / "results" / "nonfinite.json"
 STEPS, REPEATS, WARMUP = 50, 5, 10
@@ -74,8 +76,13 @@ def _measure(rank: int, world_size: int) -> dict[str, list[float]]:
     return times
 
 
-def main() -> None:
-    results: Any = run_ranks(_measure, 2, timeout=300)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """No options: two ranks, fixed sizes."""
+
+
+def command(args: argparse.Namespace) -> None:
+    """Measure both loops and write the JSON."""
+    results: Any = run_distributed(_measure, 2, timeout=300)
     # The slower rank's time per iteration.
     merged = {name: [max(a, b) for a, b in zip(results[0][name], results[1][name])] for name in results[0]}
     report = {name: summary(values) for name, values in merged.items()}
@@ -85,7 +92,3 @@ def main() -> None:
         print(f"{name:6s} median {values['median_ms']:.3f} ms (p25 {values['p25_ms']:.3f}, p75 {values['p75_ms']:.3f})")
     print(f"check / step: {ratio:.3f}")
     RESULTS.write_text(json.dumps(output, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()

@@ -6,7 +6,7 @@ processes and interleaved (so both see the same machine load), a BucketedDDP tra
 MLP alone and followed by the flag check, and the flag check alone back to back (its full round trip,
 what a synchronous check would cost), over several repeats; it reports medians and ratios.
 
-    python -m benchmarks.bench_preemption_flag [--world-size 2] [--steps 200] [--repeats 5] [--out f.json]
+    python -m benchmarks preemption-flag [--world-size 2] [--steps 200] [--repeats 5] [--out f.json]
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.common import machine, ms, run_ranks
+from benchmarks.common import machine, ms
+from syncline.strategies.comm.ranks import run_distributed
 
-__all__ = ["main"]
+__all__ = ["add_arguments", "command"]
 
 
 def _measure(rank: int, world_size: int, steps: int, repeats: int, width: int) -> dict[str, Any]:
@@ -68,16 +69,18 @@ def _measure(rank: int, world_size: int, steps: int, repeats: int, width: int) -
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def main() -> None:
-    """Run the measurement and print (or write) its JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    results = run_ranks(_measure, args.world_size, (args.steps, args.repeats, args.width), timeout=600)
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the measurement and print (or write) its JSON."""
+    results = run_distributed(_measure, args.world_size, (args.steps, args.repeats, args.width), timeout=600)
     step, checked, trip = (
         statistics.median(r[k] for r in results) for k in ("step_s", "checked_step_s", "round_trip_s")
     )
@@ -98,7 +101,3 @@ def main() -> None:
         with open(args.out, "w") as file:
             file.write(text + "\n")
     print(text)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Horovod's tensor fusion against BucketedDDP: time per step, fused all-reduces and negotiation cycles.
 
-    python -m benchmarks.bench_tensor_fusion                 # 2 ranks, gloo, one thread per rank
-    python -m benchmarks.bench_tensor_fusion --steps 40 --repeats 5
+    python -m benchmarks tensor-fusion                 # 2 ranks, gloo, one thread per rank
+    python -m benchmarks tensor-fusion --steps 40 --repeats 5
 
 An MLP of `DEPTH` Linear(WIDTH, WIDTH) layers (8 x 512 x 512: 2.1 M parameters, 8.4 MB of float32
 gradients) trains with SGD on random batches. Each variant runs `--steps` timed steps (forward, backward
@@ -21,8 +21,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from benchmarks.common import ROOT, load_average, machine, run_ranks, summary, write_json
+from benchmarks.common import ROOT, load_average, machine, summary, write_json
 from syncline.strategies import BucketedDDP, Strategy, TensorFusion
+from syncline.strategies.comm.ranks import run_distributed
 
 DEPTH, WIDTH, BATCH, WARMUP = 8, 512, 32, 3
 OUT = ROOT / "benchmarks" / "results" / "tensor_fusion.json"
@@ -68,14 +69,16 @@ def _rank(rank: int, world_size: int, steps: int, repeats: int) -> dict:
     return {"times": times, "counters": counters}
 
 
-def main() -> None:
-    """Run the comparison and write the table and the JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the comparison and write the table and the JSON."""
     load_before = load_average()
-    ranks = run_ranks(_rank, 2, args=(args.steps, args.repeats), timeout=1200)
+    ranks = run_distributed(_rank, 2, args=(args.steps, args.repeats), timeout=1200)
     result = ranks[0]
     rows = {label: {**summary(result["times"][label]), **result["counters"][label]} for label in VARIANTS}
     reference = rows["bucketed_ddp"]["median_ms"]
@@ -98,7 +101,3 @@ def main() -> None:
             "rows": rows,
         },
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -4,8 +4,8 @@ Both run in this process, interleaved (raw, trainer, raw, trainer, ...) so machi
 one thread. The workload is the core issue's: batch 32, 32 features, 3000 steps, `self.log` every step,
 a progress bar on. Steady-state time per step is taken after a warm-up of 200 steps.
 
-    python benchmarks/bench_trainer.py            # 5 repeats
-    python benchmarks/bench_trainer.py --repeats 9 --steps 3000
+    python -m benchmarks trainer            # 5 repeats
+    python -m benchmarks trainer --repeats 9 --steps 3000
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from tqdm import tqdm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import make_mlp as make_model
 from benchmarks.workloads import mlp_loader as make_loader
@@ -94,12 +92,15 @@ def run_trainer(steps: int, root: Path) -> float:
     return (timer.end - timer.start) / (steps - WARMUP)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "trainer_overhead.json")
-    args = parser.parse_args()
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the command."""
     torch.set_num_threads(1)
     root = Path(os.environ.get("TMPDIR", "/tmp")) / "syncline-bench-trainer"
     times: dict[str, list[float]] = {"raw": [], "trainer": []}
@@ -133,7 +134,3 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()

@@ -2,21 +2,18 @@
 
 - `summary(values)`: median, quartiles, min and max of a list of seconds, in milliseconds.
 - `machine()`: CPU, cores, torch, python, backend, and the 1-minute load average.
-- `run_ranks(fn, world_size, args, timeout)`: `fn(rank, world_size, *args)` in real processes joined by
-  gloo on 127.0.0.1 at a free port, one intra-op thread each; returns every rank's value or raises with
-  every rank's error. A rank that outlives the timeout is killed.
-- `run_child(module, args, timeout)`: `python -m <module> ...` in a fresh interpreter (its own session,
-  killed with its children on timeout); returns the JSON object it wrote to the file named by `--out`.
+- `run_world(fn, world_size, args, timeout)`: `fn(rank, world_size, *args)` on local ranks joined by gloo,
+  through the runner the tests use (`strategies/comm/ranks.py`), with the load average around it.
+- `run_child(command, args, timeout)`: `python -m benchmarks <command> ...` in a fresh interpreter (its own
+  session, killed with its children on timeout); returns the JSON object it wrote to the file named by `--out`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import multiprocessing
 import os
-import pickle
 import platform
-import queue
 import re
 import signal
 import statistics
@@ -24,27 +21,31 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from syncline.strategies.launcher import free_port
+from syncline.strategies.comm.ranks import run_distributed
 
 __all__ = [
+    "add_child_arguments",
     "fill_marked_block",
     "LAUNCHED_AT",
+    "RESULTS",
     "ROOT",
     "BenchmarkError",
     "cpu_model",
     "machine",
     "ms",
     "run_child",
-    "run_ranks",
+    "run_child_command",
+    "run_world",
     "summary",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Where the committed results live.
+RESULTS = ROOT / "benchmarks" / "results"
 #: Environment variable in which `run_child` passes the wall-clock time it started the child.
 LAUNCHED_AT = "SYNCLINE_BENCH_LAUNCHED_AT"
 
@@ -110,93 +111,17 @@ def cpu_model() -> str:
 
 
 # ------------------------------------------------------ multi-process jobs
-def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 600.0) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` in `world_size` fresh processes; return each rank's value.
+def run_world(
+    fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 3600.0
+) -> tuple[list[Any], dict]:
+    """Run `fn(rank, world_size, *args)` on `world_size` local ranks (`strategies/comm/ranks.py`).
 
-    Raises:
-        BenchmarkError: a rank raised, died, or was still running after `timeout` seconds.
+    Returns every rank's value and the machine's 1-minute load average before and after, since other jobs
+    widen the spread.
     """
-    # A forkserver that has imported torch once: each job's ranks start in a fraction of a second, from a
-    # process that has run nothing else.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel", "torch.optim"])
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_rank_main, args=(fn, rank, world_size, port, args, results), daemon=True)
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    outcomes: dict[int, tuple[Any, str | None]] = {}
-    deadline = time.monotonic() + timeout
-    while len(outcomes) < world_size and time.monotonic() < deadline:
-        try:
-            rank, value, error = pickle.loads(results.get(timeout=0.5))
-            outcomes[rank] = (value, error)
-        except queue.Empty:
-            if all(not p.is_alive() for p in processes):
-                break
-    for process in processes:
-        process.join(timeout=10 if len(outcomes) == world_size else 0)
-        if process.is_alive():
-            process.kill()
-            process.join()
-    errors = []
-    for rank, process in enumerate(processes):
-        if rank not in outcomes:
-            why = f"timed out after {timeout:g} s" if time.monotonic() >= deadline else f"exit code {process.exitcode}"
-            errors.append(f"rank {rank} {why} without reporting")
-        elif outcomes[rank][1] is not None:
-            errors.append(f"rank {rank} raised:\n{outcomes[rank][1]}")
-    if errors:
-        raise BenchmarkError("distributed benchmark failed:\n" + "\n".join(errors))
-    return [outcomes[rank][0] for rank in range(world_size)]
-
-
-def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results) -> None:
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    # One core per rank: the ranks must not fight over the cores with their intra-op threads.
-    torch.set_num_threads(1)
-    try:
-        outcome = (rank, fn(rank, world_size, *args), None)
-    except BaseException:
-        outcome = (rank, None, traceback.format_exc())
-    results.put(pickle.dumps(outcome))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def spawn_world(run_rank: Callable[..., None], world_size: int, args: Any) -> tuple[Any, dict[str, float]]:
-    """Run ``run_rank(rank, world_size, port, args, results)`` in `world_size` spawned processes.
-
-    Returns what the ranks put on `results` first (the benchmark scripts' rank 0 puts its per-rank
-    figures there) and the machine's 1-minute load average before and after, since other jobs widen
-    the spread.
-    """
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [
-        context.Process(target=run_rank, args=(rank, world_size, port, args, results)) for rank in range(world_size)
-    ]
-    load_before = os.getloadavg()[0]
-    for process in processes:
-        process.start()
-    per_rank = results.get(timeout=3600)
-    for process in processes:
-        process.join()
-    return per_rank, {"before": load_before, "after": os.getloadavg()[0]}
+    before = os.getloadavg()[0]
+    values = run_distributed(fn, world_size, args, timeout=timeout)
+    return values, {"before": before, "after": os.getloadavg()[0]}
 
 
 #: The Trainer arguments of a measured run: no logs, checkpoints or progress output, no sanity validation.
@@ -208,14 +133,14 @@ QUIET_TRAINER: dict[str, Any] = {
 }
 
 
-def child_main(train: Callable[[dict[str, Any]], Any], description: str) -> None:
-    """``python -m <module> --config JSON --out FILE``: write ``train(config)`` as the JSON `run_child` reads."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=description)
+def add_child_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a command `run_child` starts: what to train (``--config JSON``) and where to write (``--out``)."""
     parser.add_argument("--config", required=True, help="JSON: what to train and how")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+
+
+def run_child_command(train: Callable[[dict[str, Any]], Any], args: argparse.Namespace) -> None:
+    """Write ``train(config)`` as the JSON `run_child` reads."""
     args.out.write_text(json.dumps(train(json.loads(args.config))))
 
 
@@ -226,21 +151,21 @@ def write_json(path: Path, data: Any) -> None:
     print(f"\nwrote {path}")
 
 
-def run_child(module: str, args: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run `python -m module *args --out FILE` from the repository root; return the JSON it wrote.
+def run_child(command: str, args: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``python -m benchmarks <command> *args --out FILE`` in a fresh interpreter; return the JSON it wrote.
 
     Raises:
         BenchmarkError: the process failed, wrote nothing, or ran past `timeout` seconds.
     """
     with tempfile.TemporaryDirectory(prefix="syncline-bench-") as tmp:
         out = Path(tmp, "result.json")
-        command = [sys.executable, "-m", module, *args, "--out", str(out)]
+        argv = [sys.executable, "-m", "benchmarks", *command.split(), *args, "--out", str(out)]
         child_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         # The child measures its time to first step from this moment (the same clock, the same machine).
         child_env[LAUNCHED_AT] = repr(time.time())
         # Its own session, so that a timeout kills the child's own workers too (elastic launch spawns ranks).
         process = subprocess.Popen(
-            command,
+            argv,
             cwd=tmp,
             env=child_env,
             stdout=subprocess.PIPE,
@@ -253,9 +178,9 @@ def run_child(module: str, args: Sequence[str], timeout: float, env: dict[str, s
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             output, _ = process.communicate()
-            raise BenchmarkError(f"{' '.join(command)} timed out after {timeout:g} s:\n{output[-3000:]}") from None
+            raise BenchmarkError(f"{' '.join(argv)} timed out after {timeout:g} s:\n{output[-3000:]}") from None
         if process.returncode != 0 or not out.exists():
-            raise BenchmarkError(f"{' '.join(command)} failed ({process.returncode}):\n{output[-3000:]}")
+            raise BenchmarkError(f"{' '.join(argv)} failed ({process.returncode}):\n{output[-3000:]}")
         return json.loads(out.read_text())
 
 

@@ -8,7 +8,7 @@ training's bit for bit after every step, even when the compute stream is kept bu
 buffers NCCL has not written yet. Run it with ``TORCH_CUDA_SANITIZER=1`` as well: torch's CUDA sanitizer
 then reports any kernel that touches a tensor another stream is still writing.
 
-    python -m benchmarks.cuda_stream_check [--steps 20]
+    python -m benchmarks cuda-stream-check [--steps 20]
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
-from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -70,19 +68,17 @@ def check(steps: int, bucket_cap_mb: float) -> dict[str, object]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.cuda_stream_check``: exit 1 unless every step is bit-identical."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--bucket-cap-mb", type=float, default=1.0)
-    args = parser.parse_args(argv)
+
+
+def command(args: argparse.Namespace) -> int | None:
+    """``python -m benchmarks cuda-stream-check``: exit 1 unless every step is bit-identical."""
     if not torch.cuda.is_available():
         print("cuda_stream_check: skipped: no CUDA device")
         return 0
     result = check(args.steps, args.bucket_cap_mb)
     print(json.dumps(result, indent=2))
     return 0 if result["bit_identical"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

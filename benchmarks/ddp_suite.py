@@ -34,8 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import ms, run_ranks, summary
+from benchmarks.common import ms, summary
 from benchmarks.workloads import build
+from syncline.strategies.comm.ranks import run_distributed
 
 __all__ = [
     "DDPPlan",
@@ -210,7 +211,7 @@ class _Runner:
 def rank_timings(
     rank: int, world_size: int, workload_name: str, size: str, variants, plan: DDPPlan, timeout: float, device: str
 ):
-    from syncline.strategies.process_group import init_process_group_from_env
+    from syncline.strategies.comm.process_group import init_process_group_from_env
 
     cuda = device == "cuda"
     init_process_group_from_env(backend="nccl" if cuda else "gloo", timeout=timeout)
@@ -253,7 +254,7 @@ def _run_job(
     workload_name: str, size: str, plan: DDPPlan, variants: list[Variant], world_size: int, device: str, timeout: float
 ) -> dict[str, Any]:
     args = (workload_name, size, variants, plan, timeout, device)
-    per_rank = run_ranks(rank_timings, world_size, args, timeout=timeout)
+    per_rank = run_distributed(rank_timings, world_size, args, timeout=timeout)
     return summarize_job(workload_name, size, plan, variants, per_rank)
 
 

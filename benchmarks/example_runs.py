@@ -1,6 +1,6 @@
 """Experiments 4 (loss curves) and 6 (strategy comparison): the default example, CharGPT, through the Trainer.
 
-Each run is a fresh process (`python -m benchmarks.example_runs --config JSON --out FILE`), started by
+Each run is a fresh process (`python -m benchmarks example-run --config JSON --out FILE`), started by
 `run_example` with a timeout. Inside it the Trainer trains `examples/char_gpt.py`'s CharGPT for one epoch
 of a fixed number of micro-batches, with the strategy, world size and accumulation of the config, then
 validates once. A callback on rank 0 records when each micro-batch ended and its loss; the Trainer sends
@@ -15,6 +15,7 @@ rank 0's callback state back to the launching process, as it does for every call
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import LAUNCHED_AT, QUIET_TRAINER, child_main, run_child, summary
+from benchmarks.common import LAUNCHED_AT, QUIET_TRAINER, add_child_arguments, run_child, run_child_command, summary
 from syncline.callbacks import Callback
 
 __all__ = ["StepRecorder", "run_example"]
@@ -113,7 +114,7 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
 
 def run_example(config: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one CharGPT training in a fresh process; return what `_train` measured."""
-    return run_child("benchmarks.example_runs", ["--config", json.dumps(config)], timeout)
+    return run_child("example-run", ["--config", json.dumps(config)], timeout)
 
 
 def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -141,9 +142,11 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    child_main(_train, "Train CharGPT once and write what was measured as JSON.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The child's options: ``--config JSON --out FILE``."""
+    add_child_arguments(parser)
 
 
-if __name__ == "__main__":
-    main()
+def command(args: argparse.Namespace) -> None:
+    """Train CharGPT once and write what was measured as JSON (a child of the suite)."""
+    run_child_command(_train, args)

@@ -28,7 +28,7 @@ seconds until the validation loss first reaches `target_loss`. The sharded serve
 per rank is checked against the full state (the single process's): it must be at most 0.6x.
 
     python -m benchmarks --sections gpt2             # about 30 minutes on 2 cores -> results/gpt2_study.json
-    python -m benchmarks.gpt2_study --write docs/performance.md   # its table into the page
+    python -m benchmarks gpt2 --write docs/performance.md   # its table into the page
 """
 
 from __future__ import annotations
@@ -132,9 +132,7 @@ def run_gpt2_study(plan: GPT2Plan, log: Any = print) -> dict[str, Any]:
         shift = repeat % len(order)
         for label in order[shift:] + order[:shift]:
             log(f"gpt2: {label} (repeat {repeat + 1})")
-            runs[label].append(
-                run_child("benchmarks.gpt2_train", ["--config", json.dumps(_config(plan, label))], plan.timeout_s)
-            )
+            runs[label].append(run_child("gpt2-train", ["--config", json.dumps(_config(plan, label))], plan.timeout_s))
     return {
         "plan": asdict(plan),
         "configs": {label: list(CONFIGS[label]) for label in plan.configs},
@@ -295,11 +293,14 @@ def fill_page(page: str, suite: dict[str, Any]) -> str:
     return fill_marked_block(page, MARKER, gpt2_table(suite["sections"]["gpt2"]))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Print the GPT-2 study's table, or write it into a page.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("results", nargs="?", type=Path, default=RESULTS)
     parser.add_argument("--write", type=Path, metavar="PAGE", help="fill PAGE's <!-- gpt2-study --> block")
-    args = parser.parse_args(argv)
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the command."""
     suite = json.loads(args.results.read_text())
     if args.write is None:
         print(gpt2_table(suite["sections"]["gpt2"]))
@@ -309,7 +310,3 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         sys.exit(f"{args.write}: {error}")
     print(f"{args.write}: filled the GPT-2 study's table from {args.results}")
-
-
-if __name__ == "__main__":
-    main()

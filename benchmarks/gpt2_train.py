@@ -1,6 +1,6 @@
 """One run of the GPT-2 study: CharGPT through the Trainer with one strategy and precision, in a fresh process.
 
-`python -m benchmarks.gpt2_train --config JSON --out FILE`, started by `benchmarks.gpt2_study` with a
+`python -m benchmarks gpt2-train --config JSON --out FILE`, started by `benchmarks.gpt2_study` with a
 timeout. The Trainer trains `examples/char_gpt.py`'s CharGPT for `steps` optimizer steps of one global
 batch (all of it in one process for `single`, split over two ranks otherwise), validating every
 `val_every` steps on the first `val_batches` batches of the validation text (the same windows whatever
@@ -21,6 +21,7 @@ The Trainer hands rank 0's callback state back to this process, which writes it 
 
 from __future__ import annotations
 
+import argparse
 import resource
 import time
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from benchmarks.common import QUIET_TRAINER, child_main
+from benchmarks.common import QUIET_TRAINER, add_child_arguments, run_child_command
 from syncline.callbacks import Callback
 
 __all__ = ["MemoryProbe", "StudyRecorder", "tensor_bytes"]
@@ -183,9 +184,11 @@ def step_times(start: float, ends: list[float], validations: list[tuple[int, flo
     return {"step_s": steps_s, "train_s_at_step": train_s}
 
 
-def main() -> None:
-    child_main(train, "Train CharGPT once for the GPT-2 study; write what was measured.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The child's options: ``--config JSON --out FILE``."""
+    add_child_arguments(parser)
 
 
-if __name__ == "__main__":
-    main()
+def command(args: argparse.Namespace) -> None:
+    """Train CharGPT once for the GPT-2 study; write what was measured (a child of the study)."""
+    run_child_command(train, args)

@@ -3,7 +3,7 @@
 The workload is `bench_trainer.py`'s: an MLP 32-64-64-1, batch 32, Adam, the loss logged every step with
 a progress bar (on both frameworks' default loggers), one thread. Two measurements:
 
-- Fresh processes (`python -m benchmarks.overhead --loop NAME ...`), the three loops interleaved (raw,
+- Fresh processes (`python -m benchmarks overhead --loop NAME ...`), the three loops interleaved (raw,
   trainer, lightning, then rotated): the time from process start to the end of the first optimizer step,
   which includes importing the framework, as a user sees it.
 - One process (`--interleave raw,trainer,lightning --repeats R`) that runs the three loops R times in a
@@ -218,12 +218,10 @@ def run_overhead(
         shift = repeat % len(loops)
         for loop in loops[shift:] + loops[:shift]:
             fresh[loop].append(
-                run_child(
-                    "benchmarks.overhead", ["--loop", loop, "--steps", str(steps), "--warmup", str(warmup)], timeout
-                )
+                run_child("overhead", ["--loop", loop, "--steps", str(steps), "--warmup", str(warmup)], timeout)
             )
     inprocess = run_child(
-        "benchmarks.overhead",
+        "overhead",
         ["--interleave", ",".join(loops), "--steps", str(inprocess_steps), "--warmup", str(warmup)]
         + ["--repeats", str(inprocess_repeats)],
         timeout,
@@ -267,8 +265,8 @@ def run_overhead(
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Time training loops in this process; write JSON.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--loop", choices=LOOPS, help="run this loop once")
     what.add_argument("--interleave", help="comma-separated loops to run --repeats times each, interleaved")
@@ -276,13 +274,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the command."""
     if args.loop:
         result = _measure(args.loop, args.steps, args.warmup)
     else:
         result = _interleave(args.interleave.split(","), args.steps, args.warmup, args.repeats)
     args.out.write_text(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()

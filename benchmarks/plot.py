@@ -1,7 +1,7 @@
 """Draw the report's figures from a suite run's JSON (matplotlib: the optional `bench` extra).
 
-    python benchmarks/plot.py                                   # benchmarks/results/suite.json -> docs/img/
-    python benchmarks/plot.py benchmarks/results/suite_quick.json --out /tmp/img
+    python -m benchmarks plot                                   # benchmarks/results/suite.json -> docs/img/
+    python -m benchmarks plot benchmarks/results/suite_quick.json --out /tmp/img
 
 Figures (each drawn only when its section is in the JSON):
 
@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-
-if __package__ in (None, ""):  # `python benchmarks/plot.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.analysis import sweep
 from benchmarks.common import ROOT
 
-__all__ = ["breakdown_parts", "cap_label", "main", "plot_all"]
+__all__ = ["breakdown_parts", "cap_label", "add_arguments", "command", "plot_all"]
 
 LABELS = {"native": "NativeDDP", "bucketed": "BucketedDDP"}
 COLORS = {"native": "#4C72B0", "bucketed": "#DD8452", "no-overlap": "#937860", "local": "#55A868"}
@@ -270,14 +266,13 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     return written
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Draw the report's figures from a suite run's JSON.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("results", nargs="?", type=Path, default=ROOT / "benchmarks" / "results" / "suite.json")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
-    args = parser.parse_args(argv)
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the command."""
     for path in plot_all(json.loads(args.results.read_text()), args.out):
         print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()

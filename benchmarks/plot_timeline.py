@@ -1,6 +1,6 @@
 """Draw some steps of a `CommunicationTimeline` trace as a PNG (matplotlib: the optional `bench` extra).
 
-    python -m benchmarks.plot_timeline timeline.json --steps 14 15 --out docs/img/timeline.png
+    python -m benchmarks plot-timeline timeline.json --steps 14 15 --out docs/img/timeline.png
 
 One row per rank and lane (the step's phases, then one row per bucket), time in ms from the first span
 drawn; the exposed wait is drawn over the end of the backward it belongs to.
@@ -65,15 +65,14 @@ def plot(trace: dict[str, Any], steps: list[int], out: Path, title: str) -> None
     print(f"wrote {out}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("trace", type=Path)
     parser.add_argument("--steps", type=int, nargs="+", required=True, help="optimizer steps to draw")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--title", default="")
-    args = parser.parse_args(argv)
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the command."""
     plot(json.loads(args.trace.read_text()), args.steps, args.out, args.title)
-
-
-if __name__ == "__main__":
-    main()

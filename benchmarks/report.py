@@ -1,9 +1,9 @@
 """The report's tables (Markdown) from a suite run's JSON, so the report quotes the run's own numbers.
 
-    python benchmarks/report.py                          # print them, from benchmarks/results/suite.json
-    python benchmarks/report.py benchmarks/results/suite_quick.json
-    python benchmarks/report.py --write docs/performance.md   # fill the page's marked blocks
-    python benchmarks/report.py --check docs/performance.md   # exit 1 if the page differs from the JSON
+    python -m benchmarks report                          # print them, from benchmarks/results/suite.json
+    python -m benchmarks report benchmarks/results/suite_quick.json
+    python -m benchmarks report --write docs/performance.md   # fill the page's marked blocks
+    python -m benchmarks report --check docs/performance.md   # exit 1 if the page differs from the JSON
 
 In the page a table lives between `<!-- report:NAME -->` and `<!-- /report:NAME -->`, NAME being one of
 `BLOCKS`; `--write` replaces what is between the markers and leaves the prose around them alone.
@@ -19,15 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python benchmarks/report.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.analysis import paired_ratio, sweep
 from benchmarks.common import ROOT
 from benchmarks.ddp_suite import variant_name
 from benchmarks.plot import breakdown_parts
 
-__all__ = ["BLOCKS", "blocks", "fill", "main", "tables"]
+__all__ = ["BLOCKS", "blocks", "fill", "add_arguments", "command", "tables"]
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
@@ -512,13 +509,16 @@ def tables(results: dict) -> str:
     return "\n\n".join(parts)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Print the report's tables from a suite run's JSON.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("results", nargs="?", type=Path, default=ROOT / "benchmarks" / "results" / "suite.json")
     page = parser.add_mutually_exclusive_group()
     page.add_argument("--write", type=Path, metavar="PAGE", help="fill the marked blocks of PAGE in place")
     page.add_argument("--check", type=Path, metavar="PAGE", help="exit 1 if PAGE's blocks differ from the JSON")
-    args = parser.parse_args(argv)
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the command."""
     results = json.loads(args.results.read_text())
     target = args.write or args.check
     if target is None:
@@ -533,8 +533,4 @@ def main(argv: list[str] | None = None) -> None:
         target.write_text(filled)
         print(f"{target}: filled {', '.join(blocks(text))} from {args.results}")
     elif filled != text:
-        sys.exit(f"{target}: its tables differ from {args.results}; run `python benchmarks/report.py --write {target}`")
-
-
-if __name__ == "__main__":
-    main()
+        sys.exit(f"{target}: its tables differ from {args.results}; run `python -m benchmarks report --write {target}`")

@@ -23,14 +23,14 @@ Sections (in the order they run):
   servers, tensor_fusion, the sharded server and tensor_fusion under bf16-mixed, bucketed_ddp and
   native_ddp: samples per second, memory per rank, bytes per step and time to a target validation loss.
 - `lab` (only when named, `--sections lab`; about two hours -> results/lab.json; root and iproute2): the
-  network lab (benchmarks/lab.py): every strategy against its link's bound on 2 and 4 nodes at 1 Gbit/s
+  network lab (benchmarks/lab/__init__.py): every strategy against its link's bound on 2 and 4 nodes at 1 Gbit/s
   and 100 Mbit/s, the overlap and bucket-size sweep on shaped links, and BAGUA's trade-off (seconds to a
   fixed validation loss, strategy x link x nodes). Where namespaces are not permitted it says so in one
   line and records only that.
 
 Every figure is a median over repeats with its spread; the JSON holds the machine's description and its
-load average at the start and end of every section. `python benchmarks/plot.py` draws the figures and
-`python benchmarks/report.py` prints the report's tables from the JSON; `--report` does both into docs/.
+load average at the start and end of every section. `python -m benchmarks plot` draws the figures and
+`python -m benchmarks report` prints the report's tables from the JSON; `--report` does both into docs/.
 """
 
 from __future__ import annotations
@@ -47,9 +47,6 @@ from typing import Any
 
 import torch
 
-if __package__ in (None, ""):  # `python benchmarks/run.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks.analysis import headlines
 from benchmarks.common import ROOT, load_average, machine
 from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, run_ddp_workload, run_device_workload
@@ -60,7 +57,7 @@ from benchmarks.overhead import run_overhead
 from benchmarks.plot import plot_all
 from benchmarks.report import fill
 
-__all__ = ["OPTIONAL_SECTIONS", "PLANS", "SECTIONS", "main"]
+__all__ = ["OPTIONAL_SECTIONS", "PLANS", "SECTIONS", "add_arguments", "command"]
 
 SECTIONS = ("ddp", "device", "curves", "overhead", "strategies")
 #: Sections that run only when `--sections` names them, each into its own results file by default.
@@ -312,7 +309,7 @@ def run_gpt2(plan: Plan, log) -> dict[str, Any]:
 
 
 def run_lab(plan: Plan, log) -> dict[str, Any]:
-    """The network lab (benchmarks/lab.py): strategies against the link's bound, overlap, BAGUA's trade-off."""
+    """The network lab (benchmarks/lab/__init__.py): strategies against the link's bound, overlap, BAGUA's trade-off."""
     return run_lab_section(plan.lab, log)
 
 
@@ -361,8 +358,8 @@ def run_suite(mode: str, sections: tuple[str, ...], out: Path, log=print) -> dic
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The suite's options (`python -m benchmarks` with no command takes them too)."""
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="fewer points and repeats (about 2.5 minutes)")
     mode.add_argument("--smoke", action="store_true", help="tiny models, a couple of steps (for the test suite)")
@@ -377,17 +374,20 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help=f"full suite only: then draw {FIGURES.relative_to(ROOT)}/*.png and fill {PAGE.relative_to(ROOT)}'s tables",
     )
-    args = parser.parse_args(argv)
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the sections asked for; with --report, draw the figures and fill the page's tables."""
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     if args.report and (name != "full" or args.sections != ",".join(SECTIONS)):
-        parser.error("--report writes docs/performance.md, which quotes a full run: drop --quick/--smoke/--sections")
+        sys.exit("--report writes docs/performance.md, which quotes a full run: drop --quick/--smoke/--sections")
     if args.report:
         # Fail before a 14-minute run, not after it.
         import matplotlib  # noqa: F401  (the bench extra: pip install -e ".[bench]")
     sections = tuple(s for s in args.sections.split(",") if s)
     unknown = [s for s in sections if s not in SECTIONS and s not in OPTIONAL_SECTIONS]
     if unknown:
-        parser.error(f"unknown section(s) {', '.join(unknown)}; valid: {', '.join((*SECTIONS, *OPTIONAL_SECTIONS))}")
+        sys.exit(f"unknown section(s) {', '.join(unknown)}; valid: {', '.join((*SECTIONS, *OPTIONAL_SECTIONS))}")
     stem = "suite"
     if len(sections) == 1 and sections[0] in OPTIONAL_SECTIONS:
         stem = OPTIONAL_SECTIONS[sections[0]]
@@ -404,7 +404,3 @@ def main(argv: list[str] | None = None) -> None:
             log(f"wrote {path}")
         PAGE.write_text(fill(PAGE.read_text(), results))
         log(f"filled the tables of {PAGE}; its prose quotes numbers too: reread it")
-
-
-if __name__ == "__main__":
-    main()

@@ -8,8 +8,8 @@ logged training steps, the steady time per step. Strategies run one after anothe
 (interleaved, so that load from other processes on the machine spreads over all of them); the JSON
 keeps every repeat and the medians, and the table gives ratios to `bucketed_ddp`.
 
-    python -m benchmarks.strategies_example                      # 150 steps, 1 repeat, all strategies
-    python -m benchmarks.strategies_example --steps 150 --repeats 3 --strategies bucketed_ddp bytegrad
+    python -m benchmarks strategies                      # 150 steps, 1 repeat, all strategies
+    python -m benchmarks strategies --steps 150 --repeats 3 --strategies bucketed_ddp bytegrad
 """
 
 from __future__ import annotations
@@ -98,14 +98,17 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
     parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
+
+
+def command(args: argparse.Namespace) -> None:
+    """Run the command."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.strategies}
     for repeat in range(args.repeats):
         for name in args.strategies:
@@ -117,7 +120,3 @@ def main() -> None:
     }
     args.out.write_text(json.dumps({"steps": args.steps, "repeats": args.repeats, "results": results}, indent=2))
     print(table(results))
-
-
-if __name__ == "__main__":
-    main()

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["SIZES", "WORKLOADS", "Workload", "build", "make_mlp", "mlp_loader"]
+__all__ = ["SIZES", "WORKLOADS", "LayerStack", "Workload", "build", "make_mlp", "mlp_loader"]
 
 
 # ------------------------------------------------------------------ CNN
@@ -94,6 +94,24 @@ class BertEncoder(nn.Module):
         # The decoder is the token embedding, transposed (weight tying, as in BERT).
         logits = hidden @ self.tokens.weight.t() + self.decoder_bias
         return F.cross_entropy(logits, targets)
+
+
+# ------------------------------------------------------------ layer stack
+class LayerStack(nn.Module):
+    """`depth` x (Linear(width, width) + LayerNorm(width)): four parameter tensors per block, loss the mean square.
+
+    The model of the reducer benchmarks (`bench_ddp`, `bench_autotune`, `bench_many_params`): its width sets
+    the bytes per parameter tensor, its depth the number of tensors.
+    """
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            *(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width)) for _ in range(depth))
+        )
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.layers(batch).square().mean()
 
 
 # ------------------------------------------------------------------ MLP

@@ -12,7 +12,7 @@ For each rank (a trace process, ``pid`` = rank) and each recorded optimizer step
 - ``collective``: other collectives a strategy reports (model averaging, QAdam's compressed momentum).
 
 The forward, backward and optimizer spans come from the callback hooks, so every strategy has them; the
-rest from the strategy through `strategies/comm_events.py`, attached only for the recorded steps. At the
+rest from the strategy through `strategies/comm/events.py`, attached only for the recorded steps. At the
 end of fit every rank's spans are gathered to rank 0 (`Strategy.all_gather_object`), which writes one
 JSON file in the Trace Event Format (``{"traceEvents": [...]}``, complete "X" events, times in
 microseconds from a barrier at the start of fit, so ranks line up to the barrier's skew). Open it in
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.callback import Callback
 from syncline.options import check_int
-from syncline.strategies.comm_events import COLLECTIVE_LANE, STEP_LANE, CommEvents
+from syncline.strategies.comm.events import COLLECTIVE_LANE, STEP_LANE, CommEvents
 from syncline.trainer.rank_zero import rank_zero_only
 
 if TYPE_CHECKING:

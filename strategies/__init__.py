@@ -9,6 +9,7 @@ from syncline.strategies.native_ddp import NativeDDP
 from syncline.strategies.parameter_server import ParameterServer
 from syncline.strategies.powersgd import PowerSGD
 from syncline.strategies.qadam import QAdam
+from syncline.strategies.reducer_strategy import ReducerStrategy
 from syncline.strategies.registry import STRATEGIES, register_strategy, resolve_strategy
 from syncline.strategies.sharded_parameter_server import ShardedParameterServer
 from syncline.strategies.single_device import SingleDevice
@@ -26,6 +27,7 @@ __all__ = [
     "ParameterServer",
     "PowerSGD",
     "QAdam",
+    "ReducerStrategy",
     "ShardedParameterServer",
     "SingleDevice",
     "Strategy",

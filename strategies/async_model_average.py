@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from syncline.options import check_number
-from syncline.strategies.model_averaging import ModelAveraging, flatten_by_dtype, unflatten_into
+from syncline.strategies.comm.flat import flatten, flatten_by_dtype, unflatten_into
+from syncline.strategies.model_averaging import ModelAveraging
 from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class AsyncModelAverage(ModelAveraging):
     Args:
         interval_ms: milliseconds the averaging thread waits between two rounds.
         warmup_steps: optimizer steps of exact gradient all-reduce before the thread starts.
-        kwargs: passed to `BucketedDDP`, whose reducer runs the warm-up (`bucket_cap_mb`, `backend`, ...).
+        kwargs: passed to the core, whose reducer runs the warm-up (`bucket_cap_mb`, `backend`, ...).
     """
 
     name = "async_model_average"
@@ -90,9 +91,9 @@ class AsyncModelAverage(ModelAveraging):
         self._failed = False
 
     # --------------------------------------------------------------- lifecycle
-    def setup(self, task: Task) -> None:
-        """Set up the warm-up's reducer and the averaging thread's own gloo process group."""
-        super().setup(task)
+    def after_setup(self, task: Task) -> None:
+        """Make the averaging thread's own gloo process group."""
+        super().after_setup(task)
         self.rounds = 0
         # Collective: every rank creates the averaging thread's group, in the same order.
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
@@ -104,7 +105,7 @@ class AsyncModelAverage(ModelAveraging):
         super().on_stage_failure()
 
     def teardown(self) -> None:
-        """Stop the averaging thread (bounded wait), then tear down as `BucketedDDP` does."""
+        """Stop the averaging thread (bounded wait), then remove the reducer's hooks."""
         self.stop_averaging()
         super().teardown()
 
@@ -132,7 +133,7 @@ class AsyncModelAverage(ModelAveraging):
         if result is None:
             return
         for tensors, average, then in result:
-            current = torch.cat([t.detach().reshape(-1) for t in tensors])
+            current = flatten(tensors)
             unflatten_into(tensors, current + (average - then))
         self._applied.set()
 
@@ -187,14 +188,14 @@ class AsyncModelAverage(ModelAveraging):
             self._apply_result()
 
     # ------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
+    def algorithm_state_dict(self) -> dict[str, Any]:
         """Stop every rank's thread so the saved parameters are a consistent state; it restarts next step."""
         self.stop_averaging()
-        return {**super().state_dict(), "rounds": self.rounds}
+        return {**super().algorithm_state_dict(), "rounds": self.rounds}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned."""
-        super().load_state_dict(state)
+    def load_algorithm_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `algorithm_state_dict` returned."""
+        super().load_algorithm_state_dict(state)
         self.rounds = int(state["rounds"])
 
     def __repr__(self) -> str:

@@ -3,37 +3,35 @@
 For each bucket of gradients, on every one of the `W` ranks:
 
 1. add back what the last compression dropped (error feedback, per parameter),
-2. split the bucket into `W` chunks and MinMax-quantize each to uint8 (`compression.minmax_quantize`),
+2. split the bucket into `W` chunks and MinMax-quantize each to uint8 (`comm.compression.minmax_quantize`),
 3. scatter: send chunk `j` to rank `j` with one all-to-all (the own chunk stays home),
 4. reduce: decompress the `W` versions of the own chunk and average them,
 5. re-quantize the averaged own chunk and all-gather every rank's averaged chunk,
 6. decompress: every rank now holds the same averaged bucket.
 
-A rank hands about ``(W-1)/W + 1/W = 1`` byte per gradient value to collectives, against 4 for a
-float32 all-reduce. The hook plugs into `BucketedDDP`'s reducer, so buckets, overlap with the backward,
-accumulation without communication and `find_unused_parameters` are the reducer's; `ByteGrad` only
-fixes the bucket layout (chunking depends on it, and a resumed run must chunk as the original did).
+Steps 2-6 are `comm.compression.compressed_average`, which QAdam uses for its momentum too. A rank hands
+about ``(W-1)/W + 1/W = 1`` byte per gradient value to collectives, against 4 for a float32 all-reduce.
+The hook plugs into the core's reducer, so buckets, overlap with the backward, accumulation without
+communication and `find_unused_parameters` are the reducer's; `ByteGrad` only fixes the bucket layout
+(chunking depends on it, and a resumed run must chunk as the original did).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.futures import Future
 
-from syncline.options import check_number
-from syncline.strategies.bucketed_ddp import BlockingHookDDP, refuse_autotune
-from syncline.strategies.comm_counter import CommCounter
-from syncline.strategies.comm_hooks import GradBucket
-from syncline.strategies.compression import ErrorFeedback, minmax_dequantize, minmax_quantize, pack, unpack
-from syncline.strategies.transfers import all_gather_in_pieces, all_to_all_in_pieces
+from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
+from syncline.strategies.comm.counter import CommCounter
+from syncline.strategies.comm.hooks import GradBucket
+from syncline.strategies.reducer_strategy import ReducerStrategy
 
-__all__ = ["ByteGrad", "ByteGradState", "bytegrad_hook", "compressed_average"]
+__all__ = ["ByteGrad", "ByteGradState", "bytegrad_hook"]
 
 
 @dataclass
@@ -43,48 +41,12 @@ class ByteGradState:
     Attributes:
         process_group: the group to average over; None means the default group.
         error_feedback: the memory of what compression dropped, per parameter name; None sends without.
-        names: the qualified name of each parameter, by `id`, to key the error feedback.
         counter: where the bytes handed to collectives are counted (set by the reducer).
     """
 
     process_group: dist.ProcessGroup | None = None
     error_feedback: ErrorFeedback | None = None
-    names: dict[int, str] = field(default_factory=dict)
     counter: CommCounter | None = None
-
-
-def compressed_average(
-    values: Tensor, group: dist.ProcessGroup | None, counter: CommCounter | None
-) -> tuple[Tensor, Tensor]:
-    """Average flat `values` across `group` with 8-bit scatter-reduce and all-gather (steps 2-6 above).
-
-    Args:
-        values: this rank's flat tensor; the same size on every rank.
-        group: the process group.
-        counter: where the bytes handed to collectives are counted; None counts nothing.
-
-    Returns:
-        The average, in `values`' dtype, identical on every rank; and what this rank's quantization
-        made of `values` (its contribution as the others decoded it), for error feedback.
-    """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    quantized = minmax_quantize(values, world)
-    payloads = pack(quantized)
-    sizes = [payload.numel() for payload in payloads]
-    # Scatter: chunk j goes to rank j; the own chunk is not handed to the collective.
-    versions = [payload if j == rank else payload.new_empty(sizes[rank]) for j, payload in enumerate(payloads)]
-    _count(counter, *(payload for j, payload in enumerate(payloads) if j != rank))
-    # Collective: all-to-all of the uint8 chunks, in pieces (blocking: the reduction below needs them).
-    all_to_all_in_pieces(payloads, versions, group=group)
-    own_chunk = minmax_dequantize(unpack(versions)).view(world, sizes[rank] - 8).mean(dim=0)
-
-    # Gather: all-gather needs equal sizes; pad to the largest chunk (tensor_split puts it first).
-    requantized = F.pad(pack(minmax_quantize(own_chunk))[0], (0, sizes[0] - sizes[rank]))
-    _count(counter, requantized)
-    # Collective: all-gather of every rank's averaged, re-quantized chunk, in pieces.
-    gathered = all_gather_in_pieces(requantized, world, group=group)[0].split(requantized.numel())
-    average = minmax_dequantize(unpack([chunk[:size] for chunk, size in zip(gathered, sizes)]), values.dtype)
-    return average, minmax_dequantize(quantized, values.dtype)
 
 
 def bytegrad_hook(state: ByteGradState, bucket: GradBucket) -> Future[Tensor]:
@@ -95,10 +57,14 @@ def bytegrad_hook(state: ByteGradState, bucket: GradBucket) -> Future[Tensor]:
     """
     buffer = bucket.buffer
     feedback = state.error_feedback
-    corrected = buffer if feedback is None else _per_parameter(bucket, state, feedback.compensate)
+    if feedback is None:
+        corrected = buffer
+    else:
+        # Error feedback keyed by parameter name: each gradient plus what its last compression dropped.
+        corrected = torch.cat([feedback.compensate(name, buffer[start:end]) for name, start, end in bucket.spans()])
     average, sent = compressed_average(corrected, state.process_group, state.counter)
     if feedback is not None:
-        for name, start, end in _spans(bucket, state):
+        for name, start, end in bucket.spans():
             feedback.remember(name, corrected[start:end], sent[start:end])
     buffer.copy_(average)
     future: Future[Tensor] = Future()
@@ -106,25 +72,7 @@ def bytegrad_hook(state: ByteGradState, bucket: GradBucket) -> Future[Tensor]:
     return future
 
 
-def _count(counter: CommCounter | None, *tensors: Tensor) -> None:
-    if counter is not None:
-        counter.add_tensors(*tensors)
-
-
-def _spans(bucket: GradBucket, state: ByteGradState) -> list[tuple[str, int, int]]:
-    """(name, start, end) of each parameter's gradient in the bucket's buffer."""
-    return [
-        (state.names[id(param)], offset, offset + param.numel())
-        for param, offset in zip(bucket.parameters, bucket.offsets)
-    ]
-
-
-def _per_parameter(bucket: GradBucket, state: ByteGradState, compensate: Any) -> Tensor:
-    """Return the bucket with each parameter's remembered error added (error feedback keyed by name)."""
-    return torch.cat([compensate(name, bucket.buffer[start:end]) for name, start, end in _spans(bucket, state)])
-
-
-class ByteGrad(BlockingHookDDP):
+class ByteGrad(ReducerStrategy):
     """Average gradients with BAGUA's 8-bit scatter-reduce and all-gather, bucket by bucket.
 
     Args:
@@ -139,8 +87,9 @@ class ByteGrad(BlockingHookDDP):
     """
 
     name = "bytegrad"
+    blocking_hook = True
     # Chunks follow the bucket layout: keep the layout of construction so a resumed run chunks alike.
-    rebuild_buckets = False
+    fixed_layout = True
 
     def __init__(
         self,
@@ -150,18 +99,23 @@ class ByteGrad(BlockingHookDDP):
         backend: str | None = None,
         timeout: float = 300.0,
     ) -> None:
-        refuse_autotune(ByteGrad, bucket_cap_mb)
-        check_number("ByteGrad", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
-        self.error_feedback = error_feedback
         state = ByteGradState(error_feedback=ErrorFeedback() if error_feedback else None)
-        super().__init__(bytegrad_hook, state, bucket_cap_mb, find_unused_parameters, backend, timeout)
+        super().__init__(
+            bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            comm_hook=bytegrad_hook,
+            comm_state=state,
+            backend=backend,
+            timeout=timeout,
+        )
+        self.error_feedback = error_feedback
 
-    def state_dict(self) -> dict[str, Any]:
-        """Return this rank's error-feedback memory and the world size it belongs to."""
+    def algorithm_state_dict(self) -> dict[str, Any]:
+        """Return this rank's error-feedback memory."""
         feedback = self.comm_state.error_feedback
         return {"error_feedback": {} if feedback is None else feedback.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_algorithm_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's error-feedback memory."""
         if self.comm_state.error_feedback is not None:
             self.comm_state.error_feedback.load_state_dict(state["error_feedback"])

@@ -29,9 +29,10 @@ import torch
 from torch import Tensor
 
 from syncline.options import OptionError, check_int
-from syncline.strategies.compression import minmax_dequantize, minmax_quantize, pack, unpack
-from syncline.strategies.model_averaging import ModelAveraging, average_parameters, flatten_by_dtype, unflatten_into
-from syncline.strategies.transfers import all_gather_in_pieces, exchange
+from syncline.strategies.comm.compression import minmax_dequantize, minmax_quantize, pack_flat, unpack_flat
+from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
+from syncline.strategies.comm.transfers import all_gather_in_pieces, exchange
+from syncline.strategies.model_averaging import ModelAveraging, average_parameters
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -41,7 +42,7 @@ __all__ = ["PEERS", "Decentralized", "shift_one_partner"]
 #: The peer selections `Decentralized(peers=...)` accepts.
 PEERS = ("shift_one", "all")
 _COMPRESSIONS = (None, "uint8")
-#: Values per quantization chunk: each chunk has its own minimum and step (8 bytes of header).
+#: Values per quantization chunk: each chunk has its own minimum and step (its header).
 _CHUNK = 4096
 
 
@@ -73,7 +74,7 @@ class Decentralized(ModelAveraging):
         peers: "shift_one" (one peer per averaging, rotating) or "all" (every rank: an all-reduce).
         period: optimizer steps between two averagings.
         compression: None (send parameters) or "uint8" (send MinMax-quantized differences).
-        kwargs: passed to `BucketedDDP` (`backend`, `timeout`, ...).
+        kwargs: passed to the core (`backend`, `timeout`, ...).
     """
 
     name = "decentralized"
@@ -90,9 +91,13 @@ class Decentralized(ModelAveraging):
         self.peers = peers
         self.period = period
         self.compression = compression
-        self.rounds = 0
         #: uint8 only: estimates of models, by key ("mine@<peer>", "<peer>"; "<rank>" for peers="all").
         self.estimates: dict[str, list[Tensor]] = {}
+
+    @property
+    def rounds(self) -> int:
+        """Averagings so far: the local steps over `period` (the core's `steps`, as no warm-up precedes them)."""
+        return self.steps // self.period
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse compression="uint8" on one process (there is no peer to send differences to)."""
@@ -102,15 +107,10 @@ class Decentralized(ModelAveraging):
                 "quantized differences to); run with trainer.devices >= 2 or compression=None."
             )
 
-    def setup(self, task: Task) -> None:
-        """Set up, and start every estimate from the common initial parameters (uint8).
-
-        Raises:
-            OptionError: compression="uint8" on one process (there is no peer to send differences to).
-        """
-        self.check_world_size(self.world_size)
-        super().setup(task)  # rank 0's parameters everywhere: every estimate starts equal on every rank
-        self.rounds, self.estimates = 0, {}
+    def after_setup(self, task: Task) -> None:
+        """Start every estimate from the common initial parameters (uint8): rank 0's, on every rank."""
+        super().after_setup(task)
+        self.estimates = {}
         if self.compression == "uint8":
             rank, world = self.global_rank, self.world_size
             keys = (
@@ -125,8 +125,7 @@ class Decentralized(ModelAveraging):
         """Average with this round's peers every `period` local steps."""
         if local_step % self.period:
             return
-        round_ = self.rounds
-        self.rounds += 1
+        round_ = self.rounds - 1  # averagings before this one: how far the peers have rotated
         if self.peers == "all" and self.compression is None:
             # Collective: one coalesced all-reduce of the parameters.
             average_parameters(self._params, counter=self.comm_counter)
@@ -146,8 +145,7 @@ class Decentralized(ModelAveraging):
                 continue
             mine_there, theirs_here = self.estimates[f"mine@{partner}"][index], self.estimates[str(partner)][index]
             quantized = minmax_quantize(flat - mine_there, chunks=_chunks(flat))
-            payload = torch.cat(pack(quantized))
-            received = unpack(_split_payload(self._exchange(payload, partner), quantized.sizes))
+            received = unpack_flat(self._exchange(pack_flat(quantized), partner), quantized.sizes)
             mine_there += minmax_dequantize(quantized, flat.dtype)
             theirs_here += minmax_dequantize(received, flat.dtype)
             unflatten_into(tensors, flat + (theirs_here - mine_there) / 2)
@@ -164,30 +162,29 @@ class Decentralized(ModelAveraging):
         rank, world = self.global_rank, self.world_size
         for index, (tensors, flat) in enumerate(flatten_by_dtype(self._params)):
             quantized = minmax_quantize(flat - self.estimates[str(rank)][index], chunks=_chunks(flat))
-            payload = torch.cat(pack(quantized))
+            payload = pack_flat(quantized)
             # Collective: every rank's quantized difference (all payloads have the same size).
             gathered = all_gather_in_pieces(payload, world)[0].split(payload.numel())
             self.comm_counter.add(payload.numel())
             for peer, received in enumerate(gathered):
                 self.estimates[str(peer)][index] += minmax_dequantize(
-                    unpack(_split_payload(received, quantized.sizes)), flat.dtype
+                    unpack_flat(received, quantized.sizes), flat.dtype
                 )
             mean = torch.stack([self.estimates[str(peer)][index] for peer in range(world)]).mean(dim=0)
             unflatten_into(tensors, flat + mean - self.estimates[str(rank)][index])
 
     # ------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's round counter and estimates (they differ per rank)."""
+    def algorithm_state_dict(self) -> dict[str, Any]:
+        """This rank's estimates (they differ per rank), and the averagings so far (`rounds`, from `steps`)."""
         return {
-            **super().state_dict(),
+            **super().algorithm_state_dict(),
             "rounds": self.rounds,
             "estimates": {key: [t.detach().cpu().clone() for t in flats] for key, flats in self.estimates.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned."""
-        super().load_state_dict(state)
-        self.rounds = int(state["rounds"])
+    def load_algorithm_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `algorithm_state_dict` returned ("rounds" follows from the restored `steps`)."""
+        super().load_algorithm_state_dict(state)
         device = self.root_device
         self.estimates = {key: [t.to(device) for t in flats] for key, flats in state["estimates"].items()}
 
@@ -197,8 +194,3 @@ class Decentralized(ModelAveraging):
 
 def _chunks(flat: Tensor) -> int:
     return max(1, -(-flat.numel() // _CHUNK))
-
-
-def _split_payload(payload: Tensor, sizes: list[int]) -> list[Tensor]:
-    """Cut a concatenation of `pack`ed chunks back into chunks (8-byte header + codes each)."""
-    return list(payload.split([8 + size for size in sizes]))

@@ -29,7 +29,7 @@ class LocalSGD(ModelAveraging):
     Args:
         period: optimizer steps between two averagings of the parameters (H in the paper).
         warmup_steps: optimizer steps of exact gradient all-reduce first (post-local SGD's warm-up).
-        kwargs: passed to `BucketedDDP`, whose reducer runs the warm-up (`bucket_cap_mb`, `backend`, ...).
+        kwargs: passed to the core, whose reducer runs the warm-up (`bucket_cap_mb`, `backend`, ...).
     """
 
     name = "local_sgd"

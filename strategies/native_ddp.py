@@ -41,9 +41,9 @@ from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel import DistributedDataParallel
 
 from syncline.options import check_number
-from syncline.strategies.backward_sync import BackwardSyncControl
-from syncline.strategies.join import Joinable
-from syncline.strategies.process_group import ProcessGroupStrategy
+from syncline.strategies.comm.backward_sync import BackwardSyncControl
+from syncline.strategies.comm.join import Joinable
+from syncline.strategies.comm.process_group import ProcessGroupStrategy
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task

@@ -7,7 +7,7 @@ Algorithm (server rank s, world size W):
     rank s:       clip g, step the optimizer (the only optimizer state in the job)
     every rank:   broadcast the updated parameters x from rank s
 
-The reduction reuses the bucketed reducer of `BucketedDDP` with a comm hook that reduces to the server
+The reduction reuses the core's bucketed reducer with a comm hook that reduces to the server
 instead of all-reducing, so it overlaps the backward and skips communication inside an accumulation
 window exactly as data parallel does; the result is data parallel's update, computed once. Workers never
 let their optimizer see a gradient, so it allocates no state (no momentum, no Adam moments).
@@ -28,12 +28,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from syncline.options import OptionError, check_int, check_number
-from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
-from syncline.strategies.comm_counter import CommCounter
-from syncline.strategies.comm_hooks import GradBucket, count_bytes
-from syncline.strategies.process_group import broadcast_coalesced
-from syncline.strategies.transfers import all_to_all_in_pieces, future_of
+from syncline.options import OptionError, check_int
+from syncline.strategies.comm.counter import CommCounter, count_bytes
+from syncline.strategies.comm.hooks import GradBucket
+from syncline.strategies.comm.process_group import broadcast_coalesced
+from syncline.strategies.comm.transfers import all_to_all_in_pieces, future_of
+from syncline.strategies.reducer_strategy import ReducerStrategy
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -65,7 +65,7 @@ def reduce_to_server_hook(state: ReduceToServerState, bucket: GradBucket) -> Fut
     # Divide before the sum so low-precision sums cannot overflow.
     buffer.div_(world_size)
     if rank != server:
-        count_bytes(state, buffer)
+        count_bytes(state.counter, buffer)
         sends: list[Tensor | None] = [buffer if peer == server else None for peer in range(world_size)]
         # Collective (point to point, asynchronous): this worker's bucket to the server.
         works = all_to_all_in_pieces(sends, [None] * world_size, group=state.process_group, async_op=True)
@@ -82,7 +82,7 @@ def reduce_to_server_hook(state: ReduceToServerState, bucket: GradBucket) -> Fut
     return future_of(works).then(add)
 
 
-class ParameterServer(BucketedDDP):
+class ParameterServer(ReducerStrategy):
     """Reduce gradients to one server rank, step there alone, broadcast the parameters back.
 
     Args:
@@ -97,7 +97,7 @@ class ParameterServer(BucketedDDP):
     """
 
     name = "parameter_server"
-    autotune_refusal = (
+    fixed_cap_because = (
         "the time autotuning compares (the backward's) leaves out its parameter broadcast after the step, "
         "which the cap does not shape"
     )
@@ -111,12 +111,10 @@ class ParameterServer(BucketedDDP):
         timeout: float = 300.0,
     ) -> None:
         check_int("ParameterServer", "server_rank", server_rank, 0, meaning="the rank that steps the optimizer")
-        refuse_autotune(ParameterServer, bucket_cap_mb)
-        check_number("ParameterServer", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
         super().__init__(
-            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb,
             # As data parallel: a small first bucket starts communication early (never above the cap).
-            first_bucket_mb=min(1.0, bucket_cap_mb),
+            first_bucket_mb=None,
             find_unused_parameters=find_unused_parameters,
             comm_hook=reduce_to_server_hook,
             comm_state=ReduceToServerState(server_rank),
@@ -139,22 +137,13 @@ class ParameterServer(BucketedDDP):
                 f"but the job has {world_size}; pick a server_rank below {world_size} (strategy.server_rank=0)."
             )
 
-    def setup(self, task: Task) -> None:
-        """Check the server is a rank of the job, then set up the reducer as `BucketedDDP` does."""
-        self.check_world_size(self.world_size)
-        super().setup(task)
+    def after_setup(self, task: Task) -> None:
+        """Remember the parameters the server broadcasts."""
         self._params = [p for p in task.parameters() if p.requires_grad]
 
     # -------------------------------------------------------------- train step
-    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
-        """Back-propagate; at a window's end, reduce the gradients onto the server and agree on their finiteness."""
-        super().backward(loss, sync=sync, retain_graph=retain_graph)
-        if self._backward_syncs(sync):
-            self._agree_on_finiteness()
-
-    def shadow_backward(self) -> None:
-        """Shadow a synchronized backward with zero gradients (a rank whose data ran out)."""
-        super().shadow_backward()
+    def after_backward(self) -> None:
+        """The gradients are reduced onto the server: make every rank agree on their finiteness."""
         self._agree_on_finiteness()
 
     def clip_gradients(self, parameters: list[Tensor], max_norm: float) -> Tensor:
@@ -163,8 +152,8 @@ class ParameterServer(BucketedDDP):
             return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         return torch.zeros((), device=self.root_device)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
-        """Step on the server alone, then broadcast its parameters to every rank."""
+    def apply_update(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
+        """Step on the server alone."""
         if self.is_server:
             step()
         else:
@@ -177,10 +166,12 @@ class ParameterServer(BucketedDDP):
             step()
             for param, grad in zip(params, grads):
                 param.grad = grad
+
+    def after_optimizer_step(self) -> None:
+        """Broadcast the server's updated parameters to every rank."""
         # Collective: the server's updated parameters to every rank, one broadcast per dtype.
         broadcast_coalesced(self._params, src=self.server_rank)
         self.comm_counter.add_tensors(*self._params)
-        self.comm_counter.close_step()
 
     def _agree_on_finiteness(self) -> None:
         """Make every rank's gradients inf/NaN-free exactly when the server's reduced ones are."""

@@ -13,10 +13,11 @@ Each synchronized step, for each bucket, on every rank:
         Q = mean over ranks of Mᵀ P           all-reduce (all matrices' Q in one flat tensor)
         M_avg ≈ P Qᵀ;  E = M - P Qᵀ
 
-Which gradients are compressed depends on their shapes and the step count only, never on values or
-timing, so every rank launches collectives of the same sizes in the same order. (torch's PowerSGD hook
-was seen to die of a collective-size mismatch on gloo; nothing here can disagree across ranks.)
-Random initial factors come from a generator seeded alike on every rank and kept in the state.
+Which gradients are compressed depends on their shapes and the stage only, never on values or timing,
+so every rank launches collectives of the same sizes in the same order. (torch's PowerSGD hook was seen
+to die of a collective-size mismatch on gloo; nothing here can disagree across ranks.) The two stages,
+exact and low rank, follow the core's step counter. Random initial factors come from a generator seeded
+alike on every rank and kept in the state.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import check_int, check_number
-from syncline.strategies.bucketed_ddp import BlockingHookDDP
-from syncline.strategies.comm_counter import CommCounter
-from syncline.strategies.comm_hooks import GradBucket, count_bytes
-from syncline.strategies.compression import ErrorFeedback
+from syncline.strategies.comm.compression import ErrorFeedback
+from syncline.strategies.comm.counter import CommCounter, count_bytes
+from syncline.strategies.comm.flat import flatten, unflatten
+from syncline.strategies.comm.hooks import GradBucket
+from syncline.strategies.reducer_strategy import ReducerStrategy
 
 __all__ = ["PowerSGD", "PowerSGDState", "powersgd_hook"]
 
@@ -46,33 +48,29 @@ class PowerSGDState:
 
     Attributes:
         rank: the rank r of the factors.
-        start_iter: synchronized steps of exact all-reduce before compression starts.
         min_compression_rate: compress an n x m matrix only if ``n m >= rate * r (n + m)``.
         warm_start: reuse each matrix's last Q instead of a fresh random one.
         error_feedback: what compression dropped, per parameter name; None sends without.
         process_group: the group to average over; None means the default group.
-        names: the qualified name of each parameter, by `id`.
-        step: synchronized steps taken so far.
+        low_rank: whether the exact start (`start_iter` steps) is over; set by the strategy's stage.
         factors: the last Q of each compressed matrix, by parameter name (warm start).
         generator: the source of fresh random factors, seeded alike on every rank.
         counter: where the bytes handed to collectives are counted (set by the reducer).
     """
 
     rank: int = 4
-    start_iter: int = 10
     min_compression_rate: float = 2.0
     warm_start: bool = True
     error_feedback: ErrorFeedback | None = None
     process_group: dist.ProcessGroup | None = None
-    names: dict[int, str] = field(default_factory=dict)
-    step: int = 0
+    low_rank: bool = False
     factors: dict[str, Tensor] = field(default_factory=dict)
     generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(_SEED))
     counter: CommCounter | None = None
 
     def compresses(self, shape: torch.Size) -> bool:
-        """Whether a gradient of `shape` is sent as low-rank factors this step (shapes and steps only)."""
-        if self.step < self.start_iter or len(shape) < 2:
+        """Whether a gradient of `shape` is sent as low-rank factors this step (shapes and stage only)."""
+        if not self.low_rank or len(shape) < 2:
             return False
         n, m = shape[0], shape.numel() // shape[0]
         rank = min(self.rank, n, m)
@@ -85,26 +83,23 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> Future[Tensor]:
     Returns:
         A completed future whose value is `bucket.buffer`, holding the (approximate) average.
     """
-    group, buffer = state.process_group, bucket.buffer
-    world = dist.get_world_size(group)
-    spans = [(state.names[id(p)], p.shape, o, o + p.numel()) for p, o in zip(bucket.parameters, bucket.offsets)]
+    buffer = bucket.buffer
+    spans = [(name, p.shape, start, end) for (name, start, end), p in zip(bucket.spans(), bucket.parameters)]
     exact = [span for span in spans if not state.compresses(span[1])]
     low_rank = [span for span in spans if state.compresses(span[1])]
 
     if exact:
-        flat = torch.cat([buffer[start:end] for _, _, start, end in exact]).div_(world)
-        count_bytes(state, flat)
+        pieces = [buffer[start:end] for _, _, start, end in exact]
         # Collective: exact all-reduce of the vectors and the matrices not worth compressing.
-        dist.all_reduce(flat, group=group)
-        for piece, (_, _, start, end) in zip(flat.split([end - start for _, _, start, end in exact]), exact):
-            buffer[start:end] = piece
+        for piece, average in zip(pieces, _all_reduce_mean(pieces, state)):
+            piece.copy_(average)
 
     if low_rank:
         matrices = [_corrected_matrix(state, buffer, span) for span in low_rank]
         factors = [_initial_factor(state, name, matrix) for (name, *_), matrix in zip(low_rank, matrices)]
-        ps = _all_reduce_mean([m @ q for m, q in zip(matrices, factors)], state, world)
+        ps = _all_reduce_mean([m @ q for m, q in zip(matrices, factors)], state)
         ps = [torch.linalg.qr(p, mode="reduced").Q for p in ps]
-        qs = _all_reduce_mean([m.T @ p for m, p in zip(matrices, ps)], state, world)
+        qs = _all_reduce_mean([m.T @ p for m, p in zip(matrices, ps)], state)
         for (name, _, start, end), matrix, p, q in zip(low_rank, matrices, ps, qs):
             approximation = p @ q.T
             if state.error_feedback is not None:
@@ -137,16 +132,16 @@ def _initial_factor(state: PowerSGDState, name: str, matrix: Tensor) -> Tensor:
     return fresh.to(matrix.device)
 
 
-def _all_reduce_mean(tensors: list[Tensor], state: PowerSGDState, world: int) -> list[Tensor]:
+def _all_reduce_mean(tensors: list[Tensor], state: PowerSGDState) -> list[Tensor]:
     """Average `tensors` across the group with one all-reduce of their concatenation."""
-    flat = torch.cat([t.reshape(-1) for t in tensors]).div_(world)
-    count_bytes(state, flat)
-    # Collective: one all-reduce of every matrix's factor (P or Q) of this bucket.
+    flat = flatten(tensors).div_(dist.get_world_size(state.process_group))
+    count_bytes(state.counter, flat)
+    # Collective: one all-reduce of every tensor (the exact gradients, or every matrix's P or Q) of this bucket.
     dist.all_reduce(flat, group=state.process_group)
-    return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    return unflatten(flat, tensors)
 
 
-class PowerSGD(BlockingHookDDP):
+class PowerSGD(ReducerStrategy):
     """Average gradients as rank-`rank` factors per matrix (PowerSGD), exactly for vectors.
 
     Args:
@@ -165,6 +160,8 @@ class PowerSGD(BlockingHookDDP):
     """
 
     name = "powersgd"
+    blocking_hook = True
+    stages = ("exact", "low rank")
 
     def __init__(
         self,
@@ -183,38 +180,44 @@ class PowerSGD(BlockingHookDDP):
         check_number(
             "PowerSGD", "min_compression_rate", min_compression_rate, above=0, meaning="how many times smaller"
         )
-        self.rank, self.start_iter = rank, start_iter
-        self.error_feedback, self.warm_start = error_feedback, warm_start
-        self.min_compression_rate = min_compression_rate
         state = PowerSGDState(
             rank=rank,
-            start_iter=start_iter,
             min_compression_rate=min_compression_rate,
             warm_start=warm_start,
             error_feedback=ErrorFeedback() if error_feedback else None,
         )
-        super().__init__(powersgd_hook, state, bucket_cap_mb, find_unused_parameters, backend, timeout)
+        super().__init__(
+            bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            comm_hook=powersgd_hook,
+            comm_state=state,
+            backend=backend,
+            timeout=timeout,
+        )
+        self.rank, self.start_iter = rank, start_iter
+        self.error_feedback, self.warm_start = error_feedback, warm_start
+        self.min_compression_rate = min_compression_rate
 
-    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
-        """Back-propagate as `BucketedDDP` does, and count the synchronized steps (for `start_iter`)."""
-        super().backward(loss, sync=sync, retain_graph=retain_graph)
-        if self._backward_syncs(sync):
-            self.comm_state.step += 1
+    def stage(self) -> int:
+        """0 for the first `start_iter` steps (exact all-reduce), then 1 (low rank)."""
+        return int(self.steps >= self.start_iter)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Return this rank's step count, error feedback, warm-start factors and generator state."""
+    def stage_changed(self) -> None:
+        """Tell the hook whether to send low-rank factors."""
+        self.comm_state.low_rank = self.stage() == 1
+
+    def algorithm_state_dict(self) -> dict[str, Any]:
+        """Return this rank's error feedback, warm-start factors and generator state."""
         state: PowerSGDState = self.comm_state
         return {
-            "step": state.step,
             "error_feedback": {} if state.error_feedback is None else state.error_feedback.state_dict(),
             "factors": {name: q.clone() for name, q in state.factors.items()},
             "generator": state.generator.get_state(),
         }
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
+    def load_algorithm_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore this rank's part of the state."""
         state: PowerSGDState = self.comm_state
-        state.step = saved["step"]
         if state.error_feedback is not None:
             state.error_feedback.load_state_dict(saved["error_feedback"])
         state.factors = {name: q.clone() for name, q in saved["factors"].items()}

@@ -3,7 +3,7 @@
 Adam's variance estimate is sensitive to compression error; its momentum is not. BAGUA's QAdam therefore
 runs in two stages:
 
-    warm-up (step < warmup_steps):  gradients averaged exactly (BucketedDDP's all-reduce), torch's Adam
+    warm-up (step < warmup_steps):  gradients averaged exactly (the core's all-reduce), torch's Adam
     stage change at warmup_steps:   the variance v is frozen as it is (the `need_reset` of BAGUA)
     then, every optimizer step:
         m = beta1 m + (1 - beta1) (g + weight_decay p)      local gradient g, no gradient communication
@@ -14,7 +14,7 @@ runs in two stages:
 The momentum and the frozen variance live where torch's Adam keeps them (`optimizer.state[p]["exp_avg"]`,
 `["exp_avg_sq"]`, `["step"]`), so the optimizer's checkpoint holds them; they are equal on every rank,
 since every rank applies the same averaged momentum. What differs per rank, the error-feedback memory,
-is in this strategy's `state_dict`.
+is in this strategy's `state_dict`, beside the core's step counter.
 """
 
 from __future__ import annotations
@@ -25,17 +25,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from syncline.options import check_int, check_number
-from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
-from syncline.strategies.bytegrad import compressed_average
-from syncline.strategies.comm_events import collective_span
-from syncline.strategies.compression import ErrorFeedback
+from syncline.options import check_int
+from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
+from syncline.strategies.comm.events import collective_span
+from syncline.strategies.reducer_strategy import ReducerStrategy
 from syncline.strategies.strategy import replace_step
 
 __all__ = ["QAdam"]
 
 
-class QAdam(BucketedDDP):
+class QAdam(ReducerStrategy):
     """Adam warm-up on exact gradients, then frozen variance and compressed momentum (BAGUA's QAdam).
 
     Args:
@@ -56,7 +55,8 @@ class QAdam(BucketedDDP):
     supports_join = False  # after the warm-up the compressed momentum is not a gradient a joined rank could zero
 
     name = "qadam"
-    autotune_refusal = "its buckets all-reduce gradients only during the warm-up (warmup_steps)"
+    stages = ("warm-up", "compressed momentum")
+    fixed_cap_because = "its buckets all-reduce gradients only during the warm-up (warmup_steps)"
 
     def __init__(
         self,
@@ -67,43 +67,39 @@ class QAdam(BucketedDDP):
         timeout: float = 300.0,
     ) -> None:
         check_int("QAdam", "warmup_steps", warmup_steps, 1, meaning="Adam steps on exact gradients first")
-        refuse_autotune(QAdam, bucket_cap_mb)
-        check_number("QAdam", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
-        super().__init__(
-            bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters, backend=backend, timeout=timeout
-        )
+        super().__init__(bucket_cap_mb, find_unused_parameters=find_unused_parameters, backend=backend, timeout=timeout)
         self.warmup_steps = warmup_steps
         self.error_feedback = ErrorFeedback()
-        #: Optimizer steps taken (decides the stage; the same on every rank).
-        self.steps = 0
 
     @property
     def warming_up(self) -> bool:
         """Whether the next optimizer step is a warm-up step (exact gradients, torch's Adam)."""
         return self.steps < self.warmup_steps
 
-    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
-        """Back-propagate; average gradients only during the warm-up (afterwards momentum is sent)."""
-        super().backward(loss, sync=sync and self.warming_up, retain_graph=retain_graph)
+    def stage(self) -> int:
+        """0 during the warm-up, then 1 (frozen variance, compressed momentum)."""
+        return 0 if self.warming_up else 1
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
+    def syncs_gradients(self) -> bool:
+        """Average gradients during the warm-up only (afterwards momentum is sent)."""
+        return self.warming_up
+
+    def stage_changed(self) -> None:
+        """The variance freezes now; nothing compressed so far is owed."""
+        self.error_feedback.reset()
+
+    def apply_update(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
         """Take torch's Adam step during the warm-up, then QAdam's compressed-momentum step."""
         _check_adam(optimizer)
         if self.warming_up:
             step()
+        elif getattr(step, "__self__", None) is optimizer:
+            # A hand-written loop passed `optimizer.step` itself: there is no loss scaler around it.
+            self._momentum_step(optimizer)
         else:
-            if self.steps == self.warmup_steps:
-                # Stage change: the variance freezes now; nothing compressed so far is owed.
-                self.error_feedback.reset()
-            if getattr(step, "__self__", None) is optimizer:
-                # A hand-written loop passed `optimizer.step` itself: there is no loss scaler around it.
-                self._momentum_step(optimizer)
-            else:
-                # Through `step`, so fp16's loss scaler skips the update on overflow and moves its scale.
-                with replace_step(optimizer, lambda: self._momentum_step(optimizer)):
-                    step()
-        self.steps += 1
-        self.comm_counter.close_step()
+            # Through `step`, so fp16's loss scaler skips the update on overflow and moves its scale.
+            with replace_step(optimizer, lambda: self._momentum_step(optimizer)):
+                step()
 
     @torch.no_grad()
     def _momentum_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -138,17 +134,12 @@ class QAdam(BucketedDDP):
             denominator = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
             param.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / (1 - beta1**t))
 
-    def communication_stats(self) -> dict[str, float]:
-        """Bytes per step and in total; the reducer's gradient counters only while it still reduces them."""
-        return super().communication_stats() if self.warming_up else self.comm_counter.as_dict()
+    def algorithm_state_dict(self) -> dict[str, Any]:
+        """Return this rank's error-feedback memory (momentum and variance are the optimizer's)."""
+        return {"error_feedback": self.error_feedback.state_dict()}
 
-    def state_dict(self) -> dict[str, Any]:
-        """Return the step count and this rank's error-feedback memory (momentum and variance are the optimizer's)."""
-        return {"step": self.steps, "error_feedback": self.error_feedback.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the step count and this rank's error-feedback memory."""
-        self.steps = state["step"]
+    def load_algorithm_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's error-feedback memory."""
         self.error_feedback.load_state_dict(state["error_feedback"])
 
     def __repr__(self) -> str:

@@ -39,11 +39,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from syncline.options import check_number
-from syncline.strategies.bucketed_ddp import BucketedDDP, refuse_autotune
-from syncline.strategies.comm_counter import CommCounter
-from syncline.strategies.comm_hooks import GradBucket, count_bytes
-from syncline.strategies.transfers import all_gather_in_pieces, all_to_all_in_pieces, future_of
+from syncline.strategies.comm.counter import CommCounter, count_bytes
+from syncline.strategies.comm.hooks import GradBucket
+from syncline.strategies.comm.transfers import all_gather_in_pieces, all_to_all_in_pieces, future_of
+from syncline.strategies.reducer_strategy import ReducerStrategy
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -96,7 +95,7 @@ def reduce_scatter_hook(state: ReduceScatterState, bucket: GradBucket) -> Future
     full = torch.cat([buffer, buffer.new_zeros(padding)]) if padding else buffer
     parts = list(full.split(chunk))
     received = buffer.new_empty(world_size, chunk)
-    count_bytes(state, *(part for peer, part in enumerate(parts) if peer != rank))
+    count_bytes(state.counter, *(part for peer, part in enumerate(parts) if peer != rank))
     # Collective (point to point, asynchronous): chunk j to rank j; every rank's version of this rank's chunk.
     works = all_to_all_in_pieces(parts, list(received), group=state.process_group, async_op=True)
     start, stop = shard_range(buffer.numel(), rank, world_size)
@@ -122,7 +121,7 @@ class Slice:
     grad: Tensor
 
 
-class ShardedParameterServer(BucketedDDP):
+class ShardedParameterServer(ReducerStrategy):
     """Reduce-scatter gradients, step each rank's slice of the parameters, all-gather them back.
 
     Args:
@@ -138,8 +137,8 @@ class ShardedParameterServer(BucketedDDP):
 
     name = "sharded_parameter_server"
     # Each rank serves fixed slices of fixed buckets: rebuilding the buckets would move optimizer state.
-    rebuild_buckets = False
-    autotune_refusal = "each rank serves fixed slices of fixed buckets: another layout would move its optimizer state"
+    fixed_layout = True
+    fixed_cap_because = "each rank serves fixed slices of fixed buckets: another layout would move its optimizer state"
 
     def __init__(
         self,
@@ -148,12 +147,10 @@ class ShardedParameterServer(BucketedDDP):
         backend: str | None = None,
         timeout: float = 300.0,
     ) -> None:
-        refuse_autotune(ShardedParameterServer, bucket_cap_mb)
-        check_number("ShardedParameterServer", "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning="MiB per bucket")
         super().__init__(
-            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb,
             # As data parallel: a small first bucket starts communication early (never above the cap).
-            first_bucket_mb=min(1.0, bucket_cap_mb),
+            first_bucket_mb=None,
             find_unused_parameters=find_unused_parameters,
             comm_hook=reduce_scatter_hook,
             comm_state=ReduceScatterState(),
@@ -166,9 +163,8 @@ class ShardedParameterServer(BucketedDDP):
         self._group_params: list[list[Tensor]] = []
 
     # --------------------------------------------------------------- lifecycle
-    def setup(self, task: Task) -> None:
-        """Set up the reducer as `BucketedDDP` does, then find this rank's slice of every bucket."""
-        super().setup(task)
+    def after_setup(self, task: Task) -> None:
+        """Find this rank's slice of every bucket."""
         self._sharded, self._group_params = None, []
         rank, world_size = self.global_rank, self.world_size
         slices: dict[int, list[Slice]] = {}
@@ -218,15 +214,8 @@ class ShardedParameterServer(BucketedDDP):
         self._sharded = optimizer
 
     # -------------------------------------------------------------- train step
-    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
-        """Back-propagate; at the end of a window, reduce-scatter the gradients and agree on their finiteness."""
-        super().backward(loss, sync=sync, retain_graph=retain_graph)
-        if self._backward_syncs(sync):
-            self._attach_and_agree()
-
-    def shadow_backward(self) -> None:
-        """Shadow a synchronized backward with zero gradients (a rank whose data ran out)."""
-        super().shadow_backward()
+    def after_backward(self) -> None:
+        """The gradients are reduce-scattered: attach each slice's, and agree on their finiteness."""
         self._attach_and_agree()
 
     def clip_gradients(self, parameters: list[Tensor], max_norm: float) -> Tensor:
@@ -245,12 +234,14 @@ class ShardedParameterServer(BucketedDDP):
             grad.mul_(scale)
         return total
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
-        """Step this rank's slices, then all-gather every bucket's updated slices into the parameters."""
+    def apply_update(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
+        """Step this rank's slices."""
         self.setup_optimizer(optimizer)
         step()
+
+    def after_optimizer_step(self) -> None:
+        """All-gather every bucket's updated slices into the parameters."""
         self._gather_parameters()
-        self.comm_counter.close_step()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Reset the whole parameters' gradients (the buckets the slices' gradients view)."""

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from syncline.strategies.comm_counter import CommCounter
-from syncline.strategies.comm_events import CommEvents
+from syncline.strategies.comm.counter import CommCounter
+from syncline.strategies.comm.events import CommEvents
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -51,7 +51,7 @@ class Strategy(ABC):
     replicas_differ: bool = False
 
     #: Where the strategy reports its communication while a `CommunicationTimeline` records a step
-    #: (`strategies/comm_events.py`); None, the default, records nothing.
+    #: (`strategies/comm/events.py`); None, the default, records nothing.
     comm_events: CommEvents | None = None
 
     # ---------------------------------------------------------------- identity

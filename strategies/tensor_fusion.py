@@ -52,8 +52,9 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from syncline.options import check_number
-from syncline.strategies.backward_sync import BackwardSyncControl
-from syncline.strategies.process_group import ProcessGroupStrategy, broadcast_coalesced
+from syncline.strategies.comm.backward_sync import BackwardSyncControl
+from syncline.strategies.comm.flat import flatten, unflatten
+from syncline.strategies.comm.process_group import ProcessGroupStrategy, broadcast_coalesced
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -331,17 +332,17 @@ class TensorFusion(BackwardSyncControl, ProcessGroupStrategy):
         """Average the gradients `indices` across ranks with one fused all-reduce."""
         params = [self._params[i] for i in indices]
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-        fused = torch.cat([g.reshape(-1) for g in grads])
+        fused = flatten(grads)
         # Divide before the all-reduce so low-precision sums cannot overflow.
         fused.div_(world)
         self.comm_counter.add_tensors(fused)
         # Collective (fusion group): one all-reduce of every gradient fused in this buffer.
         dist.all_reduce(fused, group=self._group)
-        for param, grad, average in zip(params, grads, fused.split([g.numel() for g in grads])):
+        for param, grad, average in zip(params, grads, unflatten(fused, grads)):
             if param.grad is None:
-                param.grad = average.view_as(param).clone()
+                param.grad = average.clone()
             else:
-                grad.copy_(average.view_as(grad))
+                grad.copy_(average)
 
     def _unused_error(self, readiness: Tensor, indices: list[int]) -> RuntimeError:
         where = []

@@ -14,7 +14,7 @@ import torch
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.logger import Logger
 from syncline.options import OptionError, check_int, check_number
-from syncline.strategies.join import Joinable
+from syncline.strategies.comm.join import Joinable
 from syncline.strategies.registry import resolve_strategy
 from syncline.strategies.strategy import Strategy
 from syncline.trainer.nonfinite import NONFINITE_LOSS

@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 import syncline.trainer.config  # noqa: F401  (registers the structured configs in Hydra's ConfigStore)
-from syncline.strategies.launcher import WorkerFailedError
+from syncline.strategies.comm.launcher import WorkerFailedError
 from syncline.trainer.checkpoint import CheckpointError
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 from syncline.trainer.rank_zero import rank_zero_only

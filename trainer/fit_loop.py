@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from syncline.callbacks.callback import Callback
-from syncline.strategies.join import Joinable
+from syncline.strategies.comm.join import Joinable
 from syncline.trainer import persistence
 from syncline.trainer.data import epoch_batches
 from syncline.trainer.nonfinite import NonfiniteLossGuard

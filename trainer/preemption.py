@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from syncline.strategies import worker_guard
+from syncline.strategies.comm import worker_guard
 
 if TYPE_CHECKING:
     from syncline.strategies.strategy import Strategy

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback, CallbackDispatcher
 from syncline.callbacks.logger import Logger
-from syncline.strategies.launcher import launch, launched_by_torchrun
+from syncline.strategies.comm.launcher import launch, launched_by_torchrun
 from syncline.strategies.strategy import Strategy
 from syncline.trainer import persistence
 from syncline.trainer.arguments import (

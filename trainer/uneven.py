@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DistributedSampler
 
-from syncline.strategies.join import Joinable
+from syncline.strategies.comm.join import Joinable
 
 if TYPE_CHECKING:
     from syncline.strategies.strategy import Strategy

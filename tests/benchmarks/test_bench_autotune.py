@@ -1,20 +1,21 @@
 """`benchmarks/bench_autotune.py` runs end to end at a tiny size, so that it cannot rot unnoticed.
 
-Its ranks run in the test helper's processes (cheaper than the script's own spawn). Timings are not
+Its ranks run in the runner the tests use, as the script's own do. Timings are not
 checked; what is checked is that every variant ran and "auto" reports its choice and its cost.
 """
 
 from __future__ import annotations
 
-from benchmarks.bench_autotune import parse_args, run_rank, summarize
-from tests.strategies._dist import run_distributed
+from benchmarks.bench_autotune import run_rank, summarize
+from benchmarks.cli import parse_args
+from syncline.strategies.comm.ranks import run_distributed
 
 TINY = ["--width", "16", "--depth", "3", "--caps", "0.001", "0.002", "1", "--repeats", "2", "--steps", "2"]
 
 
 def test_auto_and_every_fixed_cap_run_side_by_side():
-    args = parse_args(TINY)
-    gathered, _ = run_distributed(run_rank, world_size=2, args=(None, args), timeout=120)
+    args = parse_args(["autotune", *TINY])
+    gathered, _ = run_distributed(run_rank, world_size=2, args=(args,), timeout=120)
     result = summarize(gathered, args)
     assert list(result["variants"]) == ["0.001 MiB", "0.002 MiB", "1 MiB", "auto"]
     for variant in result["variants"].values():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.cluster import link_bound, namespaces_unavailable, parse_rate, run_lab
+from benchmarks.lab.cluster import link_bound, namespaces_unavailable, parse_rate, run_lab
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -48,5 +48,5 @@ def test_gpt2_study_smoke_plan_measures_every_field(tmp_path):
 def test_performance_page_quotes_the_committed_gpt2_study():
     page = (ROOT / "docs" / "performance.md").read_text()
     suite = json.loads(RESULTS.read_text())
-    assert fill_page(page, suite) == page, "run `python -m benchmarks.gpt2_study --write docs/performance.md`"
+    assert fill_page(page, suite) == page, "run `python -m benchmarks gpt2 --write docs/performance.md`"
     assert suite["mode"] == "full" and suite["sections"]["gpt2"]["sharded_state_check"]["passed"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.cluster import namespaces_unavailable
-from benchmarks.lab_faults import run
+from benchmarks.lab.cluster import namespaces_unavailable
+from benchmarks.lab.faults import run
 
 pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
 

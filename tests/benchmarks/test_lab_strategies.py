@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.lab_strategies import busy_cpu_seconds, lab_rows, model_overrides, select_strategies
+from benchmarks.lab.strategies import busy_cpu_seconds, lab_rows, model_overrides, select_strategies
 
 
 def _record(label: str, step_s: float, sent: list[float], busy: list[float] | None = None) -> dict:
@@ -56,7 +56,7 @@ def test_model_overrides_name_the_valid_keys():
 
 
 def test_step_phases_read_a_timeline_trace(tmp_path):
-    from benchmarks.lab_deferred_update import step_phases
+    from benchmarks.lab.deferred_update import step_phases
 
     def span(name: str, start_ms: float, ms: float, tid: int = 0) -> dict:
         return {"ph": "X", "pid": 0, "tid": tid, "name": name, "ts": start_ms * 1e3, "dur": ms * 1e3}

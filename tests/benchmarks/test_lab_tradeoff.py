@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import lab
-from benchmarks.lab_tradeoff import fill_page, grid_tables, speedups
+from benchmarks.lab.tradeoff import fill_page, grid_tables, speedups
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "lab_tradeoff.json"
@@ -42,7 +42,7 @@ def test_speedups_are_per_cell_and_zero_where_the_target_was_never_reached():
 def test_performance_page_quotes_the_committed_tradeoff_run():
     page = (ROOT / "docs" / "performance.md").read_text()
     data = json.loads(RESULTS.read_text())
-    assert fill_page(page, data) == page, "run `python -m benchmarks.lab_tradeoff --write docs/performance.md`"
+    assert fill_page(page, data) == page, "run `python -m benchmarks lab tradeoff --write docs/performance.md`"
     assert {r["rate"] for r in data["rows"]} == {"unshaped", "1gbit", "100mbit"}
     assert {r["nodes"] for r in data["rows"]} == {2, 4}
 

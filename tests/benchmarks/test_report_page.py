@@ -11,8 +11,9 @@ import json
 
 import pytest
 
+from benchmarks.cli import main
 from benchmarks.common import ROOT
-from benchmarks.report import BLOCKS, blocks, fill, main
+from benchmarks.report import BLOCKS, blocks, fill
 
 PAGE = ROOT / "docs" / "performance.md"
 RESULTS = ROOT / "benchmarks" / "results" / "suite.json"
@@ -29,7 +30,7 @@ def test_page_has_every_table_once():
 
 def test_page_tables_are_the_committed_run(results):
     page = PAGE.read_text()
-    assert fill(page, results) == page, "run `python benchmarks/report.py --write docs/performance.md`"
+    assert fill(page, results) == page, "run `python -m benchmarks report --write docs/performance.md`"
     assert results["mode"] == "full"
     # The page names the run it quotes.
     assert results["started_at"] in page
@@ -56,7 +57,7 @@ def test_check_fails_on_a_stale_page(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("<!-- report:machine -->\nold\n<!-- /report:machine -->\n")
     with pytest.raises(SystemExit, match="differ from"):
-        main([str(RESULTS), "--check", str(page)])
-    main([str(RESULTS), "--write", str(page)])
-    main([str(RESULTS), "--check", str(page)])
+        main(["report", str(RESULTS), "--check", str(page)])
+    main(["report", str(RESULTS), "--write", str(page)])
+    main(["report", str(RESULTS), "--check", str(page)])
     assert "| CPU |" in page.read_text()

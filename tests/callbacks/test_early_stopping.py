@@ -9,9 +9,9 @@ import torch
 
 from syncline.callbacks import EarlyStopping, ModelCheckpoint
 from syncline.callbacks.early_stopping import _Decision
+from syncline.strategies.comm.ranks import run_distributed
 from syncline.trainer import Trainer
 from tests.callbacks._tasks import FakeRank, Scripted, make_loader, make_trainer
-from tests.strategies._dist import run_distributed
 
 
 def _fit(tmp_path, stopper, values, max_epochs=10, validate=True, ckpt_path=None, callbacks=(), **kwargs):

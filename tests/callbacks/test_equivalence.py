@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from syncline.callbacks import EquivalenceCheck, EquivalenceError
+from syncline.strategies.comm.ranks import run_ranks
 from syncline.trainer import Trainer
-from tests.strategies._dist import run_ranks
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 

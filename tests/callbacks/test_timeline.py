@@ -8,8 +8,8 @@ import torch
 
 from syncline.callbacks import CommunicationTimeline
 from syncline.strategies import BucketedDDP, LocalSGD
+from syncline.strategies.comm.ranks import run_distributed
 from syncline.trainer import Trainer
-from tests.strategies._dist import run_distributed
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 BUCKETS = 4  # cap 0: each of the regressor's 4 parameters in a bucket of its own

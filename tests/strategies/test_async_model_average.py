@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 from _averaging import fit, flat_params
-from _dist import run_distributed
 
 from syncline.options import OptionError
 from syncline.strategies import AsyncModelAverage
+from syncline.strategies.comm.ranks import run_distributed
 from tests.trainer._tasks import Regressor
 
 THREAD = "syncline-async-average"

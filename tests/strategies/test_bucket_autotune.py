@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from _averaging import flat_params, straight_and_resumed
-from _dist import run_distributed
 
 from syncline.callbacks import Callback
 from syncline.options import OptionError
 from syncline.strategies import BucketedDDP, ByteGrad, LocalSGD, PowerSGD, QAdam
-from syncline.strategies.bucket_autotune import BucketAutotune, distinct_caps
+from syncline.strategies.comm.bucket_autotune import BucketAutotune, distinct_caps
+from syncline.strategies.comm.ranks import run_distributed
 from syncline.strategies.parameter_server import ParameterServer
 from syncline.strategies.sharded_parameter_server import ShardedParameterServer
 from syncline.trainer import Trainer

@@ -1,18 +1,18 @@
 """BucketedDDP on the cases real models hit, against torch's DDP and single-process training.
 
 Each test names the difference it closes (issue 9). Every run starts real processes (gloo on
-127.0.0.1, see `_dist.py`) and compares parameters or gradients with a stated tolerance.
+127.0.0.1, see `strategies/comm/ranks.py`) and compares parameters or gradients with a stated tolerance.
 """
 
 from __future__ import annotations
 
 import torch
-from _dist import run_distributed, run_ranks
 from torch import nn
 from torch.nn import functional as F
 
 from syncline.strategies import BucketedDDP, NativeDDP
-from syncline.strategies.process_group import init_process_group_from_env
+from syncline.strategies.comm.process_group import init_process_group_from_env
+from syncline.strategies.comm.ranks import run_distributed, run_ranks
 
 GLOBAL_BATCH = 8
 STEPS = 4

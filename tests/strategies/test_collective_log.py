@@ -7,8 +7,8 @@ import time
 import torch
 from torch import nn
 
-from syncline.strategies.collective_log import CollectiveLog, first_divergence
-from tests.strategies._dist import run_ranks
+from syncline.strategies.comm.collective_log import CollectiveLog, first_divergence
+from syncline.strategies.comm.ranks import run_ranks
 
 
 def _mismatched(rank, world_size, extra_on_rank):
@@ -40,7 +40,7 @@ def test_mismatched_collectives_are_diagnosed_on_every_rank():
         assert outcome.error is not None, f"rank {outcome.rank} did not fail"
         message = outcome.error.strip().splitlines()[-1]
         assert message.startswith(
-            f"syncline.strategies.reducer_errors.CollectiveError: Rank {outcome.rank}: {collective}"
+            f"syncline.strategies.comm.reducer_errors.CollectiveError: Rank {outcome.rank}: {collective}"
         )
         assert "Strategy 'bucketed_ddp'." in message
         number = message.split("diverge at collective #")[1].split(":")[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from syncline.strategies.comm_counter import CommCounter
+from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.single_device import SingleDevice
 
 

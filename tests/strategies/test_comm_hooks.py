@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import torch
-from _dist import run_distributed
 from torch import nn
 from torch.nn import functional as F
 
 from syncline.strategies.bucketed_ddp import BucketedDDP
-from syncline.strategies.comm_hooks import (
+from syncline.strategies.comm.hooks import (
     AllreduceState,
     GradBucket,
     allreduce_hook,
     fp16_compress_hook,
     fp16_compress_wrapper,
 )
-from syncline.strategies.process_group import init_process_group_from_env
+from syncline.strategies.comm.process_group import init_process_group_from_env
+from syncline.strategies.comm.ranks import run_distributed
 
 FP16_RTOL = 1e-3  # float16 keeps 11 significant bits: about 5e-4 relative error per rounding
 

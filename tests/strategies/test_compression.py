@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncline.strategies.compression import (
+from syncline.strategies.comm.compression import (
     LEVELS,
     ErrorFeedback,
     minmax_dequantize,

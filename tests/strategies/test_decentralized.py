@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from _averaging import PlainSGD, fit, flat_params, model_bytes, straight_and_resumed
-from _dist import run_distributed, run_ranks
 
 from syncline.options import OptionError
 from syncline.strategies import Decentralized
+from syncline.strategies.comm.ranks import run_distributed, run_ranks
 from syncline.strategies.decentralized import shift_one_partner
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from _averaging import PlainSGD, fit, flat_params, model_bytes, straight_and_resumed
-from _dist import run_distributed, run_ranks
 
 from syncline.options import OptionError
 from syncline.strategies import BucketedDDP, LocalSGD
+from syncline.strategies.comm.ranks import run_distributed, run_ranks
 
 
 def _period_one_and_bytes(rank, world_size):

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 from _averaging import fit, model_bytes
-from _dist import run_distributed
 
 from syncline.strategies import AsyncModelAverage, BucketedDDP, Decentralized, LocalSGD
+from syncline.strategies.comm.ranks import run_distributed
 from tests.trainer._tasks import Regressor, regression_data
 
 STEPS = 24

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from syncline.strategies import BucketedDDP, NativeDDP
-from syncline.strategies.process_group import init_process_group_from_env
+from syncline.strategies.comm.process_group import init_process_group_from_env
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 from tests.trainer.test_cli import SMALL, _cli

@@ -7,10 +7,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_distributed
 from torch import nn
 
-from syncline.strategies.reducer import Reducer, UnusedParametersError, assign_buckets
+from syncline.strategies.comm.buckets import assign_buckets
+from syncline.strategies.comm.ranks import run_distributed
+from syncline.strategies.comm.reducer import Reducer
+from syncline.strategies.comm.reducer_errors import UnusedParametersError
 
 TINY_MB = 1e-9
 
@@ -178,7 +180,7 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 
 
 def _rebuild(rank: int, world_size: int, steps: int) -> dict:
-    from syncline.strategies.process_group import init_process_group_from_env
+    from syncline.strategies.comm.process_group import init_process_group_from_env
 
     init_process_group_from_env()
     torch.manual_seed(0)

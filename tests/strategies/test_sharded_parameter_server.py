@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from syncline.strategies import BucketedDDP, ParameterServer, ShardedParameterServer
+from syncline.strategies.comm.ranks import run_distributed
 from syncline.trainer import Trainer
 from syncline.trainer.checkpoint import load_checkpoint
 from tests.strategies._averaging import fit, flat_params, straight_and_resumed
-from tests.strategies._dist import run_distributed
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 GLOBAL_BATCH = 8  # 64 samples: 8 steps an epoch, so step 8 is an epoch boundary

@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 from _averaging import fit, flat_params, straight_and_resumed
-from _dist import run_distributed
 from torch import nn
 
 from syncline.options import OptionError
 from syncline.strategies import BucketedDDP, TensorFusion
+from syncline.strategies.comm.ranks import run_distributed
 from syncline.strategies.tensor_fusion import fusion_plan
 from tests.trainer._tasks import Regressor
 

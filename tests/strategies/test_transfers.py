@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from _dist import run_distributed
 
-from syncline.strategies.transfers import PIECE_BYTES, all_gather_in_pieces, all_to_all_in_pieces, exchange
+from syncline.strategies.comm.ranks import run_distributed
+from syncline.strategies.comm.transfers import PIECE_BYTES, all_gather_in_pieces, all_to_all_in_pieces, exchange
 
 
 def _payload(src: int, dst: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ import pytest
 
 from syncline.options import OptionError
 from syncline.strategies import ParameterServer
-from syncline.strategies.worker_guard import ORPHAN_GRACE_S
+from syncline.strategies.comm.worker_guard import ORPHAN_GRACE_S
 from syncline.trainer import Trainer
 from syncline.trainer.checkpoint import load_checkpoint
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader
 
 from syncline.callbacks import Callback
 from syncline.strategies import STRATEGIES, BucketedDDP, NativeDDP
+from syncline.strategies.comm.ranks import run_distributed
 from syncline.trainer import Trainer
-from tests.strategies._dist import run_distributed
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torchmetrics import MeanSquaredError
 
+from syncline.strategies.comm.ranks import run_distributed
 from syncline.trainer import Trainer
 from syncline.trainer.data import UnpaddedShardSampler
-from tests.strategies._dist import run_distributed
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 #: A prime number of samples: it divides by neither 2 nor 3, so DistributedSampler would pad.

@@ -17,9 +17,9 @@ from syncline.strategies import (
     ShardedParameterServer,
     TensorFusion,
 )
+from syncline.strategies.comm.ranks import run_distributed
 from syncline.trainer import Trainer
 from syncline.trainer import precision as precision_module
-from tests.strategies._dist import run_distributed
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 #: The step (0-based) whose backward gets an inf in rank 1's gradient.

@@ -9,8 +9,8 @@ import warnings
 import torch
 
 from syncline.callbacks import Callback
+from syncline.strategies.comm.ranks import run_distributed
 from syncline.trainer import Trainer
-from tests.strategies._dist import run_distributed
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 # 48 samples in batches of 4: 6 batches per process and epoch on 2 processes, 4 on 3.

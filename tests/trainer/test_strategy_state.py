@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from syncline.strategies import BucketedDDP
+from syncline.strategies.comm.ranks import run_distributed, run_ranks
 from syncline.trainer import Trainer
 from syncline.trainer.checkpoint import CheckpointError
-from tests.strategies._dist import run_distributed, run_ranks
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 

@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from syncline.strategies import BucketedDDP, NativeDDP
+from syncline.strategies.comm.ranks import run_distributed, run_ranks
 from syncline.trainer import Trainer
-from tests.strategies._dist import run_distributed, run_ranks
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 

@@ -1,12 +1,22 @@
-"""What the reducer tells the user when something is wrong: the errors, and messages that say where the fix goes.
+"""What the reducer tells the user when something is wrong: the errors, messages that say where the fix goes,
+and waits that end in an error instead of a hang.
 
 Each message names the parameters involved and the change that fixes it, in code and, where the
-option has one, on the command line (`strategy=bucketed_ddp strategy.<option>=...`).
+option has one, on the command line (`strategy=bucketed_ddp strategy.<option>=...`). A wait that fails
+or times out says where the ranks' collective logs diverge (`collective_log.py`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from syncline.strategies.comm.collective_log import COLLECTIVES, diagnosis_wait
 
 __all__ = [
     "CollectiveError",
@@ -17,6 +27,8 @@ __all__ = [
     "thawed_message",
     "unsynced_message",
     "unused_message",
+    "wait_for_future",
+    "wait_for_work",
 ]
 
 
@@ -93,3 +105,46 @@ def dense_gradient_message(rank: int, name: str) -> str:
         f"Rank {rank}: parameter {name} belongs to a module with sparse=True but received a dense gradient "
         "(is it also used by another module, e.g. a tied output layer?). Use sparse=False for it."
     )
+
+
+def wait_for_future(future: Future[Tensor], timeout: float, what: str) -> Tensor:
+    """Return the value of a collective's `future`, waiting at most `timeout` seconds for it.
+
+    Raises:
+        CollectiveError: the collective `what` (e.g. "Rank 0: allreduce_hook of gradient bucket 2 of step 7
+            (4096 bytes)") failed or did not complete in time, with where the ranks diverged.
+    """
+    if not future.done():
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        # Host sync: block until the collective has completed.
+        if not done.wait(timeout):
+            raise CollectiveError(
+                f"{what} did not complete within {timeout:g} s; another rank is probably stuck or launched "
+                "different collectives." + _diagnose(None, timeout)
+            )
+    try:
+        # Not value(): on NCCL a future can be done once the collective is enqueued; wait() also
+        # makes the current CUDA stream wait for it, so the optimizer never reads a half-reduced
+        # bucket (as torch's reducer does). On CPU it returns at once.
+        return future.wait()
+    except RuntimeError as error:
+        raise CollectiveError(f"{what} failed: {error}." + _diagnose(error, timeout)) from error
+
+
+def wait_for_work(work: dist.Work, timeout: float, what: str) -> None:
+    """Wait at most `timeout` seconds for an asynchronous collective's `work`.
+
+    Raises:
+        CollectiveError: the collective `what` failed or timed out, with where the ranks diverged.
+    """
+    try:
+        # Host sync: wait for the collective.
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as error:
+        raise CollectiveError(f"{what} failed: {error}." + _diagnose(error, timeout)) from error
+
+
+def _diagnose(error: BaseException | None, timeout: float) -> str:
+    """Compare the ranks' collective logs for the message of `error` (None: a timeout)."""
+    return COLLECTIVES.diagnose(diagnosis_wait(error, timeout))

@@ -1,6 +1,6 @@
 """Every strategy against its link's bound, in the network lab (docs/performance.md, "Strategies on shaped links").
 
-For each node count and link rate the lab (`benchmarks/cluster.py`) builds a cluster and runs one torchrun
+For each node count and link rate the lab (`benchmarks/lab/cluster.py`) builds a cluster and runs one torchrun
 job across it; the job trains the default example's CharGPT, widened so that its gradients weigh several
 MB, with each strategy in turn (one process per node, one thread each). For every strategy it records,
 after a few untimed steps (for `bucket_cap_mb="auto"` also after its trial steps, so that what is timed
@@ -20,7 +20,7 @@ is the cap it chose):
 measured / bound near 1 means the strategy waits for nothing but its own bytes on the wire (or its own
 compute); well above 1 means it leaves the link idle while it waits, or waits on something else.
 
-    python -m benchmarks.lab_strategies --nodes 2 4 --rates none 1gbit 100mbit --steps 12
+    python -m benchmarks lab strategies --nodes 2 4 --rates none 1gbit 100mbit --steps 12
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import (
+from benchmarks.common import QUIET_TRAINER, RESULTS, write_json
+from benchmarks.lab.cluster import (
+    add_worker_argument,
     lab_rate,
     link_bound,
     parse_rate,
@@ -43,7 +44,6 @@ from benchmarks.cluster import (
     run_worker_job,
     skipped_without_namespaces,
 )
-from benchmarks.common import QUIET_TRAINER, write_json
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -132,7 +132,7 @@ def _worker(spec: dict[str, Any]) -> None:
     from syncline.callbacks import Callback
     from syncline.examples.char_gpt import CharGPT
     from syncline.strategies import STRATEGIES
-    from syncline.strategies.bucket_autotune import AUTO, DEFAULT_CAPS_MB
+    from syncline.strategies.comm.bucket_autotune import AUTO, DEFAULT_CAPS_MB
     from syncline.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -248,7 +248,7 @@ def run_strategies(
         "warmup": warmup,
         "model": model or DEFAULT_MODEL,
     }
-    records = run_worker_job("benchmarks.lab_strategies", spec, nodes, rate, timeout, slow_start_after_idle)
+    records = run_worker_job("strategies", spec, nodes, rate, timeout, slow_start_after_idle)
     return lab_rows(records, nodes, rate)
 
 
@@ -333,12 +333,9 @@ def model_overrides(settings: Sequence[str]) -> dict[str, int]:
     return overrides
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the lab for every node count and rate asked for; print the tables and write the JSON."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if run_worker_if_asked(argv, _worker):
-        return 0
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
+    add_worker_argument(parser)
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
     parser.add_argument(
         "--rates", type=lab_rate, nargs="+", default=[None, "1gbit", "100mbit"], help="tc rates, or none"
@@ -356,12 +353,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-slow-start-after-idle",
         action="store_true",
-        help="set the nodes' net.ipv4.tcp_slow_start_after_idle=0 (see benchmarks.cluster.run_lab)",
+        help="set the nodes' net.ipv4.tcp_slow_start_after_idle=0 (see benchmarks.lab.cluster.run_lab)",
     )
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_strategies.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "lab_strategies.json")
     parser.add_argument("--phases", action="store_true", help="only time the model's forward/backward/step here")
     parser.add_argument("--table", type=Path, nargs="+", help="only print one table of these runs' JSON files")
-    args = parser.parse_args(argv)
+
+
+def command(args: argparse.Namespace) -> int | None:
+    """Run the lab for every node count and rate asked for; print the tables and write the JSON."""
+    if run_worker_if_asked(args, _worker):
+        return 0
     model = {**DEFAULT_MODEL, **model_overrides(args.model)}
     if args.table:
         print(grid_table([row for path in args.table for row in json.loads(path.read_text())["rows"]]))
@@ -386,7 +388,3 @@ def main(argv: list[str] | None = None) -> int:
             rows += new
     write_json(args.out, {"steps": args.steps, "warmup": args.warmup, "model": model, "rows": rows})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

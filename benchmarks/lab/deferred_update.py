@@ -21,7 +21,7 @@ experiment, not an API).
 Every run ends by printing a checksum of the trained weights: the deferred runs must match `bucketed_ddp`'s
 bit for bit (per-parameter optimizers such as AdamW update a subset exactly as they update all).
 
-    python -m benchmarks.lab_deferred_update --rate 1gbit --batch-sizes 2 8
+    python -m benchmarks lab deferred-update --rate 1gbit --batch-sizes 2 8
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import run_worker_if_asked, run_worker_job, skipped_without_namespaces
-from benchmarks.common import QUIET_TRAINER, write_json
-from benchmarks.lab_strategies import DEFAULT_MODEL
+from benchmarks.common import QUIET_TRAINER, RESULTS, write_json
+from benchmarks.lab.cluster import add_worker_argument, run_worker_if_asked, run_worker_job, skipped_without_namespaces
+from benchmarks.lab.strategies import DEFAULT_MODEL
 
 __all__ = ["HOLDS", "run_deferred"]
 
@@ -252,7 +251,7 @@ def run_deferred(
         "warmup": warmup,
         "timeline": None if timeline is None else str(timeline.resolve()),
     }
-    runs = run_worker_job("benchmarks.lab_deferred_update", spec, nodes, rate, timeout)
+    runs = run_worker_job("deferred-update", spec, nodes, rate, timeout)
     reference = next(r["weights_sum"] for r in runs if r["hold"] is None)
     rows = []
     for hold in HOLDS:
@@ -271,20 +270,22 @@ def run_deferred(
     return cell
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the experiment for each batch size; print a table and write the JSON."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if run_worker_if_asked(argv, _worker):
-        return 0
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
+    add_worker_argument(parser)
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 8], help="CharGPT windows per rank")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_deferred_update.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "lab_deferred_update.json")
     parser.add_argument(
         "--timeline", type=Path, metavar="DIR", help="write a Chrome trace of plain bucketed_ddp per batch size here"
     )
-    args = parser.parse_args(argv)
+
+
+def command(args: argparse.Namespace) -> int | None:
+    """Run the experiment for each batch size; print a table and write the JSON."""
+    if run_worker_if_asked(args, _worker):
+        return 0
     if skipped_without_namespaces("lab_deferred_update"):
         return 0
     cells = []
@@ -304,7 +305,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {label} | {row['step_s']:.3f} | {row['step_s'] / plain:.2f} | {row['weights_equal']} |")
     write_json(args.out, {"cells": cells})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

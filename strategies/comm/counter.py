@@ -13,9 +13,11 @@ are not counted.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 from torch import Tensor
 
-__all__ = ["CommCounter"]
+__all__ = ["CommCounter", "CommStats", "count_bytes"]
 
 
 class CommCounter:
@@ -63,3 +65,33 @@ class CommCounter:
     def as_dict(self) -> dict[str, float]:
         """Return ``{"comm/bytes": ..., "comm/total_bytes": ...}`` as the loop logs them."""
         return {"comm/bytes": float(self.step_bytes), "comm/total_bytes": float(self.total_bytes)}
+
+
+def count_bytes(counter: CommCounter | None, *tensors: Tensor) -> None:
+    """Count `tensors` as handed to a collective in `counter` (a hook's state may hold None: count nothing)."""
+    if counter is not None:
+        counter.add_tensors(*tensors)
+
+
+@dataclass
+class CommStats:
+    """Communication of the last synchronized backward.
+
+    Attributes:
+        collectives: collectives launched (one per bucket, plus the used-parameter map).
+        bytes: bytes handed to collectives by the comm hook (what it sends, compressed or not) and by
+            the used-parameter all-reduce.
+        exposed_ms: time the end of backward spent waiting for communication.
+        buckets: number of buckets.
+        skipped_backwards: backwards without synchronization since the previous synchronized one.
+    """
+
+    collectives: int = 0
+    bytes: int = 0
+    exposed_ms: float = 0.0
+    buckets: int = 0
+    skipped_backwards: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        """Return the counters under `comm/<name>` keys, as the loop logs them."""
+        return {f"comm/{f.name}": float(getattr(self, f.name)) for f in fields(self)}

@@ -40,8 +40,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from syncline.strategies import worker_guard
-from syncline.strategies.loopback_rendezvous import LOOPBACK_BACKEND, register
+from syncline.strategies.comm import worker_guard
+from syncline.strategies.comm.loopback_rendezvous import LOOPBACK_BACKEND, register
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task

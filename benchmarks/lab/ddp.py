@@ -2,12 +2,12 @@
 
 The same job as `benchmarks/ddp_suite.py` (every variant trains its own copy of the workload on a fixed
 batch, blocks rotated per repeat, each step counted with its slower rank's phases), but as a two-node
-torchrun job in the network lab (`benchmarks/cluster.py`), so that the wire, not the two shared cores,
+torchrun job in the network lab (`benchmarks/lab/cluster.py`), so that the wire, not the two shared cores,
 is what communication waits for. At each rate it reports the step time per variant, the overlap gain
 (no-overlap / overlap at the same cap) and the bucket-size effect (slowest cap / fastest cap), next to
 the link's bound for the step's bytes.
 
-    python -m benchmarks.lab_ddp --rates 1gbit 100mbit --workload bert --repeats 5
+    python -m benchmarks lab ddp --rates 1gbit 100mbit --workload bert --repeats 5
 """
 
 from __future__ import annotations
@@ -15,14 +15,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import lab_rate, parse_rate, run_worker_if_asked, run_worker_job, skipped_without_namespaces
-from benchmarks.common import write_json
+from benchmarks.common import RESULTS, write_json
 from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, Variant, rank_timings, summarize_job
+from benchmarks.lab.cluster import (
+    add_worker_argument,
+    lab_rate,
+    parse_rate,
+    run_worker_if_asked,
+    run_worker_job,
+    skipped_without_namespaces,
+)
 
 __all__ = ["lab_variants", "run_lab_ddp"]
 
@@ -68,7 +74,7 @@ def run_lab_ddp(
         "size": "full",
         "timeout": timeout,
     }
-    per_rank = run_worker_job("benchmarks.lab_ddp", spec, nodes, rate, timeout)
+    per_rank = run_worker_job("ddp", spec, nodes, rate, timeout)
     result = summarize_job(workload, "full", plan, variants, per_rank)
     result["rate"] = rate or "unshaped"
     result["nodes"] = nodes
@@ -97,19 +103,21 @@ def _report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the sweep at each rate; print the tables and write the JSON."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if run_worker_if_asked(argv, _worker):
-        return 0
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
+    add_worker_argument(parser)
     parser.add_argument("--rates", type=lab_rate, nargs="+", default=["1gbit", "100mbit"], help="tc rates, or none")
     parser.add_argument("--workload", default="bert", choices=["bert", "cnn"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per repeat")
     parser.add_argument("--caps", type=float, nargs="+", default=list(CAPS_MB))
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_ddp.json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=RESULTS / "lab_ddp.json")
+
+
+def command(args: argparse.Namespace) -> int | None:
+    """Run the sweep at each rate; print the tables and write the JSON."""
+    if run_worker_if_asked(args, _worker):
+        return 0
     if skipped_without_namespaces("lab_ddp"):
         return 0
     plan = DDPPlan(caps_mb=tuple(args.caps), sync_every=(1,), repeats=args.repeats, steps=args.steps)
@@ -121,7 +129,3 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
     write_json(args.out, results)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ target quality sooner than exact all-reduce where the network is slow, and costs
 This runs the claim on the default example: `examples/char_gpt.py`'s CharGPT with its default
 hyperparameters and schedule (one epoch of 439 steps of 32 windows), the global batch split over the
 nodes (16 windows per rank on 2 nodes, 8 on 4), one process per node with one thread, in a lab cluster
-(`benchmarks/cluster.py`) whose links are unshaped or shaped to 1 Gbit/s or 100 Mbit/s.
+(`benchmarks/lab/cluster.py`) whose links are unshaped or shaped to 1 Gbit/s or 100 Mbit/s.
 
 Every strategy trains until the validation loss (the first `val_batches` x 32 windows of the validation
 text, the same windows at any node count, every `val_every` steps) first reaches `target`, or until the
@@ -14,8 +14,8 @@ which every synchronous strategy shares and which the asynchronous ones meet at 
 steps it took, seconds per step, the bytes per step the strategy handed to collectives (`comm/bytes`),
 and the speed-up over `bucketed_ddp` in the same cell.
 
-    python -m benchmarks.lab_tradeoff --nodes 2 4 --rates none 1gbit 100mbit   # about 50 minutes
-    python -m benchmarks.lab_tradeoff --plot docs/img/tradeoff.png --write docs/performance.md  # from the JSON
+    python -m benchmarks lab tradeoff --nodes 2 4 --rates none 1gbit 100mbit   # about 50 minutes
+    python -m benchmarks lab tradeoff --plot docs/img/tradeoff.png --write docs/performance.md  # from the JSON
 """
 
 from __future__ import annotations
@@ -29,8 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import lab_rate, run_worker_if_asked, run_worker_job, skipped_without_namespaces
-from benchmarks.common import QUIET_TRAINER, fill_marked_block
+from benchmarks.common import QUIET_TRAINER, RESULTS, fill_marked_block
+from benchmarks.lab.cluster import (
+    add_worker_argument,
+    lab_rate,
+    run_worker_if_asked,
+    run_worker_job,
+    skipped_without_namespaces,
+)
 
 __all__ = ["STRATEGIES", "TARGET_LOSS", "fill_page", "grid_tables", "run_cell", "speedups", "table"]
 
@@ -140,7 +146,7 @@ def run_cell(
         "val_every": val_every,
         "val_batches": val_batches,
     }
-    records = run_worker_job("benchmarks.lab_tradeoff", spec, nodes, rate, timeout)
+    records = run_worker_job("tradeoff", spec, nodes, rate, timeout)
     for record in records:
         record.update(nodes=nodes, rate=rate or "unshaped")
     return records
@@ -284,12 +290,9 @@ def plot(data: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run every cell asked for, print its table, and write the JSON (merged into an existing file)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if run_worker_if_asked(argv, _worker):
-        return 0
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
+    add_worker_argument(parser)
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
     parser.add_argument(
         "--rates", type=lab_rate, nargs="+", default=[None, "1gbit", "100mbit"], help="tc rates, or none"
@@ -300,10 +303,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--target", type=float, default=TARGET_LOSS)
     parser.add_argument("--max-steps", type=int, default=439)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lab_tradeoff.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "lab_tradeoff.json")
     parser.add_argument("--plot", type=Path, help="only draw the figure from --out's JSON into this PNG")
     parser.add_argument("--write", type=Path, metavar="PAGE", help="only fill PAGE's <!-- lab-tradeoff --> block")
-    args = parser.parse_args(argv)
+
+
+def command(args: argparse.Namespace) -> int | None:
+    """Run every cell asked for, print its table, and write the JSON (merged into an existing file)."""
+    if run_worker_if_asked(args, _worker):
+        return 0
     if args.plot or args.write:
         data = json.loads(args.out.read_text())
         if args.plot:
@@ -321,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     strategies = [s for s in STRATEGIES if not args.only or s[0] in args.only]
     data = json.loads(args.out.read_text()) if args.out.is_file() else {"target": args.target, "rows": []}
     if data["target"] != args.target:
-        parser.error(f"{args.out} holds runs to target {data['target']}, not {args.target}: pass another --out")
+        sys.exit(f"{args.out} holds runs to target {data['target']}, not {args.target}: pass another --out")
     for nodes in args.nodes:
         for rate in args.rates:
             started = time.monotonic()
@@ -336,7 +344,3 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"\nwrote {args.out}\n{table(medians(data['rows']))}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

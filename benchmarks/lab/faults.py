@@ -1,7 +1,7 @@
 """Faults on a two-node lab cluster: how long until the last process of the job is gone (issue 25).
 
 For each strategy, three faults while a small model trains under torchrun on two lab nodes (network
-namespaces joined by a bridge, `benchmarks.cluster`), with the strategy's collective timeout set to
+namespaces joined by a bridge, `benchmarks.lab.cluster`), with the strategy's collective timeout set to
 ``--timeout`` seconds:
 
 - ``caller_killed``: SIGKILL of node 1's torchrun agent, the process that started node 1's worker;
@@ -13,7 +13,7 @@ gone, each node's exit status, whether ``last.ckpt`` was written, and what still
 node afterwards (nothing should). Everything lives in a private namespace (``unshare -mn``) and is
 gone with it.
 
-    python -m benchmarks.lab_faults --strategies bucketed_ddp async_model_average parameter_server \
+    python -m benchmarks lab faults --strategies bucketed_ddp async_model_average parameter_server \
         tensor_fusion --out benchmarks/results/lab_faults.json
 """
 
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import build_nodes, namespaces_unavailable, skipped_without_namespaces, start_nodes
-from benchmarks.common import write_json
+from benchmarks.common import ROOT, write_json
+from benchmarks.lab.cluster import build_nodes, namespaces_unavailable, skipped_without_namespaces, start_nodes
 
 FAULTS = ("caller_killed", "partition", "stuck")
 STRATEGIES = ("bucketed_ddp", "async_model_average", "parameter_server", "tensor_fusion")
@@ -110,7 +110,7 @@ def _one(strategy: str, fault: str, spec: dict[str, Any]) -> dict[str, Any]:
     (work / "pids").mkdir()
     job = {"strategy": strategy, "fault": fault, "timeout": spec["timeout"], "dir": str(work)}
     (work / "job.json").write_text(json.dumps(job))
-    command = ["-m", "benchmarks.lab_faults", _TRAIN, str(work / "job.json")]
+    command = ["-m", "benchmarks", "lab", "faults", _TRAIN, str(work / "job.json")]
     agents, _ = start_nodes(2, 1, command, work, {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     record: dict[str, Any] = {"strategy": strategy, "fault": fault, "timeout_s": spec["timeout"]}
     try:
@@ -218,8 +218,8 @@ def run(strategies: Sequence[str], faults: Sequence[str], timeout: float, out: P
         "result": str(work / "result.json"),
     }
     lab = subprocess.Popen(
-        ["unshare", "-mn", sys.executable, "-m", "benchmarks.lab_faults", _INSIDE, json.dumps(spec)],
-        cwd=Path(__file__).resolve().parents[1],
+        ["unshare", "-mn", sys.executable, "-m", "benchmarks", "lab", "faults", _INSIDE, json.dumps(spec)],
+        cwd=ROOT,
         start_new_session=True,
     )
     lab.wait()
@@ -231,21 +231,24 @@ def run(strategies: Sequence[str], faults: Sequence[str], timeout: float, out: P
     return records
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.lab_faults [--strategies ...] [--faults ...] [--timeout S] [--out FILE]``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == [_INSIDE]:
-        _inside(json.loads(argv[1]))
-        return 0
-    if argv[:1] == [_TRAIN]:
-        train(json.loads(Path(argv[1]).read_text()))
-        return 0
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
     parser.add_argument("--timeout", type=float, default=30.0, help="the strategies' collective timeout (s)")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
+    parser.add_argument(_INSIDE, metavar="SPEC", help=argparse.SUPPRESS)
+    parser.add_argument(_TRAIN, metavar="JOB", help=argparse.SUPPRESS)
+
+
+def command(args: argparse.Namespace) -> int | None:
+    """``python -m benchmarks lab faults [--strategies ...] [--faults ...] [--timeout S] [--out FILE]``."""
+    if args.inside_lab is not None:
+        _inside(json.loads(args.inside_lab))
+        return 0
+    if args.train is not None:
+        train(json.loads(Path(args.train).read_text()))
+        return 0
     if skipped_without_namespaces("lab_faults"):
         return 0
     for record in run(args.strategies, args.faults, args.timeout, args.out):
@@ -256,7 +259,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"last.ckpt {record['last_ckpt']}; listening after: {record['listening_after']}"
         )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

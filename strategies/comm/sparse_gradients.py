@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from syncline.strategies.reducer_errors import CollectiveError, dense_gradient_message
+from syncline.strategies.comm.reducer_errors import CollectiveError, dense_gradient_message
 
 __all__ = ["average_sparse_gradients", "empty_sparse_like", "sparse_gradient_parameters"]
 

@@ -7,7 +7,7 @@ The reducer averages those gradients across ranks while the backward pass is sti
    smaller, so communication starts early), in reverse registration order as a guess of the order in
    which gradients become ready. After the first synchronized backward the buckets are rebuilt once
    in the order rank 0 actually observed. `set_bucket_cap` lays them out again with another cap
-   (bucket autotuning, `strategies/bucket_autotune.py`), between synchronized backwards.
+   (bucket autotuning, `strategies/comm/bucket_autotune.py`), between synchronized backwards.
 2. **Views.** With `gradient_as_bucket_view`, each `param.grad` *is* a view into its bucket, so
    autograd accumulates straight into the buffer and no copy is made per step.
 3. **Overlap.** A post-accumulate-grad hook records each parameter as it arrives (a C `list.append`
@@ -32,11 +32,8 @@ The reducer's public surface is `prepare_for_backward` (before `loss.backward()`
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
-from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,56 +42,27 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.utils.hooks import RemovableHandle
 
-from syncline.strategies.autograd_graph import grad_accumulators, parameters_reached
-from syncline.strategies.buckets import Bucket, Slot, assign_buckets
-from syncline.strategies.collective_log import COLLECTIVES, diagnosis_wait
-from syncline.strategies.comm_counter import CommCounter
-from syncline.strategies.comm_events import CommEvents
-from syncline.strategies.comm_hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
-from syncline.strategies.reducer_errors import (
-    CollectiveError,
+from syncline.strategies.comm.autograd_graph import grad_accumulators, parameters_reached
+from syncline.strategies.comm.buckets import Bucket, GradientBuckets, Slot, assign_buckets
+from syncline.strategies.comm.collective_log import COLLECTIVES
+from syncline.strategies.comm.counter import CommCounter, CommStats
+from syncline.strategies.comm.events import CommEvents
+from syncline.strategies.comm.flat import group_by_dtype
+from syncline.strategies.comm.hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
+from syncline.strategies.comm.reducer_errors import (
     UnusedParametersError,
     ready_twice_message,
-    sparse_gradient_message,
     thawed_message,
     unsynced_message,
     unused_message,
+    wait_for_future,
+    wait_for_work,
 )
-from syncline.strategies.sparse_gradients import average_sparse_gradients
+from syncline.strategies.comm.sparse_gradients import average_sparse_gradients
 
-__all__ = [
-    "CollectiveError",
-    "CommStats",
-    "Reducer",
-    "UnusedParametersError",
-    "assign_buckets",
-]
+__all__ = ["Reducer"]
 
 _MB = 1024 * 1024
-
-
-@dataclass
-class CommStats:
-    """Communication of the last synchronized backward.
-
-    Attributes:
-        collectives: collectives launched (one per bucket, plus the used-parameter map).
-        bytes: bytes handed to collectives by the comm hook (what it sends, compressed or not) and by
-            the used-parameter all-reduce.
-        exposed_ms: time the end of backward spent waiting for communication.
-        buckets: number of buckets.
-        skipped_backwards: backwards without synchronization since the previous synchronized one.
-    """
-
-    collectives: int = 0
-    bytes: int = 0
-    exposed_ms: float = 0.0
-    buckets: int = 0
-    skipped_backwards: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        """Return the counters under `comm/<name>` keys, as the loop logs them."""
-        return {f"comm/{f.name}": float(getattr(self, f.name)) for f in fields(self)}
 
 
 class Reducer:
@@ -173,18 +141,19 @@ class Reducer:
         self._overlap = overlap
         self._timeout = timeout
 
+        # The flat buffers and the gradients' views into them (None for sparse gradients).
+        self._grads = GradientBuckets(self._params, self._names, self._is_sparse, gradient_as_bucket_view, self._rank)
         self._buckets: list[Bucket] = []
-        self._slots: list[Slot | None] = []  # None for sparse gradients
-        # Whether .grad holds a value (a gradient, or the user's) since the last `zero_grad`; a zero
-        # bucket view attached for speed does not count.
-        self._has_grad = [p.grad is not None for p in self._params]
+        self._slots: list[Slot | None] = []
+        # Whether .grad holds a value since the last `zero_grad` (a zero view attached for speed does not count).
+        self._has_grad = self._grads.has_grad
         # The order buckets are laid out in (rank 0's observed order after the rebuild), and this rank's
         # own order, which places the triggers; `set_bucket_cap` lays the buckets out again in them.
         self._order = self._local_order = list(reversed(range(len(self._params))))
         self._build_buckets(self._order, attach_missing=True)
         self._rebuilt = not rebuild_buckets
         #: Where bucket launches, completions and the exposed wait are recorded while a timeline listens
-        #: (`strategies/comm_events.py`); None records nothing and costs one attribute test per bucket.
+        #: (`strategies/comm/events.py`); None records nothing and costs one attribute test per bucket.
         self.events: CommEvents | None = None
 
         # Per-backward state, reset by `prepare_for_backward`.
@@ -247,12 +216,8 @@ class Reducer:
 
     def gradient_group_bytes(self) -> list[int]:
         """Bytes of the dense gradients of each dtype and device (what one bucket could hold at most)."""
-        groups: dict[tuple[torch.dtype, torch.device], int] = {}
-        for param, sparse in zip(self._params, self._is_sparse):
-            if not sparse:
-                key = (param.dtype, param.device)
-                groups[key] = groups.get(key, 0) + param.numel() * param.element_size()
-        return list(groups.values())
+        dense = [param for param, sparse in zip(self._params, self._is_sparse) if not sparse]
+        return [sum(p.numel() * p.element_size() for p in group) for group in group_by_dtype(dense)]
 
     def set_bucket_cap(self, bucket_cap_mb: float) -> None:
         """Lay the buckets out again with another cap, in the current order (bucket autotuning).
@@ -355,10 +320,10 @@ class Reducer:
         if globally_used is not None:
             # With views, a parameter that got its gradient here already points into its bucket; only
             # the ones the graph did not reach may need the average attached, or None.
-            self._write_back(globally_used, self._unreached if self._as_view else every)
-            self._drop_unused_zero_grads(globally_used, self._unreached)
+            self._grads.write_back(globally_used, self._unreached if self._as_view else every)
+            self._grads.drop_unused(globally_used, self._unreached)
         elif not self._as_view:
-            self._write_back(None, every)
+            self._grads.write_back(None, every)
         end = time.perf_counter()
         self._step_stats.exposed_ms = (end - start) * 1e3
         if self.events is not None:
@@ -398,41 +363,10 @@ class Reducer:
     def zero_grad(self, params: Sequence[Tensor]) -> None:
         """Reset the gradients of `params` as `optimizer.zero_grad()` (set to None) would, but cheaply.
 
-        Bucket views are zeroed in place and stay attached, so the next backward accumulates into them
-        without a copy; a parameter that then receives no gradient on any rank ends the next
-        synchronized backward with `.grad` None, exactly as if it had been set to None here.
-        Parameters outside the buckets, and gradients that are not views, are set to None.
+        Bucket views stay attached and are zeroed; a parameter that then receives no gradient on any rank
+        ends the next synchronized backward with `.grad` None (`GradientBuckets.zero_grad`).
         """
-        if not self._as_view:
-            for param in params:
-                param.grad = None
-            return
-        wanted = {id(param) for param in params}
-        if wanted.issuperset(self._index_of):
-            # Every parameter of the reducer is reset (the usual case): one memset per bucket instead
-            # of one per parameter, and one pass that only detaches what is not a view.
-            for bucket in self._buckets:
-                bucket.grad.buffer.zero_()
-            self._has_grad = [False] * len(self._params)
-            for param, view in zip(self._params, self._views):
-                if param.grad is not view:
-                    param.grad = None  # a gradient the user put there, or a sparse one
-            if len(wanted) > len(self._params):
-                for param in params:
-                    if id(param) not in self._index_of:
-                        param.grad = None
-            return
-        for param in params:
-            index = self._index_of.get(id(param))
-            if index is None:
-                param.grad = None
-                continue
-            self._has_grad[index] = False
-            slot = self._slots[index]
-            if slot is None or param.grad is not slot.view:
-                param.grad = None  # a gradient the user put there: the next backward copies into the view
-            else:
-                slot.view.zero_()
+        self._grads.zero_grad(params)
 
     @property
     def has_unsynced_gradients(self) -> bool:
@@ -509,7 +443,7 @@ class Reducer:
             if view is None:
                 continue  # a sparse gradient: reduced on its own after the buckets
             if param.grad is not view:
-                self._fill_slot(index)
+                self._grads.fill(index)
             pending[bucket_of[index]] -= 1
         if locally_used is not None:
             for index in indices:
@@ -542,25 +476,8 @@ class Reducer:
         slot = self._slots[index]
         if slot is not None:
             if self._params[index].grad is not slot.view:
-                self._fill_slot(index)
+                self._grads.fill(index)
             self._pending[slot.bucket] -= 1
-
-    def _fill_slot(self, index: int) -> None:
-        """Put a gradient that is not (yet) a bucket view into its slot: copy it, or zeros for None."""
-        slot = self._slots[index]
-        assert slot is not None
-        param = self._params[index]
-        grad = param.grad
-        if grad is None:
-            # Unused so far: contribute zeros, and leave .grad alone unless some rank used it.
-            slot.view.zero_()
-            return
-        if grad.layout != torch.strided:
-            raise TypeError(sparse_gradient_message(self._rank, self._names[index], grad.layout))
-        slot.view.copy_(grad)
-        if self._as_view:
-            # The user replaced .grad (e.g. set it to None); point it back into the bucket.
-            param.grad = slot.view
 
     def _launch_ready_buckets(self) -> None:
         """Launch, in bucket order, every bucket from the next unlaunched one that is ready."""
@@ -599,40 +516,15 @@ class Reducer:
         future = bucket.future
         assert future is not None, "finalize_backward waits only on launched buckets"
         what = f"Rank {self._rank}: {self._hook_name} of gradient bucket {bucket.grad.index} of step {self.sync_steps}"
-        if not future.done():
-            done = threading.Event()
-            future.add_done_callback(lambda _: done.set())
-            # Host sync: block until the bucket's collective has completed.
-            if not done.wait(self._timeout):
-                raise CollectiveError(
-                    f"{what} ({bucket.nbytes} bytes) did not complete within {self._timeout:g} s; "
-                    "another rank is probably stuck or launched different collectives." + self._diagnose(None)
-                )
-        try:
-            # Not value(): on NCCL a future can be done once the collective is enqueued; wait() also
-            # makes the current CUDA stream wait for it, so the optimizer never reads a half-reduced
-            # bucket (as torch's reducer does). On CPU it returns at once.
-            return future.wait()
-        except RuntimeError as error:
-            raise CollectiveError(f"{what} ({bucket.nbytes} bytes) failed: {error}." + self._diagnose(error)) from error
+        return wait_for_future(future, self._timeout, f"{what} ({bucket.nbytes} bytes)")
 
     def _wait_used_map(self) -> list[bool]:
         """Return, per parameter, whether any rank used it since the last synchronized backward."""
         assert self._used_work is not None and self._used_map is not None
-        try:
-            # Host sync: wait for the used-map all-reduce.
-            self._used_work.wait(timedelta(seconds=self._timeout))
-        except RuntimeError as error:
-            raise CollectiveError(
-                f"Rank {self._rank}: all-reduce of the used-parameter map of step {self.sync_steps} failed: {error}."
-                + self._diagnose(error)
-            ) from error
+        what = f"Rank {self._rank}: all-reduce of the used-parameter map of step {self.sync_steps}"
+        wait_for_work(self._used_work, self._timeout, what)
         # Host sync: read the counts back to the CPU.
         return [count > 0 for count in self._used_map.tolist()]
-
-    def _diagnose(self, error: BaseException | None) -> str:
-        """Compare the ranks' collective logs for the message of `error` (None: a timeout)."""
-        return COLLECTIVES.diagnose(diagnosis_wait(error, self._timeout))
 
     def _unused_message(self) -> str:
         not_ready = [i for i, ready in enumerate(self._ready) if not ready]
@@ -646,12 +538,6 @@ class Reducer:
         if thawed:
             raise RuntimeError(thawed_message(self._rank, thawed))
 
-    def _drop_unused_zero_grads(self, globally_used: list[bool], candidates: Iterable[int]) -> None:
-        """Set `.grad` to None for parameters no rank used and that held no gradient, as torch leaves them."""
-        for index in candidates:
-            if not globally_used[index] and not self._has_grad[index]:
-                self._params[index].grad = None
-
     def _reduce_sparse(self, globally_used: list[bool] | None) -> None:
         """Average the sparse gradients; a parameter no rank used keeps its `.grad`, as dense ones do."""
         params = [self._params[index] for index in self._sparse]
@@ -663,64 +549,17 @@ class Reducer:
                 param.grad = grad
                 self._has_grad[index] = True
 
-    def _write_back(self, globally_used: list[bool] | None, candidates: Iterable[int]) -> None:
-        """Make each used parameter of `candidates` hold its bucket's average; leave unused ones untouched."""
-        for index in candidates:
-            param = self._params[index]
-            slot = self._slots[index]
-            if slot is None or (globally_used is not None and not globally_used[index]):
-                continue
-            view = slot.view
-            grad = param.grad
-            self._has_grad[index] = True
-            if self._as_view:
-                if grad is None:
-                    param.grad = view
-            elif grad is None:
-                param.grad = view.clone()
-            else:
-                grad.copy_(view)
-
     # -------------------------------------------------------- bucket layout
     def _build_buckets(self, order: list[int], *, attach_missing: bool) -> None:
-        """Allocate one flat buffer per bucket in `order` and move the gradients into it.
-
-        Args:
-            order: parameter indices in the order their gradients are expected to become ready.
-            attach_missing: in view mode, give parameters without a gradient a zero view; at
-                construction that saves a copy on the first step, while at a rebuild a missing
-                gradient must stay missing.
-        """
-        layout = self._assign(order)
-        slots: list[Slot | None] = [None] * len(self._params)
-        buckets = []
-        for bucket_index, indices in enumerate(layout):
-            first = self._params[indices[0]]
-            offsets = []
-            total = 0
-            for index in indices:
-                offsets.append(total)
-                total += self._params[index].numel()
-            buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
-            for index, offset in zip(indices, offsets):
-                param = self._params[index]
-                view = buffer[offset : offset + param.numel()].view(param.shape)
-                slots[index] = Slot(bucket=bucket_index, view=view)
-                with torch.no_grad():
-                    if param.grad is not None:
-                        view.copy_(param.grad)
-                if self._as_view and (param.grad is not None or attach_missing):
-                    param.grad = view
-            params = [self._params[i] for i in indices]
-            buckets.append(Bucket(GradBucket(bucket_index, buffer, params, offsets), list(indices)))
-        assert all((slot is None) == sparse for slot, sparse in zip(slots, self._is_sparse)), (
-            "every dense parameter belongs to exactly one bucket"
+        """Allocate one flat buffer per bucket in `order` and move the gradients into it (`GradientBuckets.build`)."""
+        grads = self._grads
+        grads.build(self._assign(order), attach_missing=attach_missing)
+        self._buckets, self._slots, self._views, self._bucket_of = (
+            grads.buckets,
+            grads.slots,
+            grads.views,
+            grads.bucket_of,
         )
-        self._buckets = buckets
-        self._slots = slots
-        # The same as flat lists (None for sparse gradients), for the per-step loops.
-        self._views = [None if slot is None else slot.view for slot in slots]
-        self._bucket_of = [-1 if slot is None else slot.bucket for slot in slots]
 
     def _assign(self, order: list[int]) -> list[list[int]]:
         """Lay out the buckets of the dense parameters in `order`."""

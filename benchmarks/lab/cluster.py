@@ -7,7 +7,7 @@ full-duplex link of `rate`, and a step's communication has a lower bound: the bu
 rate. One torchrun node runs in each namespace (``--nnodes N --node-rank i``, rendezvous at node 0's
 address, gloo on the node's own interface), as a real multi-node job would.
 
-    python -m benchmarks.cluster --nodes 4 --rate 100mbit -- -m syncline trainer.max_steps=50
+    python -m benchmarks lab cluster --nodes 4 --rate 100mbit -- -m syncline trainer.max_steps=50
 
 What follows ``--`` is what torchrun runs: a script and its arguments, or ``-m module ...``. Everything the
 lab creates lives in a private mount and network namespace (``unshare -mn``, with a private tmpfs on /run
@@ -35,6 +35,7 @@ from typing import Any
 __all__ = [
     "LabResult",
     "NodeResult",
+    "add_worker_argument",
     "build_nodes",
     "lab_rate",
     "link_bound",
@@ -48,13 +49,16 @@ __all__ = [
     "torchrun_command",
 ]
 
+#: The repository root, where `python -m benchmarks ...` finds the package.
+_ROOT = Path(__file__).resolve().parents[2]
+
 SUBNET = "10.77.0"
 MASTER_PORT = 29500
 #: tbf's bucket and queue: a 256 kB burst and up to 500 ms of queue, as in the issue that specified the lab.
 BURST = "256kb"
 LATENCY = "500ms"
 _INSIDE = "--inside-lab"
-#: How `run_worker_job` starts a lab script on every node: ``python -m <module> --worker SPEC``.
+#: How `run_worker_job` starts a lab script on every node: ``python -m benchmarks lab <script> --worker SPEC``.
 _WORKER = "--worker"
 
 
@@ -186,8 +190,8 @@ def run_lab(
     # The lab runs in a child that owns the private namespaces: when it exits, for whatever reason, the
     # kernel frees every namespace, veth and bridge it made, and its tmpfs on /run with them.
     lab = subprocess.Popen(
-        ["unshare", "-mn", sys.executable, "-m", "benchmarks.cluster", _INSIDE, json.dumps(spec)],
-        cwd=Path(__file__).resolve().parents[1],
+        ["unshare", "-mn", sys.executable, "-m", "benchmarks", "lab", "cluster", _INSIDE, json.dumps(spec)],
+        cwd=_ROOT,
         start_new_session=True,
     )
     try:
@@ -204,14 +208,14 @@ def run_lab(
 
 
 def run_worker_job(
-    module: str,
+    script: str,
     spec: dict[str, Any],
     nodes: int,
     rate: str | None,
     timeout: float,
     slow_start_after_idle: bool = True,
 ) -> Any:
-    """Run ``python -m module --worker SPEC`` on every node of a lab cluster; return what rank 0 wrote.
+    """Run ``python -m benchmarks lab <script> --worker SPEC`` on every node of a lab cluster; return rank 0's result.
 
     `spec` is handed to the workers as a JSON file; it gains ``out``, the file rank 0 writes its JSON
     result to. One thread per process (``OMP_NUM_THREADS=1``), as in the rest of the suite.
@@ -223,7 +227,7 @@ def run_worker_job(
     spec = {**spec, "out": str(work / "result.json")}
     (work / "spec.json").write_text(json.dumps(spec))
     lab = run_lab(
-        ["-m", module, _WORKER, str(work / "spec.json")],
+        ["-m", "benchmarks", "lab", script, _WORKER, str(work / "spec.json")],
         nodes=nodes,
         rate=rate,
         timeout=timeout,
@@ -233,15 +237,20 @@ def run_worker_job(
     )
     if not lab.ok:
         logs = "\n".join(Path(n.log).read_text()[-3000:] for n in lab.node_results if n.returncode)
-        raise RuntimeError(f"{module} on {nodes} nodes at {rate or 'unshaped'} failed (logs in {work}):\n{logs}")
+        raise RuntimeError(f"lab {script} on {nodes} nodes at {rate or 'unshaped'} failed (logs in {work}):\n{logs}")
     return json.loads(Path(spec["out"]).read_text())
 
 
-def run_worker_if_asked(argv: Sequence[str], worker: Callable[[dict[str, Any]], None]) -> bool:
-    """If `argv` is `run_worker_job`'s ``--worker SPEC``, run `worker` on the spec and return True."""
-    if list(argv[:1]) != [_WORKER]:
+def add_worker_argument(parser: argparse.ArgumentParser) -> None:
+    """Give a lab script's command the hidden ``--worker SPEC`` that `run_worker_job` starts it with."""
+    parser.add_argument(_WORKER, metavar="SPEC", help=argparse.SUPPRESS)
+
+
+def run_worker_if_asked(args: argparse.Namespace, worker: Callable[[dict[str, Any]], None]) -> bool:
+    """If the command was started by `run_worker_job` (``--worker SPEC``), run `worker` on the spec; say so."""
+    if args.worker is None:
         return False
-    worker(json.loads(Path(argv[1]).read_text()))
+    worker(json.loads(Path(args.worker).read_text()))
     return True
 
 
@@ -388,37 +397,39 @@ def _temporary_dir() -> str:
 
 
 # ------------------------------------------------------------------ command line
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.cluster --nodes N --rate R -- <what torchrun runs>``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == [_INSIDE]:
-        _inside(json.loads(argv[1]))
-        return 0
-    if "--" not in argv:
-        print(
-            "usage: python -m benchmarks.cluster [options] -- <script and arguments | -m module ...>", file=sys.stderr
-        )
-        return 2
-    split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cluster", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
     parser.add_argument("--nodes", type=int, default=2, help="network namespaces, one torchrun node each")
     parser.add_argument("--rate", default=None, help="each node's link rate, e.g. 100mbit or 1gbit (default: unshaped)")
     parser.add_argument("--nproc-per-node", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--log-dir", default=None)
-    args = parser.parse_args(argv[:split])
+    parser.add_argument(_INSIDE, metavar="SPEC", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "torchrun_args", nargs=argparse.REMAINDER, help="after --: a script and its arguments, or -m module ..."
+    )
+
+
+def command(args: argparse.Namespace) -> int | None:
+    """``python -m benchmarks lab cluster --nodes N --rate R -- <what torchrun runs>``."""
+    if args.inside_lab is not None:
+        _inside(json.loads(args.inside_lab))
+        return 0
+    torchrun_args = args.torchrun_args[1:] if args.torchrun_args[:1] == ["--"] else args.torchrun_args
+    if not torchrun_args:
+        print(
+            "usage: python -m benchmarks lab cluster [options] -- <script and arguments | -m module ...>",
+            file=sys.stderr,
+        )
+        return 2
     reason = namespaces_unavailable()
     if reason is not None:
         print(f"network lab unavailable: {reason}", file=sys.stderr)
         return 3
-    result = run_lab(argv[split + 1 :], args.nodes, args.rate, args.nproc_per_node, args.timeout, args.log_dir)
+    result = run_lab(torchrun_args, args.nodes, args.rate, args.nproc_per_node, args.timeout, args.log_dir)
     link = f"{args.rate} links" if args.rate else "unshaped links"
     print(f"{args.nodes} nodes, {link}: {result.wall_seconds:.1f} s")
     for node in result.node_results:
         print(f"  node {node.node}: exit {node.returncode}, sent {node.bytes_sent:,} B, received "
               f"{node.bytes_received:,} B  (log: {node.log})")  # fmt: skip
     return 0 if result.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

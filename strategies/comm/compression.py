@@ -1,8 +1,9 @@
-"""Reusable pieces of compressed communication: BAGUA's MinMax uint8 quantizer and error feedback.
+"""Reusable pieces of compressed communication: BAGUA's MinMax uint8 quantizer, its average, and error feedback.
 
 Every compressing strategy or comm hook (ByteGrad's scatter-reduce, low-precision decentralized SGD,
-QAdam's momentum) quantizes with the same `minmax_quantize` / `minmax_dequantize` and remembers what it
-dropped with the same `ErrorFeedback`, so each strategy file only says *what* it compresses and *when*.
+QAdam's momentum) quantizes with the same `minmax_quantize` / `minmax_dequantize`, averages with the same
+`compressed_average` and remembers what it dropped with the same `ErrorFeedback`, so each strategy file
+only says *what* it compresses and *when*.
 
 MinMax quantization (BAGUA, Gan et al. 2022, section 4): a chunk of values is sent as its minimum, its step
 ``(max - min) / 255`` and one byte per value, ``round((x - min) / step)``; decoding gives back every value
@@ -14,14 +15,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LEVELS", "ErrorFeedback", "Quantized", "minmax_dequantize", "minmax_quantize", "pack", "unpack"]
+from syncline.strategies.comm.counter import CommCounter, count_bytes
+from syncline.strategies.comm.transfers import all_gather_in_pieces, all_to_all_in_pieces
+
+__all__ = [
+    "HEADER_BYTES",
+    "LEVELS",
+    "ErrorFeedback",
+    "Quantized",
+    "compressed_average",
+    "minmax_dequantize",
+    "minmax_quantize",
+    "pack",
+    "pack_flat",
+    "unpack",
+    "unpack_flat",
+]
 
 #: The largest code of a uint8 value; a chunk spans LEVELS steps from its minimum to its maximum.
 LEVELS = 255
 #: Bytes of a packed chunk's header: its minimum and its step, two float32.
-_HEADER = 8
+HEADER_BYTES = 8
 
 
 @dataclass
@@ -43,7 +61,7 @@ class Quantized:
     @property
     def nbytes(self) -> int:
         """Bytes this takes on the wire: the codes and each chunk's header."""
-        return self.codes.numel() + _HEADER * len(self.sizes)
+        return self.codes.numel() + HEADER_BYTES * len(self.sizes)
 
 
 def minmax_quantize(values: Tensor, chunks: int = 1) -> Quantized:
@@ -93,9 +111,58 @@ def pack(quantized: Quantized) -> list[Tensor]:
 
 def unpack(payloads: list[Tensor]) -> Quantized:
     """Rebuild a `Quantized` from chunks packed by `pack` (possibly from several ranks)."""
-    headers = torch.stack([payload[:_HEADER] for payload in payloads]).contiguous().view(torch.float32)
-    codes = torch.cat([payload[_HEADER:] for payload in payloads])
-    return Quantized(codes, headers[:, 0].clone(), headers[:, 1].clone(), [p.numel() - _HEADER for p in payloads])
+    headers = torch.stack([payload[:HEADER_BYTES] for payload in payloads]).contiguous().view(torch.float32)
+    codes = torch.cat([payload[HEADER_BYTES:] for payload in payloads])
+    sizes = [p.numel() - HEADER_BYTES for p in payloads]
+    return Quantized(codes, headers[:, 0].clone(), headers[:, 1].clone(), sizes)
+
+
+def pack_flat(quantized: Quantized) -> Tensor:
+    """Return every chunk `pack`ed, one after the other, as one uint8 tensor (what one transfer sends)."""
+    return torch.cat(pack(quantized))
+
+
+def unpack_flat(payload: Tensor, sizes: list[int]) -> Quantized:
+    """Rebuild a `Quantized` of chunks of `sizes` values from `pack_flat`'s tensor."""
+    return unpack(list(payload.split([HEADER_BYTES + size for size in sizes])))
+
+
+def compressed_average(
+    values: Tensor, group: dist.ProcessGroup | None, counter: CommCounter | None
+) -> tuple[Tensor, Tensor]:
+    """Average flat `values` across `group` with BAGUA's 8-bit scatter-reduce and all-gather (ByteGrad's).
+
+    1. split `values` into one chunk per rank and quantize each, 2. send chunk `j` to rank `j` (all-to-all;
+    the own chunk stays home), 3. decode the versions of the own chunk and average them, 4. re-quantize the
+    averaged own chunk and all-gather every rank's, 5. decode: every rank holds the same average.
+
+    Args:
+        values: this rank's flat tensor; the same size on every rank.
+        group: the process group.
+        counter: where the bytes handed to collectives are counted; None counts nothing.
+
+    Returns:
+        The average, in `values`' dtype, identical on every rank; and what this rank's quantization
+        made of `values` (its contribution as the others decoded it), for error feedback.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    quantized = minmax_quantize(values, world)
+    payloads = pack(quantized)
+    sizes = [payload.numel() for payload in payloads]
+    # Scatter: chunk j goes to rank j; the own chunk is not handed to the collective.
+    versions = [payload if j == rank else payload.new_empty(sizes[rank]) for j, payload in enumerate(payloads)]
+    count_bytes(counter, *(payload for j, payload in enumerate(payloads) if j != rank))
+    # Collective: all-to-all of the uint8 chunks, in pieces (blocking: the reduction below needs them).
+    all_to_all_in_pieces(payloads, versions, group=group)
+    own_chunk = minmax_dequantize(unpack(versions)).view(world, sizes[rank] - HEADER_BYTES).mean(dim=0)
+
+    # Gather: all-gather needs equal sizes; pad to the largest chunk (tensor_split puts it first).
+    requantized = F.pad(pack(minmax_quantize(own_chunk))[0], (0, sizes[0] - sizes[rank]))
+    count_bytes(counter, requantized)
+    # Collective: all-gather of every rank's averaged, re-quantized chunk, in pieces.
+    gathered = all_gather_in_pieces(requantized, world, group=group)[0].split(requantized.numel())
+    average = minmax_dequantize(unpack([chunk[:size] for chunk, size in zip(gathered, sizes)]), values.dtype)
+    return average, minmax_dequantize(quantized, values.dtype)
 
 
 class ErrorFeedback:

@@ -23,9 +23,10 @@ from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 
 from syncline.options import check_number
-from syncline.strategies import worker_guard
-from syncline.strategies.collective_log import COLLECTIVES, diagnosis_wait
-from syncline.strategies.reducer_errors import CollectiveError
+from syncline.strategies.comm import worker_guard
+from syncline.strategies.comm.collective_log import COLLECTIVES, diagnosis_wait
+from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
+from syncline.strategies.comm.reducer_errors import CollectiveError
 from syncline.strategies.strategy import ReduceOp, Strategy
 
 if TYPE_CHECKING:
@@ -382,16 +383,10 @@ class ProcessGroupStrategy(Strategy):
 
 def broadcast_coalesced(tensors: list[Tensor], src: int = 0) -> None:
     """Overwrite `tensors` with rank `src`'s values, one broadcast per dtype and device."""
-    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    with torch.no_grad():
-        for group in groups.values():
-            flat = torch.cat([t.reshape(-1) for t in group])
-            # Collective: one broadcast for all tensors of this dtype and device.
-            dist.broadcast(flat, src=src)
-            for tensor, value in zip(group, flat.split([t.numel() for t in group])):
-                tensor.copy_(value.view_as(tensor))
+    for group, flat in flatten_by_dtype(tensors):
+        # Collective: one broadcast for all tensors of this dtype and device.
+        dist.broadcast(flat, src=src)
+        unflatten_into(group, flat)
 
 
 _Signature = tuple[str, tuple[int, ...], str, bool]

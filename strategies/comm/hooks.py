@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from syncline.strategies.comm_counter import CommCounter
+from syncline.strategies.comm.counter import CommCounter, count_bytes
 
 __all__ = [
     "COMM_HOOKS",
@@ -30,7 +30,6 @@ __all__ = [
     "GradBucket",
     "allreduce_hook",
     "bf16_compress_hook",
-    "count_bytes",
     "fp16_compress_hook",
     "fp16_compress_wrapper",
     "low_precision_allreduce",
@@ -48,12 +47,19 @@ class GradBucket:
             same shape and dtype; the reducer copies a new tensor back into the buffer.
         parameters: the parameters whose gradients live in `buffer`, in buffer order.
         offsets: start of each parameter's gradient inside `buffer` (in elements).
+        names: the qualified name of each parameter, to key per-parameter state (error feedback, factors).
     """
 
     index: int
     buffer: Tensor
     parameters: list[torch.nn.Parameter] = field(repr=False)
     offsets: list[int]
+    names: list[str] = field(default_factory=list)
+
+    def spans(self) -> list[tuple[str, int, int]]:
+        """(name, start, end) of each parameter's gradient in `buffer`."""
+        sizes = [param.numel() for param in self.parameters]
+        return [(name, offset, offset + size) for name, offset, size in zip(self.names, self.offsets, sizes)]
 
 
 @dataclass
@@ -89,7 +95,7 @@ def allreduce_hook(state: AllreduceState, bucket: GradBucket) -> Future[Tensor]:
     buffer = bucket.buffer
     # Divide before the all-reduce so low-precision sums cannot overflow.
     buffer.div_(state.world_size)
-    count_bytes(state, buffer)
+    count_bytes(state.counter, buffer)
     # Collective: asynchronous all-reduce of the whole bucket; the reducer waits on the future.
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
     return work.get_future().then(_first_tensor)
@@ -128,7 +134,7 @@ def low_precision_allreduce(state: AllreduceState, bucket: GradBucket, dtype: to
     original = bucket.buffer
     # Divide before the cast so local gradients above the dtype's range do not become inf.
     compressed = original.div_(state.world_size).to(dtype)
-    count_bytes(state, compressed)
+    count_bytes(state.counter, compressed)
     # Collective: asynchronous all-reduce of the low-precision copy; the reducer waits on the future.
     work = dist.all_reduce(compressed, group=state.process_group, async_op=True)
     return work.get_future().then(_first_tensor).then(_cast_back_into(original))
@@ -143,13 +149,6 @@ def fp16_compress_hook(state: AllreduceState, bucket: GradBucket) -> Future[Tens
 def bf16_compress_hook(state: AllreduceState, bucket: GradBucket) -> Future[Tensor]:
     """Average the bucket communicating bfloat16: half the bytes of float32, float32's range, 3 fewer bits."""
     return low_precision_allreduce(state, bucket, torch.bfloat16)
-
-
-def count_bytes(state: Any, *tensors: Tensor) -> None:
-    """Count `tensors` as handed to a collective, in `state.counter` when the state has one."""
-    counter = getattr(state, "counter", None)
-    if counter is not None:
-        counter.add_tensors(*tensors)
 
 
 #: The built-in hooks by the names a config may use.

@@ -1,11 +1,11 @@
 """`python -m benchmarks --sections lab`: the network lab's experiments in one run (docs/performance.md, §9).
 
-Three jobs on lab clusters (`benchmarks/cluster.py`), each also a command of its own:
+Three jobs on lab clusters (`benchmarks/lab/cluster.py`), each also a command of its own:
 
-- `strategies` (`benchmarks/lab_strategies.py`): every strategy's seconds per step and bytes per node
+- `strategies` (`benchmarks/lab/strategies.py`): every strategy's seconds per step and bytes per node
   against its link's bound, per node count and rate;
-- `ddp` (`benchmarks/lab_ddp.py`): the DDP paper's overlap on/off and bucket-size sweep on BERT, per rate;
-- `tradeoff` (`benchmarks/lab_tradeoff.py`): BAGUA's trade-off, every strategy's training seconds to a
+- `ddp` (`benchmarks/lab/ddp.py`): the DDP paper's overlap on/off and bucket-size sweep on BERT, per rate;
+- `tradeoff` (`benchmarks/lab/tradeoff.py`): BAGUA's trade-off, every strategy's training seconds to a
   fixed validation loss of the default example, per node count and rate.
 
 Where the machine does not permit private network namespaces the section says why in one line and
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.cluster import namespaces_unavailable
+from benchmarks.lab.cluster import namespaces_unavailable
 
 __all__ = ["LAB_PLANS", "LabPlan", "run_lab_section"]
 

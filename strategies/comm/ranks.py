@@ -1,13 +1,14 @@
-"""Run a test function in N real processes joined by gloo on 127.0.0.1, with a hard timeout.
+"""Run a function in N local processes joined by gloo on 127.0.0.1, with a timeout: the tests' and benchmarks' runner.
 
-    results = run_distributed(check_something, world_size=2, args=(cap,))   # one value per rank
+    values = run_distributed(check_something, world_size=2, args=(cap,))   # one value per rank
+    outcomes = run_ranks(fn, world_size=2)                                 # values or tracebacks, for errors
 
-`fn(rank, world_size, *args)` runs in every process with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT set (the strategy under test joins the group itself) and one intra-op thread. Processes
-come from a forkserver that has imported torch once, so a run costs a fraction of a second rather than
-a fresh interpreter's torch import. A rank that raises, dies or outlives the timeout fails the test
-with every rank's traceback (for a hung rank, the stack it hung in); `run_ranks` returns the outcomes
-instead, for tests that expect errors.
+`fn(rank, world_size, *args)` runs in every process with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set (a strategy joins the group itself, `init_process_group_from_env`) and one
+intra-op thread, so the ranks do not fight over the cores. Processes come from a forkserver that has
+imported torch once, so a run costs a fraction of a second rather than a fresh interpreter's torch
+import. A rank that raises, dies or outlives the timeout is reported with every rank's traceback (for a
+hung rank, the stack it hung in); `run_distributed` raises then, `run_ranks` returns the outcomes.
 """
 
 from __future__ import annotations
@@ -25,13 +26,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from syncline.strategies.launcher import free_port
+from syncline.strategies.comm.launcher import free_port
 
-__all__ = ["RankOutcome", "run_distributed", "run_ranks"]
+__all__ = ["RankOutcome", "RanksFailedError", "run_distributed", "run_ranks"]
 
 # Imported once by the forkserver; torch._dynamo alone (pulled in by the first optimizer) takes seconds.
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.optim", "torch.profiler"]
+#: Seconds a rank that reported gets to leave the process group before it is killed.
 _GRACE_S = 10.0
+
+
+class RanksFailedError(RuntimeError):
+    """A rank of `run_distributed` raised, died or timed out; the message holds every rank's error."""
 
 
 @dataclass
@@ -54,7 +60,7 @@ def run_ranks(
     context.set_forkserver_preload(_PRELOAD)
     results = context.Queue()
     port = free_port()
-    stacks = tempfile.TemporaryDirectory(prefix="syncline-dist-")
+    stacks = tempfile.TemporaryDirectory(prefix="syncline-ranks-")
     processes = [
         context.Process(
             target=_child, args=(fn, rank, world_size, port, args, results, stacks.name, timeout), daemon=True
@@ -94,12 +100,12 @@ def run_distributed(
     """Run `fn(rank, world_size, *args)` in `world_size` processes and return each rank's value.
 
     Raises:
-        AssertionError: some rank raised, died or timed out; the message holds every rank's error.
+        RanksFailedError: some rank raised, died or timed out; the message holds every rank's error.
     """
     outcomes = run_ranks(fn, world_size, args, timeout)
     errors = [f"--- rank {o.rank} ---\n{o.error}" for o in outcomes if o.error is not None]
     if errors:
-        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+        raise RanksFailedError("distributed run failed:\n" + "\n".join(errors))
     return [o.value for o in outcomes]
 
 
@@ -125,9 +131,11 @@ def _child(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    # One core per rank: the ranks must not fight over the cores with their intra-op threads.
     torch.set_num_threads(1)
     try:
         outcome = RankOutcome(rank, value=fn(rank, world_size, *args))

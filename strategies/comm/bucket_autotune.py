@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from syncline.strategies.collective_log import COLLECTIVES
+from syncline.strategies.comm.collective_log import COLLECTIVES
 
 __all__ = ["AUTO", "DEFAULT_CAPS_MB", "BucketAutotune", "distinct_caps"]
 

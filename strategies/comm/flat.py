@@ -1,0 +1,49 @@
+"""Flat buffers by dtype: many tensors as one contiguous tensor per dtype and device, and back.
+
+A collective over many small tensors costs one launch each; the strategies that send many tensors at once
+(a broadcast of the parameters, an all-reduce of the models, fused gradients, PowerSGD's factors) send one
+flat copy per dtype and device instead, and copy the result back into the tensors.
+
+    for tensors, flat in flatten_by_dtype(params):   # one group per (dtype, device)
+        dist.all_reduce(flat)                        # one collective per group
+        unflatten_into(tensors, flat)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+__all__ = ["flatten", "flatten_by_dtype", "group_by_dtype", "unflatten", "unflatten_into"]
+
+
+def group_by_dtype(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
+    """Group `tensors` by (dtype, device), in order within a group; groups in the order they first appear."""
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    return list(groups.values())
+
+
+def flatten(tensors: Iterable[Tensor]) -> Tensor:
+    """Return one new flat tensor holding `tensors` one after the other (all of one dtype and device)."""
+    return torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
+
+
+def unflatten(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """Cut `flat` into views shaped as the tensors of `like` (the inverse of `flatten`, without a copy)."""
+    return [piece.view_as(tensor) for piece, tensor in zip(flat.split([t.numel() for t in like]), like)]
+
+
+def unflatten_into(tensors: list[Tensor], flat: Tensor) -> None:
+    """Copy `flat` back into `tensors` (the inverse of `flatten`)."""
+    with torch.no_grad():
+        for tensor, value in zip(tensors, unflatten(flat, tensors)):
+            tensor.copy_(value)
+
+
+def flatten_by_dtype(tensors: Iterable[Tensor]) -> list[tuple[list[Tensor], Tensor]]:
+    """Return, per (dtype, device), the tensors and one flat copy of them (what one collective sends)."""
+    return [(group, flatten(group)) for group in group_by_dtype(tensors)]
