@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import inspect
 import os
-from argparse import Namespace
-from collections.abc import Callable, Mapping, Sequence
-from types import FrameType
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.trainer.hparams import AttributeDict, HyperparametersMixin
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -25,20 +23,7 @@ __all__ = ["AttributeDict", "Task"]
 TaskT = TypeVar("TaskT", bound="Task")
 
 
-class AttributeDict(dict):
-    """A dict whose keys read as attributes too: ``hparams.lr`` is ``hparams["lr"]``, as in Lightning."""
-
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return self[key]
-        except KeyError:
-            raise AttributeError(f"no hyperparameter {key!r}; saved: {', '.join(map(str, self)) or 'none'}") from None
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        self[key] = value
-
-
-class Task(nn.Module):
+class Task(HyperparametersMixin, nn.Module):
     """Subclass this and override the steps you need, as with a LightningModule.
 
     `training_step` returns a loss tensor or a dict with a ``"loss"`` entry; `configure_optimizers`
@@ -54,12 +39,7 @@ class Task(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Trainer | None = None
-        self.hparams: Any = AttributeDict()
-        #: The `__init__` argument `save_hyperparameters` took as the whole hyperparameters (Lightning's
-        #: ``hparams_name``), so `load_from_checkpoint` passes them back under that name.
-        self.hparams_name: str | None = None
-        #: Whether the loggers record the hyperparameters (`save_hyperparameters(logger=...)`).
-        self.hparams_logged = True
+        self._init_hparams()
 
     # ------------------------------------------------------------ environment
     @property
@@ -101,64 +81,6 @@ class Task(nn.Module):
         for tensor in self.buffers():
             return tensor.device
         return torch.device("cpu")
-
-    def save_hyperparameters(
-        self,
-        *args: Any,
-        ignore: Sequence[str] | str | None = None,
-        frame: FrameType | None = None,
-        logger: bool = True,
-    ) -> None:
-        """Record the arguments of `__init__` in `self.hparams`, as Lightning does.
-
-        Without `args`, every argument of every `__init__` of the subclass chain running now is recorded
-        (a subclass's value wins over its parent's); names in `args` record only those; one non-string
-        argument (a dict, a Namespace, an OmegaConf DictConfig) becomes `hparams` itself (a DictConfig stays
-        one). Modules and other objects are kept (a module with Lightning's warning to `ignore` it). They are
-        logged by the loggers (unless `logger` is False) and stored in checkpoints.
-
-        Args:
-            args: names of arguments to record, or one object to use as the hyperparameters.
-            ignore: names of arguments to leave out.
-            frame: the frame of the `__init__` to read (default: the caller's).
-            logger: send the hyperparameters to the loggers.
-        """
-        if frame is None:
-            current = inspect.currentframe()
-            frame = current.f_back if current is not None else None
-        init_args = _init_arguments(self, frame)
-        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
-        init_args = {name: value for name, value in init_args.items() if name not in ignored}
-        objects = [arg for arg in args if not isinstance(arg, str)]
-        if len(objects) == 1:
-            hparams: Any = objects[0]
-            self.hparams_name = next((name for name, value in init_args.items() if value is hparams), None)
-        else:
-            hparams = {name: init_args[name] for name in args if isinstance(name, str)} if args else init_args
-            self.hparams_name = "kwargs" if hparams else None
-        if isinstance(hparams, Namespace):
-            hparams = vars(hparams)
-        if isinstance(hparams, dict) and isinstance(self.hparams, dict):
-            self.hparams.update(hparams)
-        elif isinstance(hparams, Mapping):
-            self.hparams = hparams  # an OmegaConf DictConfig stays one, as in Lightning
-        else:
-            raise ValueError(
-                f"{type(self).__name__}.save_hyperparameters got {type(hparams).__name__}; pass argument names, "
-                "or one dict, Namespace or DictConfig."
-            )
-        self.hparams_logged = logger
-        for name, value in self.hparams.items():
-            if isinstance(value, nn.Module):
-                rank_zero_warn(
-                    f"Attribute {name!r} is an instance of `nn.Module` and is already saved during checkpointing. "
-                    f"It is recommended to ignore them using `self.save_hyperparameters(ignore=[{name!r}])`."
-                )
-
-    @property
-    def hparams_type(self) -> str | None:
-        """ "DictConfig" when `hparams` is an OmegaConf DictConfig (checkpoints rebuild it as one), else None."""
-        return "DictConfig" if type(self.hparams).__name__ == "DictConfig" else None
 
     @classmethod
     def load_from_checkpoint(
@@ -303,6 +225,9 @@ class Task(nn.Module):
         return None
 
     # ----------------------------------------------------------- task hooks
+    def prepare_data(self) -> None:
+        """Download or write data to disk; called on local rank 0 of each node before `setup`, as in Lightning."""
+
     # Same names as `callbacks.Callback`'s hooks; the dispatcher calls only those a subclass overrides.
     def setup(self, stage: str) -> None:
         """Build what needs the stage or the process (data, layers sized by data)."""
@@ -409,28 +334,3 @@ class Task(nn.Module):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Read entries from a checkpoint being restored."""
-
-
-def _init_arguments(task: Task, frame: FrameType | None) -> dict[str, Any]:
-    """Return the arguments of every `__init__` of `task` on the stack from `frame` outwards.
-
-    The innermost frame is the parent class's `__init__` (called through ``super().__init__``); the outer ones
-    are its subclasses', whose values win, as in Lightning.
-    """
-    chain: list[dict[str, Any]] = []
-    while frame is not None:
-        code = frame.f_code
-        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-        if code.co_name == "__init__" and names and frame.f_locals.get(names[0]) is task:
-            arguments = {name: frame.f_locals[name] for name in names[1:] if name in frame.f_locals}
-            if code.co_flags & inspect.CO_VARKEYWORDS:
-                varargs = 1 if code.co_flags & inspect.CO_VARARGS else 0
-                arguments.update(frame.f_locals.get(code.co_varnames[len(names) + varargs], {}))
-            chain.append(arguments)
-        elif chain:
-            break
-        frame = frame.f_back
-    merged: dict[str, Any] = {}
-    for arguments in chain:
-        merged.update(arguments)
-    return merged

@@ -22,8 +22,9 @@ from syncline.trainer.arguments import (
     resolve_devices,
     strategy_of,
 )
-from syncline.trainer.checkpoint import save_checkpoint, to_primitive
+from syncline.trainer.checkpoint import save_checkpoint
 from syncline.trainer.data import eval_dataloaders, limit_batches, prepare_loader, prepare_loaders
+from syncline.trainer.datamodule import DataModule, check_datamodule, merged_hparams, prepare_and_setup
 from syncline.trainer.evaluation import EvaluationLoop
 from syncline.trainer.fit_loop import FitLoop
 from syncline.trainer.optim import OptimizerSetup, parse_optimizers
@@ -165,6 +166,8 @@ class Trainer:
         self.fit_loop = FitLoop(self)
         self.evaluation = EvaluationLoop(self)
         self._task: Task | None = None
+        #: The DataModule of the stage in progress (or the last one), as Lightning's ``trainer.datamodule``.
+        self.datamodule: DataModule | None = None
 
         set_deterministic(deterministic)
         if seed is not None:
@@ -261,11 +264,12 @@ class Trainer:
         task: Task | None = None,
         train_dataloaders: Any = None,
         val_dataloaders: Any = None,
+        datamodule: DataModule | None = None,
         ckpt_path: str | os.PathLike[str] | None = None,
         *,
         model: Task | None = None,
     ) -> None:
-        """Train `task` (or `model=`, Lightning's name); resume from `ckpt_path` if given.
+        """Train `task` (or `model=`, Lightning's name) on the loaders or `datamodule`; resume from `ckpt_path`.
 
         `ckpt_path` is a checkpoint's path, "last" (the newest last checkpoint), "best" (the first
         ModelCheckpoint's best) or None.
@@ -273,7 +277,7 @@ class Trainer:
         if (task is None) == (model is None):
             raise TypeError("Trainer.fit takes one task: pass it positionally or as model=..., not both or neither.")
         loaders = {"train_dataloaders": train_dataloaders, "val_dataloaders": val_dataloaders}
-        self._stage("fit", task if task is not None else model, ckpt_path, loaders)
+        self._stage("fit", task if task is not None else model, ckpt_path, loaders, datamodule)
 
     def validate(
         self,
@@ -281,6 +285,7 @@ class Trainer:
         dataloaders: Any = None,
         ckpt_path: str | os.PathLike[str] | None = None,
         *,
+        datamodule: DataModule | None = None,
         model: Task | None = None,
     ) -> list[dict[str, float]]:
         """Run the validation loop once and return its epoch metrics, one dict per loader.
@@ -288,7 +293,7 @@ class Trainer:
         Without a task, the task of the previous `fit` is used with its best checkpoint, as in Lightning.
         `ckpt_path`: None (the task's current weights), "best", "last", or a checkpoint's path.
         """
-        return self._stage("validate", *self._eval_task("validate", task, model, ckpt_path), dataloaders)
+        return self._stage("validate", *self._eval_task("validate", task, model, ckpt_path), dataloaders, datamodule)
 
     def test(
         self,
@@ -296,21 +301,23 @@ class Trainer:
         dataloaders: Any = None,
         ckpt_path: str | os.PathLike[str] | None = None,
         *,
+        datamodule: DataModule | None = None,
         model: Task | None = None,
     ) -> list[dict[str, float]]:
         """Run the test loop once and return its epoch metrics, one dict per loader (see `validate`)."""
-        return self._stage("test", *self._eval_task("test", task, model, ckpt_path), dataloaders)
+        return self._stage("test", *self._eval_task("test", task, model, ckpt_path), dataloaders, datamodule)
 
     def predict(
         self,
         task: Task | None = None,
         dataloaders: Any = None,
-        ckpt_path: str | os.PathLike[str] | None = None,
+        datamodule: DataModule | None = None,
         *,
+        ckpt_path: str | os.PathLike[str] | None = None,
         model: Task | None = None,
     ) -> list[Any]:
         """Return `predict_step`'s outputs batch by batch (a list per loader with several; see `validate`)."""
-        return self._stage("predict", *self._eval_task("predict", task, model, ckpt_path), dataloaders)
+        return self._stage("predict", *self._eval_task("predict", task, model, ckpt_path), dataloaders, datamodule)
 
     def _eval_task(self, stage: str, task: Task | None, model: Task | None, ckpt_path: Any) -> tuple[Task, Any]:
         """Return the task to evaluate and the checkpoint to load, as Lightning chooses them."""
@@ -327,13 +334,14 @@ class Trainer:
             )
         return self._task, "best" if ckpt_path is None else ckpt_path
 
-    def _stage(self, stage: str, task: Any, ckpt_path: Any, data: Any) -> Any:
+    def _stage(self, stage: str, task: Any, ckpt_path: Any, data: Any, datamodule: Any) -> Any:
         """Run `stage` here, or launch `devices` workers that run it (not when torchrun started us)."""
         self._task = task
-        kwargs = data if stage == "fit" else {"dataloaders": data}
+        self.datamodule, kwargs = check_datamodule(stage, datamodule, data if stage == "fit" else {"dataloaders": data})
+        data = kwargs.get("dataloaders")
         if self.devices > 1 and not launched_by_torchrun():
             # The launcher checks the options against the world size before it looks at the task.
-            return launch(self, stage, task, {**kwargs, "ckpt_path": ckpt_path})
+            return launch(self, stage, task, {**kwargs, "datamodule": self.datamodule, "ckpt_path": ckpt_path})
         if not isinstance(task, Task):
             raise TypeError(f"Trainer.{stage} needs a trainer.Task, got {type(task).__name__}.")
         if stage == "fit":
@@ -376,6 +384,8 @@ class Trainer:
             raise
         finally:
             try:
+                if self.datamodule is not None:
+                    self.datamodule.teardown(stage)  # before the callbacks' and the task's, as in Lightning
                 self.dispatcher.fire(Callback.teardown, stage)
                 if self.is_global_zero:
                     for logger in self.loggers:
@@ -387,12 +397,13 @@ class Trainer:
     def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: Any) -> None:
         task, strategy = self.task, self.strategy
         checkpoint = persistence.open_checkpoint(self, ckpt_path, resume=True)
-        self.dispatcher.fire(Callback.setup, "fit")
-        loader = train_dataloaders if train_dataloaders is not None else task.train_dataloader()
+        prepare_and_setup(self, "fit", checkpoint)
+        source = self.datamodule if self.datamodule is not None else task
+        loader = train_dataloaders if train_dataloaders is not None else source.train_dataloader()
         self.train_dataloader = prepare_loader(self, loader)
         limit = self.limit_train_batches
         self.num_training_batches = limit_batches(self.train_dataloader, limit, "limit_train_batches")
-        val, limit = val_dataloaders if val_dataloaders is not None else task.val_dataloader(), self.limit_val_batches
+        val, limit = val_dataloaders if val_dataloaders is not None else source.val_dataloader(), self.limit_val_batches
         self.val_dataloaders, self.num_val_batches = prepare_loaders(self, val, limit, "limit_val_batches")
         if checkpoint is not None:
             # As in Lightning: the task's and the callbacks' state before configure_optimizers.
@@ -406,19 +417,21 @@ class Trainer:
         if not any(module.training for module in task.modules()):
             rank_zero_warn(f"{type(task).__name__} is in eval mode at the start of fit; it trains in that mode.")
         self.dispatcher.fire(Callback.on_fit_start)
-        if self.is_global_zero and task.hparams_logged:
+        hparams = merged_hparams(task, self.datamodule)
+        if self.is_global_zero and hparams:
             for logger in self.loggers:
-                logger.log_hyperparams(to_primitive(task.hparams))
+                logger.log_hyperparams(hparams)
         self.fit_loop.train()
         self.dispatcher.fire(Callback.on_fit_end)
 
     def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any) -> Any:
         task = self.task
         checkpoint = persistence.open_checkpoint(self, ckpt_path, resume=False)
-        self.dispatcher.fire(Callback.setup, stage)
+        prepare_and_setup(self, stage, checkpoint)
         limit = self.limit_val_batches if stage == "validate" else None
+        source = self.datamodule if self.datamodule is not None else task
         loaders, num_batches = prepare_loaders(
-            self, eval_dataloaders(task, stage, dataloaders), limit, "limit_val_batches"
+            self, eval_dataloaders(source, stage, dataloaders), limit, "limit_val_batches"
         )
         if checkpoint is not None:
             persistence.restore_model(self, checkpoint, callbacks=False)
