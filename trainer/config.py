@@ -266,6 +266,8 @@ class SynclineConf:
     """
 
     task: Any = MISSING
+    #: The `DataModule` (``_target_`` and its arguments) that `fit` takes the data from; None: the task's own.
+    data: Any = None
     strategy: Any = MISSING
     trainer: TrainerConf = field(default_factory=TrainerConf)
     callbacks: dict[str, Any] = field(default_factory=dict)
