@@ -260,3 +260,11 @@ def test_datamodule_prepares_once_per_node_behind_a_barrier_and_its_loader_is_sh
     for epoch in (0, 1):
         assert len(rank0[epoch]) == len(rank1[epoch]) == 12
         assert sorted(rank0[epoch] + rank1[epoch]) == everything  # each sample once per epoch
+
+
+def test_devices_2_launches_workers_that_use_the_datamodule(tmp_path):
+    task = Regressor()
+    trainer = Trainer(**quiet(max_epochs=1, devices=2, strategy="native_ddp", accelerator="cpu"))
+    trainer.fit(task, datamodule=Sharded(str(tmp_path)))
+    assert (tmp_path / "prepared_by.txt").read_text() == "0\n"
+    assert trainer.global_step == 3  # 24 samples, 12 per rank in batches of 4
