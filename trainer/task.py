@@ -27,8 +27,10 @@ class Task(HyperparametersMixin, nn.Module):
     """Subclass this and override the steps you need, as with a LightningModule.
 
     `training_step` returns a loss tensor or a dict with a ``"loss"`` entry; `configure_optimizers`
-    returns an optimizer, or a dict with ``"optimizer"`` and optionally ``"lr_scheduler"`` (a scheduler or
-    a dict with ``"scheduler"``, ``"interval"`` ("epoch" or "step"), ``"frequency"`` and ``"monitor"``).
+    returns an optimizer in any of Lightning's forms: an optimizer, a list, ``([optimizer], [schedulers])``,
+    a dict with ``"optimizer"`` and optionally ``"lr_scheduler"`` (a scheduler or a dict with ``"scheduler"``,
+    ``"interval"`` ("epoch" or "step"), ``"frequency"``, ``"monitor"``, ``"strict"``, ``"name"``) and
+    ``"monitor"``, or a list of such dicts; one optimizer, as Lightning's automatic optimization allows.
     Hooks with the names of `callbacks.Callback`'s, minus its `trainer` and `task` arguments, are called
     before the callbacks' of the same event.
     """
@@ -130,6 +132,21 @@ class Task(HyperparametersMixin, nn.Module):
             task.to(map_location)
         return task
 
+    def optimizers(self, use_pl_optimizer: bool = True) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+        """Return the optimizer `configure_optimizers` gave the Trainer (Lightning's shape: the one, or a list).
+
+        syncline returns the torch optimizer itself; `use_pl_optimizer` is accepted for Lightning's code.
+        """
+        found = self.trainer.optimizers
+        return found[0] if len(found) == 1 else found
+
+    def lr_schedulers(self) -> Any:
+        """Return the learning-rate schedulers being used: None without any, the one, or a list."""
+        found = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+        if not found:
+            return None
+        return found[0] if len(found) == 1 else found
+
     # ---------------------------------------------------------------- logging
     def log(
         self,
@@ -199,7 +216,7 @@ class Task(HyperparametersMixin, nn.Module):
         return self(batch)
 
     def configure_optimizers(self) -> Any:
-        """Return an optimizer, or a dict with ``"optimizer"`` and ``"lr_scheduler"``."""
+        """Return an optimizer (and schedulers) in one of Lightning's forms (see the class's docstring)."""
         raise NotImplementedError(
             f"{type(self).__name__} must override `configure_optimizers()` and return an optimizer "
             "(or a dict with 'optimizer' and 'lr_scheduler')."
