@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import os
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from syncline.trainer.hparams import HyperparametersMixin
+from syncline.trainer.hparams import HyperparametersMixin, build_from_hparams, read_for_loading
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
     from syncline.trainer.trainer import Trainer
+
+DataModuleT = TypeVar("DataModuleT", bound="DataModule")
 
 __all__ = ["DataModule", "check_datamodule", "datamodule_checkpoint", "merged_hparams", "prepare_and_setup"]
 
@@ -56,6 +59,22 @@ class DataModule(HyperparametersMixin):
     def predict_dataloader(self) -> DataLoader | None:
         """Return the predict DataLoader(s)."""
         return None
+
+    @classmethod
+    def load_from_checkpoint(
+        cls: type[DataModuleT],
+        checkpoint_path: str | os.PathLike[str],
+        map_location: Any = None,
+        hparams_file: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> DataModuleT:
+        """Build the DataModule from a checkpoint's ``datamodule_hyper_parameters`` and give it its saved
+        state, as Lightning does (`hparams_file` and `kwargs` as in `Task.load_from_checkpoint`)."""
+        checkpoint = read_for_loading(checkpoint_path, map_location)
+        datamodule = build_from_hparams(cls, checkpoint, "datamodule_", checkpoint_path, hparams_file, kwargs)
+        if cls.__qualname__ in checkpoint:
+            datamodule.load_state_dict(checkpoint[cls.__qualname__])
+        return datamodule
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state a resume needs (kept in checkpoints when not empty)."""
@@ -132,6 +151,8 @@ def datamodule_checkpoint(datamodule: DataModule | None) -> dict[str, Any]:
         entries["datamodule_hyper_parameters"] = to_primitive(datamodule.hparams)
         if datamodule.hparams_name is not None:
             entries["datamodule_hparams_name"] = datamodule.hparams_name
+        if datamodule.hparams_type is not None:
+            entries["datamodule_hparams_type"] = datamodule.hparams_type
     return entries
 
 

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import inspect
+import os
 from argparse import Namespace
 from collections.abc import Mapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
 from syncline.trainer.rank_zero import rank_zero_warn
 
-__all__ = ["AttributeDict", "HyperparametersMixin"]
+T = TypeVar("T")
+
+__all__ = ["AttributeDict", "HyperparametersMixin", "build_from_hparams", "read_for_loading"]
 
 
 class AttributeDict(dict):
@@ -126,3 +129,59 @@ def _init_arguments(owner: object, frame: FrameType | None) -> dict[str, Any]:
     for arguments in chain:
         merged.update(arguments)
     return merged
+
+
+def read_for_loading(path: str | os.PathLike[str], map_location: Any) -> dict[str, Any]:
+    """Read the checkpoint a ``load_from_checkpoint`` builds from (tensors on the CPU unless `map_location`)."""
+    from syncline.trainer.checkpoint import load_checkpoint
+
+    return load_checkpoint(path, map_location=map_location or "cpu")
+
+
+def build_from_hparams(
+    cls: type[T],
+    checkpoint: dict[str, Any],
+    prefix: str,
+    path: str | os.PathLike[str],
+    hparams_file: str | os.PathLike[str] | None,
+    overrides: dict[str, Any],
+) -> T:
+    """Call `cls` with the hyperparameters a checkpoint saved under ``<prefix>hyper_parameters``.
+
+    `hparams_file` (YAML) updates them and `overrides` win, as in Lightning; arguments the constructor does
+    not take are dropped unless it takes ``**kwargs``.
+
+    Raises:
+        TypeError: the arguments do not fit the constructor; names the saved ones.
+        ValueError: `hparams_file` is not a ``.yaml``/``.yml`` file.
+    """
+    saved: Any = checkpoint.get(f"{prefix}hyper_parameters", {} if prefix else checkpoint.get("hparams", {}))
+    if checkpoint.get(f"{prefix}hparams_type") == "DictConfig" or hparams_file is not None:
+        from omegaconf import OmegaConf
+
+        saved = OmegaConf.create(saved)
+        if hparams_file is not None:
+            if not str(hparams_file).endswith((".yaml", ".yml")):
+                raise ValueError(
+                    f"hparams_file={str(hparams_file)!r}: pass a .yaml or .yml file (a logger's hparams.yaml)."
+                )
+            saved = OmegaConf.merge(saved, OmegaConf.load(hparams_file))
+        if checkpoint.get(f"{prefix}hparams_type") != "DictConfig":
+            saved = OmegaConf.to_container(saved)
+    parameters = inspect.signature(cls.__init__).parameters  # type: ignore[misc]
+    name = checkpoint.get(f"{prefix}hparams_name")
+    if name and name != "kwargs" and name in parameters:
+        # The one object it was saved from (a dict or a Namespace) comes back as an AttributeDict, as in Lightning.
+        arguments = {name: AttributeDict(saved) if isinstance(saved, dict) else saved}
+    else:
+        arguments = dict(saved)
+    arguments.update(overrides)
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        arguments = {key: value for key, value in arguments.items() if key in parameters}
+    try:
+        return cls(**arguments)
+    except TypeError as error:
+        raise TypeError(
+            f"{cls.__name__}.load_from_checkpoint({str(path)!r}): {error}. The checkpoint's "
+            f"hyperparameters are {sorted(saved)}; pass missing ones as keywords."
+        ) from error

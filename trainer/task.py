@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -10,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from syncline.trainer.hparams import AttributeDict, HyperparametersMixin
+from syncline.trainer.hparams import AttributeDict, HyperparametersMixin, build_from_hparams, read_for_loading
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -89,43 +88,29 @@ class Task(HyperparametersMixin, nn.Module):
         cls: type[TaskT],
         checkpoint_path: str | os.PathLike[str],
         map_location: Any = None,
+        hparams_file: str | os.PathLike[str] | None = None,
         strict: bool | None = None,
         **kwargs: Any,
     ) -> TaskT:
         """Build the task from a checkpoint's saved hyperparameters and load its weights, as Lightning does.
 
-        The constructor gets the hyperparameters `save_hyperparameters` recorded, with `kwargs` taking
-        precedence; arguments the constructor does not take are dropped (unless it takes ``**kwargs``), as
-        in Lightning. Then the task's ``on_load_checkpoint`` sees the checkpoint and the weights are loaded
-        (`strict`, by default the task's `strict_loading`). The task is returned in training mode on the
-        device `map_location` names (the CPU by default); call ``.eval()`` for inference.
+        The constructor gets the hyperparameters `save_hyperparameters` recorded, updated from `hparams_file`
+        (a YAML file, e.g. a logger's ``hparams.yaml``), with `kwargs` taking precedence; arguments the
+        constructor does not take are dropped (unless it takes ``**kwargs``), as in Lightning. Then the task's
+        ``on_load_checkpoint`` sees the checkpoint and the weights are loaded (`strict`, by default the task's
+        `strict_loading`; False tolerates missing and unexpected keys). The task is returned in training
+        mode on the device `map_location` names (the CPU by default); call ``.eval()`` for inference.
 
         Raises:
             CheckpointError: the file is missing, unreadable or not a syncline checkpoint.
             TypeError: the saved hyperparameters (or `kwargs`) do not fit the constructor.
+            ValueError: `hparams_file` is not a YAML file.
         """
-        from syncline.trainer.checkpoint import load_checkpoint, require_entries
+        from syncline.trainer.checkpoint import require_entries
 
-        checkpoint = load_checkpoint(checkpoint_path, map_location=map_location or "cpu")
+        checkpoint = read_for_loading(checkpoint_path, map_location)
         require_entries(checkpoint, ("state_dict",), checkpoint_path)
-        saved: Any = checkpoint.get("hyper_parameters", checkpoint.get("hparams", {}))
-        if checkpoint.get("hparams_type") == "DictConfig":
-            from omegaconf import OmegaConf
-
-            saved = OmegaConf.create(saved)
-        parameters = inspect.signature(cls.__init__).parameters
-        name = checkpoint.get("hparams_name")
-        arguments = {name: saved} if name and name != "kwargs" and name in parameters else dict(saved)
-        arguments.update(kwargs)
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-            arguments = {key: value for key, value in arguments.items() if key in parameters}
-        try:
-            task = cls(**arguments)
-        except TypeError as error:
-            raise TypeError(
-                f"{cls.__name__}.load_from_checkpoint({str(checkpoint_path)!r}): {error}. The checkpoint's "
-                f"hyperparameters are {sorted(saved)}; pass missing ones as keywords."
-            ) from error
+        task = build_from_hparams(cls, checkpoint, "", checkpoint_path, hparams_file, kwargs)
         task.on_load_checkpoint(checkpoint)
         task.load_state_dict(checkpoint["state_dict"], strict=task.strict_loading if strict is None else strict)
         if isinstance(map_location, (str, int, torch.device)):

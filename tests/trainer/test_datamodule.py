@@ -268,3 +268,18 @@ def test_devices_2_launches_workers_that_use_the_datamodule(tmp_path):
     trainer.fit(task, datamodule=Sharded(str(tmp_path)))
     assert (tmp_path / "prepared_by.txt").read_text() == "0\n"
     assert trainer.global_step == 3  # 24 samples, 12 per rank in batches of 4
+
+
+def test_datamodule_load_from_checkpoint_rebuilds_it_with_its_hyperparameters_and_state(tmp_path):
+    class Saved(Curriculum):
+        def __init__(self, keep_state: bool = True, batch_size: int = 8) -> None:
+            super().__init__(keep_state)
+            self.save_hyperparameters()
+
+    trainer = Trainer(**quiet(max_epochs=2))
+    trainer.fit(Advancing(), datamodule=Saved(batch_size=4))
+    trainer.save_checkpoint(tmp_path / "dm.ckpt")
+    loaded = Saved.load_from_checkpoint(tmp_path / "dm.ckpt")
+    assert dict(loaded.hparams) == {"keep_state": True, "batch_size": 4}
+    assert loaded.level == 2  # the state the run left it in
+    assert Saved.load_from_checkpoint(tmp_path / "dm.ckpt", batch_size=16).hparams.batch_size == 16
