@@ -442,6 +442,8 @@ def open_checkpoint(trainer: Trainer, ckpt_path: Any, resume: bool) -> dict[str,
         # (collective), or from where the first attempt started when none was written yet.
         ckpt_path = find_last_checkpoint(trainer) or ckpt_path
     checkpoint = read_checkpoint(trainer, ckpt_path)
+    # The file a "best" or "last" resolved to, as Lightning's trainer.ckpt_path.
+    trainer.ckpt_path = None if checkpoint is None else str(checkpoint.get("loaded_from", ckpt_path))
     if resume and checkpoint is not None:
         for logger, state in zip(trainer.loggers, checkpoint.get("loggers", [])):
             logger.load_state_dict(state)

@@ -53,7 +53,10 @@ class Trainer:
             every GPU (one process on the CPU), -1 every GPU.
         accumulate_grad_batches: micro-batches per optimizer step; the loss is divided by it and only the
             last micro-batch of a window synchronizes gradients.
-        gradient_clip_val: clip the gradients' global 2-norm to this value before each step.
+        min_epochs: a stop request (early stopping) ends training only after this many epochs.
+        min_steps: ... and after this many optimizer steps.
+        gradient_clip_val: clip the gradients to this value before each step.
+        gradient_clip_algorithm: "norm" (their global 2-norm, the default) or "value" (each element).
         precision: "32", "bf16-mixed" or "16-mixed" (fp16 autocast with loss scaling, CPU or CUDA); also
             Lightning's "32-true", "16" and "bf16".
         callbacks: `Callback` instances, called in this order (before the task's own hooks, as in Lightning).
@@ -66,6 +69,9 @@ class Trainer:
             int: validate every this many training batches.
         limit_train_batches: use only this many (int) or this fraction (float) of the training batches.
         limit_val_batches: likewise for validation.
+        limit_test_batches: likewise for `test`.
+        limit_predict_batches: likewise for `predict`.
+        check_val_every_n_epoch: validate in every this-many-th epoch only.
         num_sanity_val_steps: validation batches run before training to catch errors early.
         use_distributed_sampler: shard the data across processes with a `DistributedSampler`.
         accelerator: "auto" (CUDA when there is a GPU, else the CPU), "cpu", or "gpu"/"cuda"; with
@@ -88,11 +94,14 @@ class Trainer:
         self,
         max_epochs: int | None = None,
         max_steps: int = -1,
+        min_epochs: int | None = None,
+        min_steps: int | None = None,
         strategy: str | Strategy = "auto",
         devices: int | str = 1,
         accelerator: str = "auto",
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
         precision: str | int = "32",
         callbacks: Sequence[Callback] | Callback | None = None,
         logger: bool | Logger | Sequence[Logger] = True,
@@ -103,6 +112,9 @@ class Trainer:
         val_check_interval: int | float = 1.0,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
+        limit_test_batches: int | float | None = None,
+        limit_predict_batches: int | float | None = None,
+        check_val_every_n_epoch: int = 1,
         num_sanity_val_steps: int = 2,
         use_distributed_sampler: bool = True,
         seed: int | None = None,
@@ -117,6 +129,12 @@ class Trainer:
         devices = resolve_devices(devices, accelerator)
         self.max_epochs = 1000 if max_epochs is None and max_steps == -1 else max_epochs
         self.max_steps = max_steps
+        self.min_epochs = min_epochs
+        self.min_steps = min_steps
+        self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
+        self.limit_test_batches = limit_test_batches
+        self.limit_predict_batches = limit_predict_batches
+        self.check_val_every_n_epoch = check_val_every_n_epoch
         self.devices = devices
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val = gradient_clip_val
@@ -166,6 +184,10 @@ class Trainer:
         self.fit_loop = FitLoop(self)
         self.evaluation = EvaluationLoop(self)
         self._task: Task | None = None
+        #: The checkpoint the last stage loaded (its path), as Lightning's ``trainer.ckpt_path``.
+        self.ckpt_path: str | None = None
+        #: Whether the last stage was stopped by Ctrl-C or a preemption signal (Lightning's ``interrupted``).
+        self.interrupted = False
         #: The DataModule of the stage in progress (or the last one), as Lightning's ``trainer.datamodule``.
         self.datamodule: DataModule | None = None
 
@@ -359,6 +381,7 @@ class Trainer:
     def _run(self, stage: str, task: Task, body: Callable[[], R]) -> R:
         task._trainer = self
         self.state.stage = stage
+        self.interrupted = False
         # Every stage starts with no metrics, as in Lightning: `validate` after `fit` shows its own values.
         for metrics in (self.callback_metrics, self.progress_bar_metrics, self.logged_metrics):
             metrics.clear()
@@ -377,6 +400,7 @@ class Trainer:
         except BaseException as error:
             if isinstance(error, (KeyboardInterrupt, TrainingPreempted)):
                 status = "interrupted"
+                self.interrupted = True
             if not isinstance(error, TrainingPreempted):
                 # Every rank stops together on a preemption; after anything else the others may be stuck.
                 self.strategy.on_stage_failure()
@@ -428,10 +452,12 @@ class Trainer:
         task = self.task
         checkpoint = persistence.open_checkpoint(self, ckpt_path, resume=False)
         prepare_and_setup(self, stage, checkpoint)
-        limit = self.limit_val_batches if stage == "validate" else None
+        name = {"validate": "limit_val_batches", "test": "limit_test_batches", "predict": "limit_predict_batches"}[
+            stage
+        ]
         source = self.datamodule if self.datamodule is not None else task
         loaders, num_batches = prepare_loaders(
-            self, eval_dataloaders(source, stage, dataloaders), limit, "limit_val_batches"
+            self, eval_dataloaders(source, stage, dataloaders), getattr(self, name), name
         )
         if checkpoint is not None:
             persistence.restore_model(self, checkpoint, callbacks=False)
