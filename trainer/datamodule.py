@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from syncline.trainer.hooks import DataHooks
 from syncline.trainer.hparams import HyperparametersMixin, build_from_hparams, read_for_loading
 
 if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
-
     from syncline.trainer.trainer import Trainer
 
 DataModuleT = TypeVar("DataModuleT", bound="DataModule")
@@ -17,7 +16,7 @@ DataModuleT = TypeVar("DataModuleT", bound="DataModule")
 __all__ = ["DataModule", "check_datamodule", "datamodule_checkpoint", "merged_hparams", "prepare_and_setup"]
 
 
-class DataModule(HyperparametersMixin):
+class DataModule(DataHooks, HyperparametersMixin):
     """Subclass this to keep downloading, splitting and loading the data apart from the task.
 
     Pass it as ``trainer.fit(task, datamodule=dm)`` (or to `validate`, `test`, `predict`). The Trainer calls
@@ -34,31 +33,6 @@ class DataModule(HyperparametersMixin):
         self._init_hparams()
         #: The Trainer this DataModule is attached to (None before a stage).
         self.trainer: Trainer | None = None
-
-    def prepare_data(self) -> None:
-        """Download or write data to disk; called on one process per node, so assign no state here."""
-
-    def setup(self, stage: str) -> None:
-        """Build the data sets of `stage` ("fit", "validate", "test" or "predict") on every process."""
-
-    def teardown(self, stage: str) -> None:
-        """Release what `setup` built."""
-
-    def train_dataloader(self) -> DataLoader:
-        """Return the training DataLoader."""
-        raise NotImplementedError(f"{type(self).__name__} must override `train_dataloader()` to be used by fit.")
-
-    def val_dataloader(self) -> DataLoader | None:
-        """Return the validation DataLoader(s), or None for no validation."""
-        return None
-
-    def test_dataloader(self) -> DataLoader | None:
-        """Return the test DataLoader(s)."""
-        return None
-
-    def predict_dataloader(self) -> DataLoader | None:
-        """Return the predict DataLoader(s)."""
-        return None
 
     @classmethod
     def load_from_checkpoint(

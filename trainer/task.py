@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from syncline.trainer.hooks import DataHooks
 from syncline.trainer.hparams import AttributeDict, HyperparametersMixin, build_from_hparams, read_for_loading
 
 if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
     from torchmetrics import Metric
 
     from syncline.trainer.trainer import Trainer
@@ -22,7 +22,7 @@ __all__ = ["AttributeDict", "Task"]
 TaskT = TypeVar("TaskT", bound="Task")
 
 
-class Task(HyperparametersMixin, nn.Module):
+class Task(DataHooks, HyperparametersMixin, nn.Module):
     """Subclass this and override the steps you need, as with a LightningModule.
 
     `training_step` returns a loss tensor or a dict with a ``"loss"`` entry; `configure_optimizers`
@@ -207,36 +207,9 @@ class Task(HyperparametersMixin, nn.Module):
             "(or a dict with 'optimizer' and 'lr_scheduler')."
         )
 
-    def train_dataloader(self) -> DataLoader:
-        """Return the training DataLoader, unless one is passed to `Trainer.fit`."""
-        raise NotImplementedError(
-            f"No training data: pass `train_dataloaders` to Trainer.fit or override "
-            f"`{type(self).__name__}.train_dataloader()`."
-        )
-
-    def val_dataloader(self) -> DataLoader | None:
-        """Return the validation DataLoader, or None for no validation."""
-        return None
-
-    def test_dataloader(self) -> DataLoader | None:
-        """Return the test DataLoader."""
-        return None
-
-    def predict_dataloader(self) -> DataLoader | None:
-        """Return the predict DataLoader."""
-        return None
-
     # ----------------------------------------------------------- task hooks
-    def prepare_data(self) -> None:
-        """Download or write data to disk; called on local rank 0 of each node before `setup`, as in Lightning."""
-
+    # prepare_data, setup, teardown and the *_dataloader methods are `DataHooks`'.
     # Same names as `callbacks.Callback`'s hooks; the dispatcher calls only those a subclass overrides.
-    def setup(self, stage: str) -> None:
-        """Build what needs the stage or the process (data, layers sized by data)."""
-
-    def teardown(self, stage: str) -> None:
-        """Release what `setup` built."""
-
     def on_fit_start(self) -> None:
         """Called when fit starts."""
 

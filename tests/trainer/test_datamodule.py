@@ -32,21 +32,21 @@ class Recorded(DataModule):
         self.calls.append(f"dm.setup:{stage}")
         self.data = regression_data(32)
 
-    def train_dataloader(self) -> DataLoader:
-        self.calls.append("dm.train_dataloader")
+    def _loader(self, method: str) -> DataLoader:
+        self.calls.append(f"dm.{method}")
         return loader(self.data, self.hparams.batch_size)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train_dataloader")
 
     def val_dataloader(self) -> DataLoader:
-        self.calls.append("dm.val_dataloader")
-        return loader(self.data, self.hparams.batch_size)
+        return self._loader("val_dataloader")
 
     def test_dataloader(self) -> DataLoader:
-        self.calls.append("dm.test_dataloader")
-        return loader(self.data, self.hparams.batch_size)
+        return self._loader("test_dataloader")
 
     def predict_dataloader(self) -> DataLoader:
-        self.calls.append("dm.predict_dataloader")
-        return loader(self.data, self.hparams.batch_size)
+        return self._loader("predict_dataloader")
 
     def teardown(self, stage: str) -> None:
         self.calls.append(f"dm.teardown:{stage}")
