@@ -5,6 +5,6 @@ top-level folders install as `syncline.trainer`, `syncline.strategies`, `synclin
 `syncline.examples`, and nothing else lands at the top level of site-packages.
 """
 
-from syncline.trainer import Task, Trainer
+from syncline.trainer import DataModule, Task, Trainer
 
-__all__ = ["Task", "Trainer"]
+__all__ = ["DataModule", "Task", "Trainer"]

@@ -146,10 +146,10 @@ class ParameterServer(ReducerStrategy):
         """The gradients are reduced onto the server: make every rank agree on their finiteness."""
         self._agree_on_finiteness()
 
-    def clip_gradients(self, parameters: list[Tensor], max_norm: float) -> Tensor:
+    def clip_gradients(self, parameters: list[Tensor], max_norm: float, algorithm: str = "norm") -> Tensor:
         """Clip on the server, which holds the averaged gradients; workers, which hold none, return 0."""
         if self.is_server:
-            return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+            return super().clip_gradients(parameters, max_norm, algorithm)
         return torch.zeros((), device=self.root_device)
 
     def apply_update(self, optimizer: torch.optim.Optimizer, step: Any) -> None:

@@ -218,9 +218,14 @@ class ShardedParameterServer(ReducerStrategy):
         """The gradients are reduce-scattered: attach each slice's, and agree on their finiteness."""
         self._attach_and_agree()
 
-    def clip_gradients(self, parameters: list[Tensor], max_norm: float) -> Tensor:
-        """Clip every rank's slices by the global 2-norm of all gradients (all-reduced squared norms)."""
+    def clip_gradients(self, parameters: list[Tensor], max_norm: float, algorithm: str = "norm") -> Tensor:
+        """Clip every rank's slices by the global 2-norm of all gradients (all-reduced squared norms); by
+        value, each rank clamps its own slices (elementwise, so no collective is needed)."""
         grads = [s.grad for s in self._slices_of(parameters)]
+        if algorithm == "value":
+            for grad in grads:
+                grad.clamp_(-max_norm, max_norm)
+            return torch.zeros((), device=self.root_device)
         squares = torch.zeros(1, dtype=torch.float32, device=self.root_device)
         if grads:
             squares += torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum()

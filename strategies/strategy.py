@@ -135,11 +135,15 @@ class Strategy(ABC):
         """
         loss.backward(retain_graph=retain_graph)
 
-    def clip_gradients(self, parameters: list[Tensor], max_norm: float) -> Tensor:
-        """Clip the gradients' global 2-norm to `max_norm` and return the norm before clipping.
+    def clip_gradients(self, parameters: list[Tensor], max_norm: float, algorithm: str = "norm") -> Tensor:
+        """Clip the gradients' global 2-norm to `max_norm` and return the norm before clipping; with
+        `algorithm` "value", clamp every gradient element to [-max_norm, max_norm] (and return 0).
 
         A sharded strategy overrides this, since no single process sees every gradient.
         """
+        if algorithm == "value":
+            torch.nn.utils.clip_grad_value_(parameters, max_norm)
+            return torch.zeros((), device=self.root_device)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

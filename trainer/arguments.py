@@ -52,13 +52,16 @@ def check_options(options: dict[str, Any]) -> None:
     """
     check_int("Trainer", "max_epochs", options["max_epochs"], -1, none_ok=True, meaning="-1 for no limit")
     check_int("Trainer", "max_steps", options["max_steps"], -1, meaning="-1 for no limit")
+    check_int("Trainer", "min_epochs", options["min_epochs"], 0, none_ok=True)
+    check_int("Trainer", "min_steps", options["min_steps"], 0, none_ok=True)
+    check_int("Trainer", "check_val_every_n_epoch", options["check_val_every_n_epoch"], 1)
     check_int("Trainer", "accumulate_grad_batches", options["accumulate_grad_batches"], 1)
     check_number("Trainer", "gradient_clip_val", options["gradient_clip_val"], above=0, none_ok=True)
     check_int("Trainer", "log_every_n_steps", options["log_every_n_steps"], 1)
     check_int("Trainer", "num_sanity_val_steps", options["num_sanity_val_steps"], -1, meaning="-1 for all batches")
     check_int("Trainer", "seed", options["seed"], 0, none_ok=True)
     check_int("Trainer", "max_restarts", options["max_restarts"], 0, meaning="restarts of the worker group")
-    for name in ("limit_train_batches", "limit_val_batches"):
+    for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
         limit = options[name]
         if isinstance(limit, float):
             check_number("Trainer", name, limit, minimum=0, meaning="a float is a fraction of the batches, up to 1.0")
@@ -78,6 +81,8 @@ def check_options(options: dict[str, Any]) -> None:
     else:
         check_int("Trainer", "val_check_interval", interval, 1, meaning="batches; or a float fraction in (0, 1]")
     _check_choice("ckpt_read", options["ckpt_read"], CKPT_READ)
+    if options["gradient_clip_algorithm"] is not None:
+        _check_choice("gradient_clip_algorithm", options["gradient_clip_algorithm"], ("norm", "value"))
     _check_choice("nonfinite_loss", options["nonfinite_loss"], NONFINITE_LOSS)
     _check_choice("uneven_inputs", options["uneven_inputs"], UNEVEN_INPUTS)
     signal = options["preemption_signal"]

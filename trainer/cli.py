@@ -53,7 +53,7 @@ RUNTIME_ERROR = 1
 _CONFIG_MODULE = "syncline.trainer.conf"
 _CONFIG_NAME = "config"
 #: Command-line keys that select an option of a config group rather than set a value.
-_GROUPS = ("task", "strategy", "callbacks")
+_GROUPS = ("task", "data", "strategy", "callbacks")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -74,15 +74,20 @@ def task_by_target(args: Sequence[str]) -> list[str]:
     (``n_layer``, ...) would reach the user's class. The override is rewritten to Hydra's own spelling for
     "drop the group, add a new node" (``~task +task._target_=...``), and every ``task.<key>=<value>`` next to
     it to ``++task.<key>=<value>``, so the class's own defaults apply to whatever is not given.
+    The same holds for ``data._target_=module.Class`` (the `DataModule`), whose group has no default to drop.
     """
-    keys = [arg.partition("=")[0] for arg in args]
-    if "task._target_" not in (key.lstrip("+") for key in keys) or "task" in (key.lstrip("+~") for key in keys):
-        return list(args)
-    rewritten = ["~task"]
-    for arg, key in zip(args, keys):
-        if key.lstrip("+").startswith("task.") and "=" in arg:
-            arg = "++" + arg.lstrip("+")
-        rewritten.append(arg)
+    rewritten = list(args)
+    for group, default in (("task", ["~task"]), ("data", [])):
+        keys = [arg.partition("=")[0].lstrip("+") for arg in rewritten]
+        if f"{group}._target_" not in keys or group in (key.lstrip("~") for key in keys):
+            continue
+        first = next(i for i, key in enumerate(keys) if key.startswith(f"{group}."))
+        # Where the group's first override stands: after Hydra's flags, among the overrides.
+        rewritten = [
+            "++" + arg.lstrip("+") if key.startswith(f"{group}.") and "=" in arg else arg
+            for arg, key in zip(rewritten, keys)
+        ]
+        rewritten[first:first] = default
     return rewritten
 
 
@@ -101,7 +106,7 @@ def check_overrides(args: Sequence[str]) -> str | None:
         return None
     try:
         cfg = line.compose()
-        problem = _check_task_keys(cfg)
+        problem = _check_target_keys(cfg, "task") or _check_target_keys(cfg, "data")
     except Exception as error:
         return _describe(error, line)
     return problem
@@ -116,11 +121,11 @@ def run(cfg: DictConfig, output_dir: str) -> None:
     """Save the resolved `cfg` under `output_dir`, build everything it describes, and fit."""
     _save_config(cfg, Path(output_dir) / "config.yaml")
     try:
-        task, fit_trainer = _build(cfg, output_dir)
+        task, datamodule, fit_trainer = _build(cfg, output_dir)
     except (InstantiationException, ValueError, TypeError) as error:
         _fail(error, USAGE_ERROR)
     try:
-        fit_trainer.fit(task, ckpt_path=cfg.ckpt_path)
+        fit_trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     except KeyboardInterrupt:
         _exit("interrupted.", 130)
     except TrainingPreempted as stop:
@@ -134,13 +139,14 @@ def run(cfg: DictConfig, output_dir: str) -> None:
         _fail(error, RUNTIME_ERROR)
 
 
-def _build(cfg: DictConfig, output_dir: str) -> tuple[Any, Trainer]:
-    """Seed, then instantiate the task, the strategy, the callbacks and the Trainer."""
+def _build(cfg: DictConfig, output_dir: str) -> tuple[Any, Any, Trainer]:
+    """Seed, then instantiate the task, the DataModule (if any), the strategy, the callbacks and the Trainer."""
     trainer_kwargs: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
     if trainer_kwargs["seed"] is not None:
         # Before the task is built, so that its initial weights follow from the seed.
         seed_everything(trainer_kwargs["seed"])
     task = instantiate(cfg.task)
+    datamodule = instantiate(cfg.data) if cfg.get("data") is not None else None
     strategy = instantiate(cfg.strategy)
     callbacks = [instantiate(callback) for callback in cfg.callbacks.values()]
     if trainer_kwargs["default_root_dir"] is None:
@@ -148,7 +154,7 @@ def _build(cfg: DictConfig, output_dir: str) -> tuple[Any, Trainer]:
     trainer = Trainer(**trainer_kwargs, strategy=strategy, callbacks=callbacks)
     # Options that cannot work on this many processes fail here, in one line, before any worker starts.
     trainer.strategy.check_world_size(int(os.environ.get("WORLD_SIZE", trainer.devices)))
-    return task, trainer
+    return task, datamodule, trainer
 
 
 @rank_zero_only
@@ -209,18 +215,21 @@ def _hydra_context() -> Iterator[None]:
         GlobalHydra.instance().clear()
 
 
-def _check_task_keys(cfg: DictConfig) -> str | None:
-    """Check the task's keys against its class's constructor, so a typo is caught before anything runs."""
-    target = OmegaConf.select(cfg, "task._target_")
+def _check_target_keys(cfg: DictConfig, group: str) -> str | None:
+    """Check the keys of `group` ("task" or "data") against its class's constructor, so a typo is caught
+    before anything runs; the task is required, the DataModule is not."""
+    target = OmegaConf.select(cfg, f"{group}._target_")
+    if group == "data" and OmegaConf.select(cfg, "data") is None:
+        return None
     if not isinstance(target, str):
-        return "error: the config has no task._target_. " + _TASK_HINT
+        return f"error: the config has no {group}._target_. " + (_TASK_HINT if group == "task" else _DATA_HINT)
     try:
         task_class = _locate(target)
     except Exception as error:
         # _locate's message: "Error loading '<path>':", the import error, "Are you sure that ...?"
         reason = " ".join(line.strip() for line in str(error).strip().splitlines()[1:]) or str(error)
         return (
-            f"error: cannot import task._target_={target}: {reason}\n"
+            f"error: cannot import {group}._target_={target}: {reason}\n"
             "The module must be importable from the working directory (or PYTHONPATH)."
         )
     try:
@@ -230,11 +239,11 @@ def _check_task_keys(cfg: DictConfig) -> str | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return None
     valid = sorted(name for name, p in parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL)
-    for key in cfg.task:
+    for key in cfg[group]:
         if not str(key).startswith("_") and key not in valid:
             return (
-                f"error: unknown key 'task.{key}': {target} takes no argument {key!r}."
-                f"{_did_you_mean(str(key), valid)}\nValid keys under 'task': {', '.join(valid)}"
+                f"error: unknown key '{group}.{key}': {target} takes no argument {key!r}."
+                f"{_did_you_mean(str(key), valid)}\nValid keys under '{group}': {', '.join(valid)}"
             )
     return None
 
@@ -262,13 +271,13 @@ def _describe_missing_option(missing: str, line: _CommandLine) -> str:
         f"error: unknown {group} option {option!r}.{_did_you_mean(option, options)}\n"
         f"Valid {group} options: {', '.join(options)}"
     )
-    if group in ("task", "callbacks"):
+    if group in ("task", "data", "callbacks"):
         if line.config_dir is None:
             message += f"\nAn option of your own: <folder>/{group}/{option}.yaml, with --config-dir <folder>"
         else:
             message += f"\nNo file {Path(line.config_dir, group, option + '.yaml')} (from --config-dir)"
-        if group == "task":
-            message += "; or name the class: task._target_=<module>.<Class>"
+        if group in ("task", "data"):
+            message += f"; or name the class: {group}._target_=<module>.<Class>"
     return message
 
 
@@ -320,6 +329,7 @@ def _did_you_mean(word: str, choices: Sequence[str]) -> str:
 # --------------------------------------------------------------------- errors
 _HINT = "Set HYDRA_FULL_ERROR=1 for the full traceback."
 _TASK_HINT = "Choose one with task=<option> (--config-dir <folder> for your own) or task._target_=<module>.<Class>."
+_DATA_HINT = "Choose one with data=<option> (--config-dir <folder>) or data._target_=<module>.<Class>."
 _GRAMMAR = "Overrides look like key=value, +new_key=value or group=option; see docs/cli.md."
 
 

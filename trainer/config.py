@@ -48,11 +48,14 @@ class TrainerConf:
 
     max_epochs: int | None = None
     max_steps: int = -1
+    min_epochs: int | None = None
+    min_steps: int | None = None
     # An int, or Lightning's "auto" (OmegaConf 2.3 has no int-or-str type; the Trainer checks the value).
     devices: Any = 1
     accelerator: str = "auto"
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str | None = None
     precision: str = "32"
     logger: bool = True
     default_root_dir: str | None = None
@@ -62,6 +65,9 @@ class TrainerConf:
     val_check_interval: int | float = 1.0
     limit_train_batches: int | float | None = None
     limit_val_batches: int | float | None = None
+    limit_test_batches: int | float | None = None
+    limit_predict_batches: int | float | None = None
+    check_val_every_n_epoch: int = 1
     num_sanity_val_steps: int = 2
     use_distributed_sampler: bool = True
     seed: int | None = None
@@ -266,6 +272,8 @@ class SynclineConf:
     """
 
     task: Any = MISSING
+    #: The `DataModule` (``_target_`` and its arguments) that `fit` takes the data from; None: the task's own.
+    data: Any = None
     strategy: Any = MISSING
     trainer: TrainerConf = field(default_factory=TrainerConf)
     callbacks: dict[str, Any] = field(default_factory=dict)

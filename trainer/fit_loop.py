@@ -17,7 +17,7 @@ from syncline.trainer import persistence
 from syncline.trainer.data import epoch_batches
 from syncline.trainer.nonfinite import NonfiniteLossGuard
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
-from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
 from syncline.trainer.state import capture_rng, isolated_rng, restore_rng
 from syncline.trainer.uneven import JOINED, agreed_batches, needs_agreement
 
@@ -53,6 +53,7 @@ class FitLoop:
         #: Micro-batches of the open accumulation window that returned a loss (None skips one).
         self._window_losses = 0
         self._warned_none = False
+        self._warned_min = False
 
     def setup(self, optim: OptimizerSetup) -> None:
         """Bind the loop to the optimizer of this fit and plan when validation runs."""
@@ -104,11 +105,27 @@ class FitLoop:
 
     def _done(self) -> bool:
         trainer, state = self.trainer, self.state
-        if state.should_stop:
-            return True
         if trainer.max_steps != -1 and state.global_step >= trainer.max_steps:
             return True
-        return trainer.max_epochs not in (None, -1) and state.current_epoch >= trainer.max_epochs
+        if trainer.max_epochs not in (None, -1) and state.current_epoch >= trainer.max_epochs:
+            return True
+        return self._stop_requested()
+
+    def _stop_requested(self) -> bool:
+        """Whether a stop request (early stopping) ends training now: not before `min_epochs` epochs and
+        `min_steps` steps, as in Lightning (the maxima still end it)."""
+        trainer, state = self.trainer, self.state
+        if not state.should_stop:
+            return False
+        if state.current_epoch >= (trainer.min_epochs or 0) and state.global_step >= (trainer.min_steps or 0):
+            return True
+        if not self._warned_min:
+            self._warned_min = True
+            rank_zero_info(
+                f"Trainer was signaled to stop but the required min_epochs={trainer.min_epochs} or "
+                f"min_steps={trainer.min_steps} has not been met. Training will continue..."
+            )
+        return False
 
     def run_epoch(self) -> None:
         """Run one training epoch, its validations and its end-of-epoch events."""
@@ -119,14 +136,14 @@ class FitLoop:
         for batch_idx, batch, is_last in self._batches(trainer.num_training_batches):
             self.run_batch(batch, batch_idx, is_last)
             exhausted = is_last
-            if state.should_stop or (trainer.max_steps != -1 and state.global_step >= trainer.max_steps):
+            if self._stop_requested() or (trainer.max_steps != -1 and state.global_step >= trainer.max_steps):
                 break
         # Step values not due for the loggers by the epoch's end are not carried into the next epoch.
         trainer.results.pop_step_logs()
         # An epoch cut short by max_steps is not finished: it gets its final validation but no epoch-end
         # events, and a resume with a larger max_steps continues it with its remaining batches, as an
         # uninterrupted run would. A stop request (early stopping) ends the epoch.
-        if exhausted or state.should_stop:
+        if exhausted or self._stop_requested():
             state.batches_done = True
             self.end_epoch()
         elif state.batch_idx - 1 != state.validated_after and self.validation_due(state.batch_idx - 1, is_last=True):
@@ -181,6 +198,8 @@ class FitLoop:
         """Whether validation runs after training batch `batch_idx` of this epoch."""
         if not any(self.trainer.num_val_batches):
             return False
+        if (self.state.current_epoch + 1) % self.trainer.check_val_every_n_epoch:
+            return False  # not an epoch that validates, as Lightning's check_val_every_n_epoch
         if is_last and isinstance(self.trainer.val_check_interval, float):
             return True
         every = self.val_every
@@ -403,7 +422,7 @@ class FitLoop:
             trainer.precision.unscale(optimizer)
             self.fire(Callback.on_before_optimizer_step, optimizer)
             if trainer.gradient_clip_val is not None:
-                strategy.clip_gradients(self.parameters, trainer.gradient_clip_val)
+                strategy.clip_gradients(self.parameters, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
             strategy.optimizer_step(optimizer, trainer.precision.step(optimizer))
         state.global_step += 1
         self.stepped = True

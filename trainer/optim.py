@@ -9,6 +9,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from syncline.trainer.rank_zero import rank_zero_warn
+
 __all__ = ["OptimizerSetup", "SchedulerConfig", "parse_optimizers"]
 
 
@@ -21,6 +23,8 @@ class SchedulerConfig:
     frequency: int = 1
     monitor: str | None = None
     name: str | None = None
+    #: ReduceLROnPlateau only: a `monitor` not logged is an error (True) or skips the step with a warning.
+    strict: bool = True
 
     @property
     def needs_metric(self) -> bool:
@@ -47,9 +51,15 @@ class OptimizerSetup:
             if config.needs_metric:
                 if config.monitor not in metrics:
                     available = ", ".join(sorted(metrics)) or "none"
+                    if not config.strict:
+                        rank_zero_warn(
+                            f"ReduceLROnPlateau monitors {config.monitor!r}, which was not logged, and strict is "
+                            f"False: its step is skipped. Logged metrics: {available}."
+                        )
+                        continue
                     raise KeyError(
                         f"ReduceLROnPlateau monitors {config.monitor!r}, which was not logged. "
-                        f"Logged metrics: {available}."
+                        f"Logged metrics: {available}. Log it, or set 'strict': False in the lr_scheduler dict."
                     )
                 config.scheduler.step(metrics[config.monitor].item())
             else:
@@ -83,51 +93,109 @@ class OptimizerSetup:
             config.scheduler.load_state_dict(scheduler_state)
 
 
-def _parse_scheduler(value: Any) -> SchedulerConfig:
+#: The keys of a scheduler dict, as Lightning's ``LRSchedulerConfig`` has them.
+_SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name")
+#: The keys of an optimizer dict.
+_OPTIMIZER_KEYS = ("optimizer", "lr_scheduler", "monitor")
+
+_FORMS = (
+    "return one of: an optimizer; a list of optimizers; ([optimizers], [schedulers]); a dict "
+    "{'optimizer': ..., 'lr_scheduler': scheduler or {'scheduler': ..., 'interval': ..., ...}, 'monitor': ...}; "
+    "a list of such dicts"
+)
+
+
+def _parse_scheduler(value: Any, monitor: str | None) -> SchedulerConfig:
+    """Return the config of one scheduler (a scheduler, or a dict of `_SCHEDULER_KEYS`); `monitor` is the
+    optimizer dict's, which a bare ReduceLROnPlateau uses."""
     if isinstance(value, dict):
-        unknown = set(value) - {"scheduler", "interval", "frequency", "monitor", "name"}
+        unknown = sorted(set(value) - set(_SCHEDULER_KEYS))
         if "scheduler" not in value or unknown:
             raise ValueError(
-                "An lr_scheduler dict needs 'scheduler' and may have 'interval', 'frequency', 'monitor'; "
+                f"An lr_scheduler dict needs 'scheduler' and may have {', '.join(map(repr, _SCHEDULER_KEYS[1:]))}; "
                 f"got keys {sorted(value)}."
             )
         config = SchedulerConfig(
             value["scheduler"],
             value.get("interval", "epoch"),
-            int(value.get("frequency", 1)),
+            value.get("frequency", 1),
             value.get("monitor"),
             value.get("name"),
+            bool(value.get("strict", True)),
         )
     else:
         config = SchedulerConfig(value)
+        config.monitor = monitor if config.needs_metric else None
     if config.interval not in ("epoch", "step"):
         raise ValueError(f"lr_scheduler interval must be 'epoch' or 'step', got {config.interval!r}.")
+    if isinstance(config.frequency, bool) or not isinstance(config.frequency, int) or config.frequency < 1:
+        raise ValueError(f"lr_scheduler frequency must be an int >= 1, got {config.frequency!r}.")
     if config.needs_metric and config.monitor is None:
         raise ValueError(
             "ReduceLROnPlateau needs a metric: return {'scheduler': ..., 'monitor': '<logged key>'} "
-            "as the lr_scheduler."
+            "as the lr_scheduler (or 'monitor' beside 'optimizer')."
         )
     return config
 
 
-def parse_optimizers(returned: Any, task_name: str) -> OptimizerSetup:
-    """Turn what `configure_optimizers()` returned into an `OptimizerSetup`.
+def _optimizer_dict(value: dict[str, Any], task_name: str) -> tuple[Any, list[Any], str | None]:
+    """Return the optimizer, schedulers and monitor of one optimizer dict."""
+    unknown = sorted(set(value) - set(_OPTIMIZER_KEYS))
+    if "optimizer" not in value or unknown:
+        raise ValueError(
+            f"{task_name}.configure_optimizers() returned a dict with keys {sorted(value)}; it needs 'optimizer' "
+            "and may have 'lr_scheduler' and 'monitor'."
+        )
+    schedulers = [value["lr_scheduler"]] if value.get("lr_scheduler") is not None else []
+    return value["optimizer"], schedulers, value.get("monitor")
 
-    Accepts an optimizer, a one-element list of one, or a dict with ``"optimizer"`` and optionally
-    ``"lr_scheduler"``.
+
+def _split(returned: Any, task_name: str) -> tuple[list[Any], list[Any], str | None]:
+    """Return the optimizers, the schedulers and the top-level monitor of any of Lightning's forms."""
+    if isinstance(returned, torch.optim.Optimizer):
+        return [returned], [], None
+    if isinstance(returned, dict):
+        optimizer, schedulers, monitor = _optimizer_dict(returned, task_name)
+        return [optimizer], schedulers, monitor
+    if isinstance(returned, (list, tuple)) and returned:
+        if len(returned) == 2 and isinstance(returned[0], (list, tuple)):
+            schedulers = returned[1] if isinstance(returned[1], (list, tuple)) else [returned[1]]
+            return list(returned[0]), list(schedulers), None
+        if all(isinstance(item, dict) for item in returned):
+            parts = [_optimizer_dict(item, task_name) for item in returned]
+            return [opt for opt, _, _ in parts], [s for _, found, _ in parts for s in found], None
+        return list(returned), [], None
+    raise TypeError(f"{task_name}.configure_optimizers() returned {type(returned).__name__}; {_FORMS}.")
+
+
+def parse_optimizers(returned: Any, task_name: str) -> OptimizerSetup:
+    """Turn what `configure_optimizers()` returned, in any of Lightning's forms, into an `OptimizerSetup`.
 
     Raises:
-        TypeError: the value is none of these; the message says what was returned.
+        TypeError: the value is none of the forms, or holds something that is not an optimizer.
+        ValueError: several optimizers (Lightning trains them only under manual optimization), a bad
+            scheduler dict, or a scheduler of an optimizer that was not returned.
     """
-    if isinstance(returned, (list, tuple)) and len(returned) == 1:
-        returned = returned[0]
-    if isinstance(returned, torch.optim.Optimizer):
-        return OptimizerSetup(returned, [])
-    if isinstance(returned, dict) and isinstance(returned.get("optimizer"), torch.optim.Optimizer):
-        scheduler = returned.get("lr_scheduler")
-        return OptimizerSetup(returned["optimizer"], [] if scheduler is None else [_parse_scheduler(scheduler)])
-    raise TypeError(
-        f"{task_name}.configure_optimizers() returned {type(returned).__name__}; return one "
-        "torch.optim.Optimizer, or a dict {'optimizer': ..., 'lr_scheduler': ...}. "
-        "syncline trains with one optimizer per task."
-    )
+    optimizers, schedulers, monitor = _split(returned, task_name)
+    bad = [type(o).__name__ for o in optimizers if not isinstance(o, torch.optim.Optimizer)]
+    if bad or not optimizers:
+        raise TypeError(
+            f"{task_name}.configure_optimizers() returned {', '.join(bad) or 'no optimizer'} where a "
+            f"torch.optim.Optimizer belongs; {_FORMS}."
+        )
+    if len(optimizers) > 1:
+        raise ValueError(
+            f"{task_name}.configure_optimizers() returned {len(optimizers)} optimizers. As in Lightning, training "
+            "with several optimizers needs manual optimization (Lightning's `self.automatic_optimization = False`), "
+            "which syncline does not have yet: return one optimizer, with a parameter group per part of the "
+            "model for different settings."
+        )
+    optimizer = optimizers[0]
+    configs = [_parse_scheduler(scheduler, monitor) for scheduler in schedulers]
+    for config in configs:
+        if getattr(config.scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError(
+                f"{task_name}.configure_optimizers(): a {type(config.scheduler).__name__} is attached to an "
+                "optimizer that was not returned; build it on the returned optimizer."
+            )
+    return OptimizerSetup(optimizer, configs)

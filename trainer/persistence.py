@@ -10,6 +10,7 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback
 from syncline.trainer.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, require_entries, to_primitive
+from syncline.trainer.datamodule import datamodule_checkpoint
 from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
 from syncline.trainer.state import training_rng
 
@@ -72,6 +73,8 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         checkpoint["hparams_name"] = task.hparams_name
     if task.hparams_type is not None:
         checkpoint["hparams_type"] = task.hparams_type
+    # The DataModule's state under its class's name, as Lightning keeps it.
+    checkpoint.update(datamodule_checkpoint(trainer.datamodule))
     sampler_seed = _train_sampler_seed(trainer)
     if sampler_seed is not None:
         checkpoint["sampler_seed"] = sampler_seed
@@ -439,6 +442,8 @@ def open_checkpoint(trainer: Trainer, ckpt_path: Any, resume: bool) -> dict[str,
         # (collective), or from where the first attempt started when none was written yet.
         ckpt_path = find_last_checkpoint(trainer) or ckpt_path
     checkpoint = read_checkpoint(trainer, ckpt_path)
+    # The file a "best" or "last" resolved to, as Lightning's trainer.ckpt_path.
+    trainer.ckpt_path = None if checkpoint is None else str(checkpoint.get("loaded_from", ckpt_path))
     if resume and checkpoint is not None:
         for logger, state in zip(trainer.loggers, checkpoint.get("loggers", [])):
             logger.load_state_dict(state)

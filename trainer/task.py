@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import inspect
 import os
-from argparse import Namespace
-from collections.abc import Callable, Mapping, Sequence
-from types import FrameType
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.trainer.hooks import DataHooks
+from syncline.trainer.hparams import AttributeDict, HyperparametersMixin, build_from_hparams, read_for_loading
 
 if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
     from torchmetrics import Metric
 
     from syncline.trainer.trainer import Trainer
@@ -25,25 +22,14 @@ __all__ = ["AttributeDict", "Task"]
 TaskT = TypeVar("TaskT", bound="Task")
 
 
-class AttributeDict(dict):
-    """A dict whose keys read as attributes too: ``hparams.lr`` is ``hparams["lr"]``, as in Lightning."""
-
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return self[key]
-        except KeyError:
-            raise AttributeError(f"no hyperparameter {key!r}; saved: {', '.join(map(str, self)) or 'none'}") from None
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        self[key] = value
-
-
-class Task(nn.Module):
+class Task(DataHooks, HyperparametersMixin, nn.Module):
     """Subclass this and override the steps you need, as with a LightningModule.
 
     `training_step` returns a loss tensor or a dict with a ``"loss"`` entry; `configure_optimizers`
-    returns an optimizer, or a dict with ``"optimizer"`` and optionally ``"lr_scheduler"`` (a scheduler or
-    a dict with ``"scheduler"``, ``"interval"`` ("epoch" or "step"), ``"frequency"`` and ``"monitor"``).
+    returns an optimizer in any of Lightning's forms: an optimizer, a list, ``([optimizer], [schedulers])``,
+    a dict with ``"optimizer"`` and optionally ``"lr_scheduler"`` (a scheduler or a dict with ``"scheduler"``,
+    ``"interval"`` ("epoch" or "step"), ``"frequency"``, ``"monitor"``, ``"strict"``, ``"name"``) and
+    ``"monitor"``, or a list of such dicts; one optimizer, as Lightning's automatic optimization allows.
     Hooks with the names of `callbacks.Callback`'s, minus its `trainer` and `task` arguments, are called
     before the callbacks' of the same event.
     """
@@ -54,12 +40,7 @@ class Task(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Trainer | None = None
-        self.hparams: Any = AttributeDict()
-        #: The `__init__` argument `save_hyperparameters` took as the whole hyperparameters (Lightning's
-        #: ``hparams_name``), so `load_from_checkpoint` passes them back under that name.
-        self.hparams_name: str | None = None
-        #: Whether the loggers record the hyperparameters (`save_hyperparameters(logger=...)`).
-        self.hparams_logged = True
+        self._init_hparams()
 
     # ------------------------------------------------------------ environment
     @property
@@ -102,111 +83,54 @@ class Task(nn.Module):
             return tensor.device
         return torch.device("cpu")
 
-    def save_hyperparameters(
-        self,
-        *args: Any,
-        ignore: Sequence[str] | str | None = None,
-        frame: FrameType | None = None,
-        logger: bool = True,
-    ) -> None:
-        """Record the arguments of `__init__` in `self.hparams`, as Lightning does.
-
-        Without `args`, every argument of every `__init__` of the subclass chain running now is recorded
-        (a subclass's value wins over its parent's); names in `args` record only those; one non-string
-        argument (a dict, a Namespace, an OmegaConf DictConfig) becomes `hparams` itself (a DictConfig stays
-        one). Modules and other objects are kept (a module with Lightning's warning to `ignore` it). They are
-        logged by the loggers (unless `logger` is False) and stored in checkpoints.
-
-        Args:
-            args: names of arguments to record, or one object to use as the hyperparameters.
-            ignore: names of arguments to leave out.
-            frame: the frame of the `__init__` to read (default: the caller's).
-            logger: send the hyperparameters to the loggers.
-        """
-        if frame is None:
-            current = inspect.currentframe()
-            frame = current.f_back if current is not None else None
-        init_args = _init_arguments(self, frame)
-        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
-        init_args = {name: value for name, value in init_args.items() if name not in ignored}
-        objects = [arg for arg in args if not isinstance(arg, str)]
-        if len(objects) == 1:
-            hparams: Any = objects[0]
-            self.hparams_name = next((name for name, value in init_args.items() if value is hparams), None)
-        else:
-            hparams = {name: init_args[name] for name in args if isinstance(name, str)} if args else init_args
-            self.hparams_name = "kwargs" if hparams else None
-        if isinstance(hparams, Namespace):
-            hparams = vars(hparams)
-        if isinstance(hparams, dict) and isinstance(self.hparams, dict):
-            self.hparams.update(hparams)
-        elif isinstance(hparams, Mapping):
-            self.hparams = hparams  # an OmegaConf DictConfig stays one, as in Lightning
-        else:
-            raise ValueError(
-                f"{type(self).__name__}.save_hyperparameters got {type(hparams).__name__}; pass argument names, "
-                "or one dict, Namespace or DictConfig."
-            )
-        self.hparams_logged = logger
-        for name, value in self.hparams.items():
-            if isinstance(value, nn.Module):
-                rank_zero_warn(
-                    f"Attribute {name!r} is an instance of `nn.Module` and is already saved during checkpointing. "
-                    f"It is recommended to ignore them using `self.save_hyperparameters(ignore=[{name!r}])`."
-                )
-
-    @property
-    def hparams_type(self) -> str | None:
-        """ "DictConfig" when `hparams` is an OmegaConf DictConfig (checkpoints rebuild it as one), else None."""
-        return "DictConfig" if type(self.hparams).__name__ == "DictConfig" else None
-
     @classmethod
     def load_from_checkpoint(
         cls: type[TaskT],
         checkpoint_path: str | os.PathLike[str],
         map_location: Any = None,
+        hparams_file: str | os.PathLike[str] | None = None,
         strict: bool | None = None,
         **kwargs: Any,
     ) -> TaskT:
         """Build the task from a checkpoint's saved hyperparameters and load its weights, as Lightning does.
 
-        The constructor gets the hyperparameters `save_hyperparameters` recorded, with `kwargs` taking
-        precedence; arguments the constructor does not take are dropped (unless it takes ``**kwargs``), as
-        in Lightning. Then the task's ``on_load_checkpoint`` sees the checkpoint and the weights are loaded
-        (`strict`, by default the task's `strict_loading`). The task is returned in training mode on the
-        device `map_location` names (the CPU by default); call ``.eval()`` for inference.
+        The constructor gets the hyperparameters `save_hyperparameters` recorded, updated from `hparams_file`
+        (a YAML file, e.g. a logger's ``hparams.yaml``), with `kwargs` taking precedence; arguments the
+        constructor does not take are dropped (unless it takes ``**kwargs``), as in Lightning. Then the task's
+        ``on_load_checkpoint`` sees the checkpoint and the weights are loaded (`strict`, by default the task's
+        `strict_loading`; False tolerates missing and unexpected keys). The task is returned in training
+        mode on the device `map_location` names (the CPU by default); call ``.eval()`` for inference.
 
         Raises:
             CheckpointError: the file is missing, unreadable or not a syncline checkpoint.
             TypeError: the saved hyperparameters (or `kwargs`) do not fit the constructor.
+            ValueError: `hparams_file` is not a YAML file.
         """
-        from syncline.trainer.checkpoint import load_checkpoint, require_entries
+        from syncline.trainer.checkpoint import require_entries
 
-        checkpoint = load_checkpoint(checkpoint_path, map_location=map_location or "cpu")
+        checkpoint = read_for_loading(checkpoint_path, map_location)
         require_entries(checkpoint, ("state_dict",), checkpoint_path)
-        saved: Any = checkpoint.get("hyper_parameters", checkpoint.get("hparams", {}))
-        if checkpoint.get("hparams_type") == "DictConfig":
-            from omegaconf import OmegaConf
-
-            saved = OmegaConf.create(saved)
-        parameters = inspect.signature(cls.__init__).parameters
-        name = checkpoint.get("hparams_name")
-        arguments = {name: saved} if name and name != "kwargs" and name in parameters else dict(saved)
-        arguments.update(kwargs)
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-            arguments = {key: value for key, value in arguments.items() if key in parameters}
-        try:
-            task = cls(**arguments)
-        except TypeError as error:
-            raise TypeError(
-                f"{cls.__name__}.load_from_checkpoint({str(checkpoint_path)!r}): {error}. The checkpoint's "
-                f"hyperparameters are {sorted(saved)}; pass missing ones as keywords."
-            ) from error
+        task = build_from_hparams(cls, checkpoint, "", checkpoint_path, hparams_file, kwargs)
         task.on_load_checkpoint(checkpoint)
         task.load_state_dict(checkpoint["state_dict"], strict=task.strict_loading if strict is None else strict)
         if isinstance(map_location, (str, int, torch.device)):
             task.to(map_location)
         return task
+
+    def optimizers(self, use_pl_optimizer: bool = True) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+        """Return the optimizer `configure_optimizers` gave the Trainer (Lightning's shape: the one, or a list).
+
+        syncline returns the torch optimizer itself; `use_pl_optimizer` is accepted for Lightning's code.
+        """
+        found = self.trainer.optimizers
+        return found[0] if len(found) == 1 else found
+
+    def lr_schedulers(self) -> Any:
+        """Return the learning-rate schedulers being used: None without any, the one, or a list."""
+        found = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+        if not found:
+            return None
+        return found[0] if len(found) == 1 else found
 
     # ---------------------------------------------------------------- logging
     def log(
@@ -277,39 +201,15 @@ class Task(nn.Module):
         return self(batch)
 
     def configure_optimizers(self) -> Any:
-        """Return an optimizer, or a dict with ``"optimizer"`` and ``"lr_scheduler"``."""
+        """Return an optimizer (and schedulers) in one of Lightning's forms (see the class's docstring)."""
         raise NotImplementedError(
             f"{type(self).__name__} must override `configure_optimizers()` and return an optimizer "
             "(or a dict with 'optimizer' and 'lr_scheduler')."
         )
 
-    def train_dataloader(self) -> DataLoader:
-        """Return the training DataLoader, unless one is passed to `Trainer.fit`."""
-        raise NotImplementedError(
-            f"No training data: pass `train_dataloaders` to Trainer.fit or override "
-            f"`{type(self).__name__}.train_dataloader()`."
-        )
-
-    def val_dataloader(self) -> DataLoader | None:
-        """Return the validation DataLoader, or None for no validation."""
-        return None
-
-    def test_dataloader(self) -> DataLoader | None:
-        """Return the test DataLoader."""
-        return None
-
-    def predict_dataloader(self) -> DataLoader | None:
-        """Return the predict DataLoader."""
-        return None
-
     # ----------------------------------------------------------- task hooks
+    # prepare_data, setup, teardown and the *_dataloader methods are `DataHooks`'.
     # Same names as `callbacks.Callback`'s hooks; the dispatcher calls only those a subclass overrides.
-    def setup(self, stage: str) -> None:
-        """Build what needs the stage or the process (data, layers sized by data)."""
-
-    def teardown(self, stage: str) -> None:
-        """Release what `setup` built."""
-
     def on_fit_start(self) -> None:
         """Called when fit starts."""
 
@@ -409,28 +309,3 @@ class Task(nn.Module):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Read entries from a checkpoint being restored."""
-
-
-def _init_arguments(task: Task, frame: FrameType | None) -> dict[str, Any]:
-    """Return the arguments of every `__init__` of `task` on the stack from `frame` outwards.
-
-    The innermost frame is the parent class's `__init__` (called through ``super().__init__``); the outer ones
-    are its subclasses', whose values win, as in Lightning.
-    """
-    chain: list[dict[str, Any]] = []
-    while frame is not None:
-        code = frame.f_code
-        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-        if code.co_name == "__init__" and names and frame.f_locals.get(names[0]) is task:
-            arguments = {name: frame.f_locals[name] for name in names[1:] if name in frame.f_locals}
-            if code.co_flags & inspect.CO_VARKEYWORDS:
-                varargs = 1 if code.co_flags & inspect.CO_VARARGS else 0
-                arguments.update(frame.f_locals.get(code.co_varnames[len(names) + varargs], {}))
-            chain.append(arguments)
-        elif chain:
-            break
-        frame = frame.f_back
-    merged: dict[str, Any] = {}
-    for arguments in chain:
-        merged.update(arguments)
-    return merged

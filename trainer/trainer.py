@@ -22,8 +22,9 @@ from syncline.trainer.arguments import (
     resolve_devices,
     strategy_of,
 )
-from syncline.trainer.checkpoint import save_checkpoint, to_primitive
+from syncline.trainer.checkpoint import save_checkpoint
 from syncline.trainer.data import eval_dataloaders, limit_batches, prepare_loader, prepare_loaders
+from syncline.trainer.datamodule import DataModule, check_datamodule, merged_hparams, prepare_and_setup
 from syncline.trainer.evaluation import EvaluationLoop
 from syncline.trainer.fit_loop import FitLoop
 from syncline.trainer.optim import OptimizerSetup, parse_optimizers
@@ -52,7 +53,10 @@ class Trainer:
             every GPU (one process on the CPU), -1 every GPU.
         accumulate_grad_batches: micro-batches per optimizer step; the loss is divided by it and only the
             last micro-batch of a window synchronizes gradients.
-        gradient_clip_val: clip the gradients' global 2-norm to this value before each step.
+        min_epochs: a stop request (early stopping) ends training only after this many epochs.
+        min_steps: ... and after this many optimizer steps.
+        gradient_clip_val: clip the gradients to this value before each step.
+        gradient_clip_algorithm: "norm" (their global 2-norm, the default) or "value" (each element).
         precision: "32", "bf16-mixed" or "16-mixed" (fp16 autocast with loss scaling, CPU or CUDA); also
             Lightning's "32-true", "16" and "bf16".
         callbacks: `Callback` instances, called in this order (before the task's own hooks, as in Lightning).
@@ -65,6 +69,9 @@ class Trainer:
             int: validate every this many training batches.
         limit_train_batches: use only this many (int) or this fraction (float) of the training batches.
         limit_val_batches: likewise for validation.
+        limit_test_batches: likewise for `test`.
+        limit_predict_batches: likewise for `predict`.
+        check_val_every_n_epoch: validate in every this-many-th epoch only.
         num_sanity_val_steps: validation batches run before training to catch errors early.
         use_distributed_sampler: shard the data across processes with a `DistributedSampler`.
         accelerator: "auto" (CUDA when there is a GPU, else the CPU), "cpu", or "gpu"/"cuda"; with
@@ -87,11 +94,14 @@ class Trainer:
         self,
         max_epochs: int | None = None,
         max_steps: int = -1,
+        min_epochs: int | None = None,
+        min_steps: int | None = None,
         strategy: str | Strategy = "auto",
         devices: int | str = 1,
         accelerator: str = "auto",
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
         precision: str | int = "32",
         callbacks: Sequence[Callback] | Callback | None = None,
         logger: bool | Logger | Sequence[Logger] = True,
@@ -102,6 +112,9 @@ class Trainer:
         val_check_interval: int | float = 1.0,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
+        limit_test_batches: int | float | None = None,
+        limit_predict_batches: int | float | None = None,
+        check_val_every_n_epoch: int = 1,
         num_sanity_val_steps: int = 2,
         use_distributed_sampler: bool = True,
         seed: int | None = None,
@@ -116,6 +129,12 @@ class Trainer:
         devices = resolve_devices(devices, accelerator)
         self.max_epochs = 1000 if max_epochs is None and max_steps == -1 else max_epochs
         self.max_steps = max_steps
+        self.min_epochs = min_epochs
+        self.min_steps = min_steps
+        self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
+        self.limit_test_batches = limit_test_batches
+        self.limit_predict_batches = limit_predict_batches
+        self.check_val_every_n_epoch = check_val_every_n_epoch
         self.devices = devices
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val = gradient_clip_val
@@ -165,6 +184,12 @@ class Trainer:
         self.fit_loop = FitLoop(self)
         self.evaluation = EvaluationLoop(self)
         self._task: Task | None = None
+        #: The checkpoint the last stage loaded (its path), as Lightning's ``trainer.ckpt_path``.
+        self.ckpt_path: str | None = None
+        #: Whether the last stage was stopped by Ctrl-C or a preemption signal (Lightning's ``interrupted``).
+        self.interrupted = False
+        #: The DataModule of the stage in progress (or the last one), as Lightning's ``trainer.datamodule``.
+        self.datamodule: DataModule | None = None
 
         set_deterministic(deterministic)
         if seed is not None:
@@ -261,11 +286,12 @@ class Trainer:
         task: Task | None = None,
         train_dataloaders: Any = None,
         val_dataloaders: Any = None,
+        datamodule: DataModule | None = None,
         ckpt_path: str | os.PathLike[str] | None = None,
         *,
         model: Task | None = None,
     ) -> None:
-        """Train `task` (or `model=`, Lightning's name); resume from `ckpt_path` if given.
+        """Train `task` (or `model=`, Lightning's name) on the loaders or `datamodule`; resume from `ckpt_path`.
 
         `ckpt_path` is a checkpoint's path, "last" (the newest last checkpoint), "best" (the first
         ModelCheckpoint's best) or None.
@@ -273,7 +299,7 @@ class Trainer:
         if (task is None) == (model is None):
             raise TypeError("Trainer.fit takes one task: pass it positionally or as model=..., not both or neither.")
         loaders = {"train_dataloaders": train_dataloaders, "val_dataloaders": val_dataloaders}
-        self._stage("fit", task if task is not None else model, ckpt_path, loaders)
+        self._stage("fit", task if task is not None else model, ckpt_path, loaders, datamodule)
 
     def validate(
         self,
@@ -281,6 +307,7 @@ class Trainer:
         dataloaders: Any = None,
         ckpt_path: str | os.PathLike[str] | None = None,
         *,
+        datamodule: DataModule | None = None,
         model: Task | None = None,
     ) -> list[dict[str, float]]:
         """Run the validation loop once and return its epoch metrics, one dict per loader.
@@ -288,7 +315,7 @@ class Trainer:
         Without a task, the task of the previous `fit` is used with its best checkpoint, as in Lightning.
         `ckpt_path`: None (the task's current weights), "best", "last", or a checkpoint's path.
         """
-        return self._stage("validate", *self._eval_task("validate", task, model, ckpt_path), dataloaders)
+        return self._stage("validate", *self._eval_task("validate", task, model, ckpt_path), dataloaders, datamodule)
 
     def test(
         self,
@@ -296,21 +323,23 @@ class Trainer:
         dataloaders: Any = None,
         ckpt_path: str | os.PathLike[str] | None = None,
         *,
+        datamodule: DataModule | None = None,
         model: Task | None = None,
     ) -> list[dict[str, float]]:
         """Run the test loop once and return its epoch metrics, one dict per loader (see `validate`)."""
-        return self._stage("test", *self._eval_task("test", task, model, ckpt_path), dataloaders)
+        return self._stage("test", *self._eval_task("test", task, model, ckpt_path), dataloaders, datamodule)
 
     def predict(
         self,
         task: Task | None = None,
         dataloaders: Any = None,
-        ckpt_path: str | os.PathLike[str] | None = None,
+        datamodule: DataModule | None = None,
         *,
+        ckpt_path: str | os.PathLike[str] | None = None,
         model: Task | None = None,
     ) -> list[Any]:
         """Return `predict_step`'s outputs batch by batch (a list per loader with several; see `validate`)."""
-        return self._stage("predict", *self._eval_task("predict", task, model, ckpt_path), dataloaders)
+        return self._stage("predict", *self._eval_task("predict", task, model, ckpt_path), dataloaders, datamodule)
 
     def _eval_task(self, stage: str, task: Task | None, model: Task | None, ckpt_path: Any) -> tuple[Task, Any]:
         """Return the task to evaluate and the checkpoint to load, as Lightning chooses them."""
@@ -327,13 +356,14 @@ class Trainer:
             )
         return self._task, "best" if ckpt_path is None else ckpt_path
 
-    def _stage(self, stage: str, task: Any, ckpt_path: Any, data: Any) -> Any:
+    def _stage(self, stage: str, task: Any, ckpt_path: Any, data: Any, datamodule: Any) -> Any:
         """Run `stage` here, or launch `devices` workers that run it (not when torchrun started us)."""
         self._task = task
-        kwargs = data if stage == "fit" else {"dataloaders": data}
+        self.datamodule, kwargs = check_datamodule(stage, datamodule, data if stage == "fit" else {"dataloaders": data})
+        data = kwargs.get("dataloaders")
         if self.devices > 1 and not launched_by_torchrun():
             # The launcher checks the options against the world size before it looks at the task.
-            return launch(self, stage, task, {**kwargs, "ckpt_path": ckpt_path})
+            return launch(self, stage, task, {**kwargs, "datamodule": self.datamodule, "ckpt_path": ckpt_path})
         if not isinstance(task, Task):
             raise TypeError(f"Trainer.{stage} needs a trainer.Task, got {type(task).__name__}.")
         if stage == "fit":
@@ -351,6 +381,7 @@ class Trainer:
     def _run(self, stage: str, task: Task, body: Callable[[], R]) -> R:
         task._trainer = self
         self.state.stage = stage
+        self.interrupted = False
         # Every stage starts with no metrics, as in Lightning: `validate` after `fit` shows its own values.
         for metrics in (self.callback_metrics, self.progress_bar_metrics, self.logged_metrics):
             metrics.clear()
@@ -369,6 +400,7 @@ class Trainer:
         except BaseException as error:
             if isinstance(error, (KeyboardInterrupt, TrainingPreempted)):
                 status = "interrupted"
+                self.interrupted = True
             if not isinstance(error, TrainingPreempted):
                 # Every rank stops together on a preemption; after anything else the others may be stuck.
                 self.strategy.on_stage_failure()
@@ -376,6 +408,8 @@ class Trainer:
             raise
         finally:
             try:
+                if self.datamodule is not None:
+                    self.datamodule.teardown(stage)  # before the callbacks' and the task's, as in Lightning
                 self.dispatcher.fire(Callback.teardown, stage)
                 if self.is_global_zero:
                     for logger in self.loggers:
@@ -387,12 +421,13 @@ class Trainer:
     def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: Any) -> None:
         task, strategy = self.task, self.strategy
         checkpoint = persistence.open_checkpoint(self, ckpt_path, resume=True)
-        self.dispatcher.fire(Callback.setup, "fit")
-        loader = train_dataloaders if train_dataloaders is not None else task.train_dataloader()
+        prepare_and_setup(self, "fit", checkpoint)
+        source = self.datamodule if self.datamodule is not None else task
+        loader = train_dataloaders if train_dataloaders is not None else source.train_dataloader()
         self.train_dataloader = prepare_loader(self, loader)
         limit = self.limit_train_batches
         self.num_training_batches = limit_batches(self.train_dataloader, limit, "limit_train_batches")
-        val, limit = val_dataloaders if val_dataloaders is not None else task.val_dataloader(), self.limit_val_batches
+        val, limit = val_dataloaders if val_dataloaders is not None else source.val_dataloader(), self.limit_val_batches
         self.val_dataloaders, self.num_val_batches = prepare_loaders(self, val, limit, "limit_val_batches")
         if checkpoint is not None:
             # As in Lightning: the task's and the callbacks' state before configure_optimizers.
@@ -406,19 +441,23 @@ class Trainer:
         if in_eval := sum(not module.training for module in task.modules()):  # kept so, as Lightning does
             rank_zero_warn(f"Found {in_eval} module(s) in eval mode at the start of training; they train so.")
         self.dispatcher.fire(Callback.on_fit_start)
-        if self.is_global_zero and task.hparams_logged:
+        hparams = merged_hparams(task, self.datamodule)
+        if self.is_global_zero and hparams:
             for logger in self.loggers:
-                logger.log_hyperparams(to_primitive(task.hparams))
+                logger.log_hyperparams(hparams)
         self.fit_loop.train()
         self.dispatcher.fire(Callback.on_fit_end)
 
     def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any) -> Any:
         task = self.task
         checkpoint = persistence.open_checkpoint(self, ckpt_path, resume=False)
-        self.dispatcher.fire(Callback.setup, stage)
-        limit = self.limit_val_batches if stage == "validate" else None
+        prepare_and_setup(self, stage, checkpoint)
+        name = {"validate": "limit_val_batches", "test": "limit_test_batches", "predict": "limit_predict_batches"}[
+            stage
+        ]
+        source = self.datamodule if self.datamodule is not None else task
         loaders, num_batches = prepare_loaders(
-            self, eval_dataloaders(task, stage, dataloaders), limit, "limit_val_batches"
+            self, eval_dataloaders(source, stage, dataloaders), getattr(self, name), name
         )
         if checkpoint is not None:
             persistence.restore_model(self, checkpoint, callbacks=False)

@@ -47,12 +47,47 @@ MYTASK = textwrap.dedent(
 )
 
 
+MYDATA = textwrap.dedent(
+    """
+    from pathlib import Path
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from syncline import DataModule
+
+
+    class Blobs(DataModule):
+        def __init__(self, batch_size: int = 16, n: int = 48) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+        def prepare_data(self):
+            Path("prepared.txt").write_text("yes")
+
+        def setup(self, stage):
+            g = torch.Generator().manual_seed(1)
+            n = self.hparams.n
+            self.data = TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+        def train_dataloader(self):
+            with open("loaders.txt", "a") as file:
+                file.write(f"train {len(self.data)} {self.hparams.batch_size}\\n")
+            return DataLoader(self.data, batch_size=self.hparams.batch_size, shuffle=True)
+    """
+)
+
+
 @pytest.fixture
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A user's folder: mytask.py and conf/task/mytask.yaml; importable, as from the working directory."""
+    """A user's folder: mytask.py, mydata.py, conf/task/mytask.yaml and conf/data/blobs.yaml; importable, as
+    from the working directory."""
     (tmp_path / "mytask.py").write_text(MYTASK)
+    (tmp_path / "mydata.py").write_text(MYDATA)
     (tmp_path / "conf" / "task").mkdir(parents=True)
     (tmp_path / "conf" / "task" / "mytask.yaml").write_text("_target_: mytask.Classifier\nlr: 0.05\nhidden: 16\n")
+    (tmp_path / "conf" / "data").mkdir(parents=True)
+    (tmp_path / "conf" / "data" / "blobs.yaml").write_text("_target_: mydata.Blobs\nbatch_size: 12\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -132,3 +167,42 @@ def test_cli_exits_2_with_the_suggestion_when_a_flag_is_given(project):
     assert result.returncode == 2
     assert "Did you mean 'max_epochs'?" in result.stderr
     assert len(result.stderr.strip().splitlines()) <= 3, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "data"),
+    [
+        (["--config-dir", "conf", "data=blobs"], {"_target_": "mydata.Blobs", "batch_size": 12}),
+        (["data._target_=mydata.Blobs", "data.n=40"], {"_target_": "mydata.Blobs", "n": 40}),
+    ],
+    ids=["config-dir", "class-path"],
+)
+def test_a_datamodule_gives_the_data_from_the_command_line(project, args, data):
+    out = project / "run"
+    result = _cli(*args, "task._target_=mytask.Classifier", f"hydra.run.dir={out}", cwd=project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert OmegaConf.to_container(OmegaConf.load(out / "config.yaml").data) == data
+    assert (project / "prepared.txt").read_text() == "yes"
+    n, batch_size = data.get("n", 48), data.get("batch_size", 16)
+    # The DataModule's loader, not the task's own (64 samples in batches of 16), fed the training.
+    assert (project / "loaders.txt").read_text() == f"train {n} {batch_size}\n"
+    hparams = OmegaConf.load(out / "logs" / "version_0" / "hparams.yaml")
+    assert hparams.batch_size == batch_size and hparams.lr == 0.1  # the task's and the DataModule's
+
+
+def test_task_by_target_lets_data_target_add_a_datamodule():
+    assert task_by_target(["data._target_=m.D", "data.n=3"]) == ["++data._target_=m.D", "++data.n=3"]
+    assert task_by_target(["data=mine", "data.n=3"]) == ["data=mine", "data.n=3"]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["data._target_=mydata.Blobs", "data.batch_sise=8"], "takes no argument 'batch_sise'. Did you mean"),
+        (["-cd", "conf", "data=blob"], "unknown data option 'blob'. Did you mean 'blobs'?"),
+        (["data._target_=mydata.Blops"], "cannot import data._target_=mydata.Blops"),
+    ],
+)
+def test_check_overrides_names_a_bad_datamodule(project, args, expected):
+    message = check_overrides(task_by_target(args))
+    assert message is not None and expected in message, message

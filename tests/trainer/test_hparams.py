@@ -115,3 +115,72 @@ def test_load_from_checkpoint_calls_on_load_checkpoint(tmp_path):
 
     Hooked.load_from_checkpoint(_checkpoint_of(Hooked(), tmp_path))
     assert seen == [2]
+
+
+class TwoNamed(Regressor):
+    def __init__(self, lr: float = 0.1, dropout: float = 0.0, features: int = 8) -> None:
+        super().__init__(lr=lr, dropout=dropout, features=features)
+        self.save_hyperparameters("lr", "dropout")
+
+
+class FromNamespace(Regressor):
+    def __init__(self, args) -> None:
+        super().__init__(lr=args.lr)
+        self.save_hyperparameters(args)
+
+
+class FromDict(Regressor):
+    def __init__(self, config: dict) -> None:
+        super().__init__(lr=config["lr"])
+        self.save_hyperparameters(config)
+
+
+def test_several_names_a_dict_or_a_namespace_are_saved_and_rebuilt_from_the_checkpoint(tmp_path):
+    assert dict(TwoNamed(lr=0.3, features=4).hparams) == {"lr": 0.3, "dropout": 0.0}
+    loaded = TwoNamed.load_from_checkpoint(_checkpoint_of(TwoNamed(lr=0.3), tmp_path / "two"))
+    assert dict(loaded.hparams) == {"lr": 0.3, "dropout": 0.0}
+    # One object: Lightning passes it back under its argument's name, as an AttributeDict (attribute access).
+    task = FromNamespace(Namespace(lr=0.25))
+    assert dict(task.hparams) == {"lr": 0.25}
+    assert FromNamespace.load_from_checkpoint(_checkpoint_of(task, tmp_path / "ns")).hparams.lr == 0.25
+    loaded = FromDict.load_from_checkpoint(_checkpoint_of(FromDict({"lr": 0.5}), tmp_path / "dict"))
+    assert dict(loaded.hparams) == {"lr": 0.5}
+
+
+class Wider(Regressor):
+    """Regressor with one more layer than the checkpoint has."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__(lr=lr)
+        self.extra = nn.Linear(1, 1)
+        self.save_hyperparameters()
+
+
+def test_load_from_checkpoint_strict_false_keeps_what_is_missing_and_map_location_places_it(tmp_path):
+    class Plain(Regressor):
+        def __init__(self, lr: float = 0.1) -> None:
+            super().__init__(lr=lr)
+            self.save_hyperparameters()
+
+    original = Plain(lr=0.3)
+    path = _checkpoint_of(original, tmp_path)
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"extra.weight\""):
+        Wider.load_from_checkpoint(path)
+    loaded = Wider.load_from_checkpoint(path, map_location=lambda storage, location: storage, strict=False)
+    torch.testing.assert_close(loaded.net[0].weight, original.net[0].weight, rtol=0, atol=0)
+    loaded = Wider.load_from_checkpoint(path, map_location=torch.device("cpu"), strict=False, lr=0.9)
+    assert loaded.device == torch.device("cpu") and loaded.hparams.lr == 0.9
+
+
+def test_hparams_file_updates_the_saved_hyperparameters_and_keywords_win(tmp_path):
+    class Plain(Regressor):
+        def __init__(self, lr: float = 0.1, dropout: float = 0.0) -> None:
+            super().__init__(lr=lr, dropout=dropout)
+            self.save_hyperparameters()
+
+    path = _checkpoint_of(Plain(lr=0.3), tmp_path)
+    (tmp_path / "hparams.yaml").write_text("lr: 0.6\ndropout: 0.2\n")
+    loaded = Plain.load_from_checkpoint(path, hparams_file=tmp_path / "hparams.yaml", dropout=0.1)
+    assert dict(loaded.hparams) == {"lr": 0.6, "dropout": 0.1}
+    with pytest.raises(ValueError, match=r"pass a \.yaml or \.yml file"):
+        Plain.load_from_checkpoint(path, hparams_file=tmp_path / "hparams.json")
