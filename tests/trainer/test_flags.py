@@ -11,8 +11,8 @@ from torch import nn
 
 from syncline.callbacks import Callback
 from syncline.options import OptionError
+from syncline.strategies.comm.ranks import run_distributed
 from syncline.trainer import Trainer
-from tests.strategies._dist import run_distributed
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 
