@@ -3,7 +3,7 @@
 One lab, two torchrun jobs with a 5 s collective timeout. A permanent partition: the first rank to notice
 ends within timeout + 10 s and the last process of the job within timeout + 20 s. A rank stuck in compute
 on one node when the rank on the other node raises: it learns of the failure from the job's store and the
-job ends within seconds. (A killed agent is timed by `benchmarks.lab_faults` and, with `devices=2`, by
+job ends within seconds. (A killed agent is timed by `python -m benchmarks lab faults` and, with `devices=2`, by
 tests/strategies/test_worker_guard.py.)
 """
 
