@@ -1,5 +1,6 @@
 """A task of one's own from the command line: a user's config folder, or a class by its import path."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from benchmarks.lab.cluster import namespaces_unavailable
 from syncline.trainer.cli import check_overrides, constructor_keys, task_by_target
 
 MYTASK = textwrap.dedent(
@@ -311,3 +313,23 @@ def test_constructor_keys_lets_task_and_data_keys_be_added():
         "trainer.max_steps=1",
         "task=mine",
     ]
+
+
+@pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
+def test_the_lab_runs_a_users_cli_task_from_their_folder(installed, project):
+    """The installed lab, from the user's folder: 2 nodes at 100 Mbit/s, one output folder, a step report."""
+    result = _user(
+        installed, project, "python", "-m", "syncline.benchmarks", "lab", "cluster", "--nodes", "2", "--rate",
+        "100mbit", "--timeout", "240", "--log-dir", str(project / "lab"), "--json", str(project / "lab.json"), "--",
+        "-m", "syncline", "--config-dir", "conf", "task=mytask", "trainer.max_steps=6", "trainer.limit_val_batches=0",
+        "trainer.enable_progress_bar=false",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((project / "lab.json").read_text())
+    assert report["lab"]["nodes"] == 2 and all(node["returncode"] == 0 for node in report["lab"]["node_results"])
+    steps = report["steps"]
+    assert steps["steps"] == 6 and steps["seconds_per_step"] > 0 and min(steps["bytes_per_step"]) > 0
+    assert 0 < steps["wire_seconds"] < steps["seconds_per_step"]
+    assert "6 steps:" in result.stdout and "s per step (median)" in result.stdout
+    (run,) = (project / "outputs").iterdir()  # one folder for both nodes, in the user's folder
+    assert (run / "config.yaml").is_file() and (run / "logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
