@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -411,7 +410,8 @@ class StepReport:
     """How a job's training steps went on the lab's links: read off rank 0's timeline and the links' counters."""
 
     steps: int
-    #: Median time from one optimizer step's start to the next's on rank 0 (validation and the first step aside).
+    #: Mean time from one optimizer step's start to the next's on rank 0, the first step (warm-up) aside: what
+    #: a strategy's periodic work costs is in it (validation too, when the job validates: switch it off).
     seconds_per_step: float
     #: Each node's bytes sent over the whole job, divided by the steps (start-up traffic included).
     bytes_per_step: list[float]
@@ -439,14 +439,14 @@ def step_report(result: LabResult, trace_path: str | os.PathLike[str]) -> StepRe
     """Combine a lab run's link counters with its timeline into seconds and bytes per step."""
     starts = step_starts(trace_path)
     steps = sorted(starts)
-    # Consecutive steps only; the first step (warm-up, bucket rebuild) is left out when there are others.
-    gaps = [starts[b] - starts[a] for a, b in zip(steps, steps[1:]) if b == a + 1 and a != steps[0]]
-    gaps = gaps or [starts[b] - starts[a] for a, b in zip(steps, steps[1:]) if b == a + 1]
-    if not gaps:
-        raise RuntimeError(f"{trace_path} holds fewer than two consecutive steps; run the job for more steps.")
+    if len(steps) < 2:
+        raise RuntimeError(f"{trace_path} holds fewer than two steps; run the job for more steps.")
+    # From the second step's start to the last's: the first step (warm-up, bucket rebuild) is left out.
+    first = steps[1] if len(steps) > 2 else steps[0]
+    seconds = (starts[steps[-1]] - starts[first]) / (steps[-1] - first)
     per_step = [node.bytes_sent / len(steps) for node in result.node_results]
     wire = max(per_step) * 8 / result.rate_bits_per_second if result.rate_bits_per_second else None
-    return StepReport(len(steps), statistics.median(gaps), per_step, wire)
+    return StepReport(len(steps), seconds, per_step, wire)
 
 
 def with_run_dir(command: Sequence[str], run_dir: Path) -> list[str]:
@@ -543,7 +543,7 @@ def command(args: argparse.Namespace) -> int | None:
         )  # fmt: skip
         rows.append({"strategy": name, "ok": result.ok, "steps": asdict(report) if report else None})
         if report is None:
-            print(f"  {name:<26}failed or did not train: see {log_dir / name}")
+            print(f"  {name:<26}{_failure(result) or 'did not train'} (logs: {log_dir / name})")
             continue
         wire = f"{report.wire_seconds:.3f}" if report.wire_seconds else "-"
         share = f"{report.wire_share:.0%}" if report.wire_share is not None else "-"
@@ -568,9 +568,20 @@ def _strategy_names(option: str | None, torchrun_args: Sequence[str]) -> list[st
     return names
 
 
+def _failure(result: LabResult) -> str | None:
+    """The first ``error:`` line a failed node's job printed (syncline's CLI prints one), shortened."""
+    for node in result.node_results:
+        if node.returncode != 0 and Path(node.log).is_file():
+            for line in Path(node.log).read_text(errors="replace").splitlines():
+                if line.startswith("error: "):
+                    return line if len(line) <= 100 else line[:97] + "..."
+            return f"node {node.node} exited with {node.returncode}"
+    return None
+
+
 def _describe(report: StepReport) -> str:
     per_node = ", ".join(f"{size / 1e6:.2f}" for size in report.bytes_per_step)
-    line = f"  {report.steps} steps: {report.seconds_per_step:.3f} s per step (median)"
+    line = f"  {report.steps} steps: {report.seconds_per_step:.3f} s per step"
     line += f"; MB sent per node per step: {per_node}"
     if report.wire_seconds:
         line += (

@@ -87,10 +87,10 @@ def test_a_jobs_steps_are_read_off_rank_0s_timeline_and_the_links(tmp_path):
     trace.write_text(json.dumps({"traceEvents": events}))
     nodes = [NodeResult(0, 0, 5_000_000, 0, ""), NodeResult(1, 0, 2_500_000, 0, "")]
     report = step_report(LabResult(2, "100mbit", 100e6, 10.0, nodes), trace)
-    # Gaps after the first step: 0.5, 0.5, 1.5 -> median 0.5 s.
-    assert report.steps == 5 and report.seconds_per_step == pytest.approx(0.5)
+    # From step 1 (1.0 s) to step 4 (3.5 s): 2.5 s over 3 steps; the first step (warm-up) is left out.
+    assert report.steps == 5 and report.seconds_per_step == pytest.approx(2.5 / 3)
     assert report.bytes_per_step == [1_000_000, 500_000]
-    assert report.wire_seconds == pytest.approx(0.08) and report.wire_share == pytest.approx(0.16)
+    assert report.wire_seconds == pytest.approx(0.08) and report.wire_share == pytest.approx(0.08 / (2.5 / 3))
     unshaped = step_report(LabResult(2, None, None, 10.0, nodes), trace)
     assert unshaped.wire_seconds is None and unshaped.wire_share is None
 
