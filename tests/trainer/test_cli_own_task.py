@@ -350,3 +350,13 @@ def test_the_documented_lab_example_trains(tmp_path):
     checkpoint = torch.load(tmp_path / "run" / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 3
     assert checkpoint["state_dict"]["net.2.weight"].shape == (1024, 32 * 64)  # the 2.1 M parameters the docs name
+
+
+def test_the_documented_lab_table_is_the_committed_measurement():
+    root = Path(__file__).resolve().parents[2]
+    docs = (root / "docs" / "strategies.md").read_text().split("<!-- lab-user-task -->")[1]
+    measured = json.loads((root / "benchmarks" / "results" / "lab_user_task.json").read_text())["strategies"]
+    rows = {line.split(" | ")[0].strip("| "): line for line in docs.splitlines() if line.startswith("| ")}
+    for name, runs in measured.items():
+        seconds = ", ".join(f"{run['seconds_per_step']:.3f}" for run in runs if "seconds_per_step" in run)
+        assert (seconds or "refused") in rows[name], (name, rows[name])
