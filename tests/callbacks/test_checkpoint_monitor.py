@@ -50,7 +50,9 @@ def test_epoch_checkpoint_without_validation_still_fails_at_once(tmp_path):
 def test_cli_step_checkpoints_on_val_loss_with_validation_at_epoch_end(tmp_path):
     out = tmp_path / "run"
     overrides = [*SMALL, "trainer.val_check_interval=1.0", "trainer.limit_train_batches=6", "trainer.max_epochs=2"]
-    result = _cli(f"hydra.run.dir={out}", *overrides, "callbacks.checkpoint.every_n_train_steps=2", cwd=tmp_path)
+    # The packaged checkpoint monitors nothing (Lightning's default); this one keeps the best by val_loss.
+    monitored = ["callbacks.checkpoint.every_n_train_steps=2", "callbacks.checkpoint.monitor=val_loss"]
+    result = _cli(f"hydra.run.dir={out}", *overrides, *monitored, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("skips its top-k save") == 1
     files = sorted(p.name for p in (out / "logs" / "version_0" / "checkpoints").iterdir())
