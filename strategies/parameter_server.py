@@ -97,6 +97,10 @@ class ParameterServer(ReducerStrategy):
     """
 
     name = "parameter_server"
+    manual_optimization_refused = (
+        "only the server keeps a backward's reduced gradients (the workers' are scratch), so a second backward "
+        "adding to them before a step would be reduced with the wrong weights"
+    )
     fixed_cap_because = (
         "the time autotuning compares (the backward's) leaves out its parameter broadcast after the step, "
         "which the cap does not shape"

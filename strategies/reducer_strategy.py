@@ -277,7 +277,7 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         start = time.perf_counter()
         walk = self.find_unused_parameters or self.static_graph
         reducer.prepare_for_backward(sync=averages, loss=loss if walk else None)
-        loss.backward(retain_graph=retain_graph)
+        self._autograd_backward(loss, retain_graph)
         reducer.finalize_backward()
         if averages:
             self._sync_started = start

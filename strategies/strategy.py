@@ -50,6 +50,19 @@ class Strategy(ABC):
     #: keep every rank's weights and optimizer state, and each rank resumes from its own.
     replicas_differ: bool = False
 
+    #: Why this strategy cannot train a task that steps its own optimizers (Lightning's manual optimization), or
+    #: "" when it can: such a task runs several backwards per batch, each synchronizing, and steps several
+    #: optimizers, which only strategies that average every backward's gradients exactly can follow.
+    manual_optimization_refused: str = ""
+
+    #: Whether the task being trained steps its own optimizers: every backward synchronizes, and it may run
+    #: inside `training_step` (the Trainer sets it before a fit, and before launching workers).
+    manual_optimization: bool = False
+
+    #: The task's `backward` hook (Lightning's ``LightningModule.backward``), which `backward` runs autograd
+    #: through once the Trainer set it for a fit; None runs ``loss.backward()``.
+    backward_hook: Callable[..., None] | None = None
+
     #: Where the strategy reports its communication while a `CommunicationTimeline` records a step
     #: (`strategies/comm/events.py`); None, the default, records nothing.
     comm_events: CommEvents | None = None
@@ -133,7 +146,16 @@ class Strategy(ABC):
         When this returns with `sync=True`, gradients are ready for clipping and the optimizer.
         `retain_graph` keeps the graph for another backward, as in `Tensor.backward`.
         """
-        loss.backward(retain_graph=retain_graph)
+        self._autograd_backward(loss, retain_graph)
+
+    def _autograd_backward(self, loss: Tensor, retain_graph: bool) -> None:
+        """Back-propagate `loss` through the task's `backward` hook if the Trainer set it, else autograd's."""
+        if self.backward_hook is None:
+            loss.backward(retain_graph=retain_graph)
+        elif retain_graph:
+            self.backward_hook(loss, retain_graph=True)
+        else:
+            self.backward_hook(loss)  # a hook overridden as Lightning documents it: backward(self, loss)
 
     def clip_gradients(self, parameters: list[Tensor], max_norm: float, algorithm: str = "norm") -> Tensor:
         """Clip the gradients' global 2-norm to `max_norm` and return the norm before clipping; with

@@ -46,8 +46,10 @@ def test_every_hook_the_trainer_fires_is_declared_on_callback():
     assert {"on_train_batch_end", "on_validation_end", "on_fit_start"} <= fired  # the scan found the loop
     missing = sorted(name for name in fired if not hasattr(Callback, name))
     assert not missing, f"hooks fired but not declared on Callback: {missing}"
-    # Every hook a task can override under the same name is a Callback hook too.
-    task_hooks = {n for n, _ in inspect.getmembers(Task, inspect.isfunction) if n.startswith("on_")}
+    # Every hook a task can override under the same name is a Callback hook too, except the batch-transfer
+    # hooks, which return the batch (Lightning's DataHooks: a task's or a DataModule's, never a callback's).
+    transfer = {"on_before_batch_transfer", "on_after_batch_transfer"}
+    task_hooks = {n for n, _ in inspect.getmembers(Task, inspect.isfunction) if n.startswith("on_")} - transfer
     assert task_hooks <= set(HOOKS), sorted(task_hooks - set(HOOKS))
 
 
