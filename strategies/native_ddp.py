@@ -45,6 +45,7 @@ from syncline.strategies.comm.autograd_graph import grad_accumulators, parameter
 from syncline.strategies.comm.backward_sync import BackwardSyncControl
 from syncline.strategies.comm.join import Joinable
 from syncline.strategies.comm.process_group import ProcessGroupStrategy
+from syncline.strategies.strategy import call_training_step
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -60,7 +61,7 @@ class _TrainingStepModule(nn.Module):
         self.task = task
 
     def forward(self, batch: Any, batch_idx: int) -> Any:
-        return self.task.training_step(batch, batch_idx)
+        return call_training_step(self.task, batch, batch_idx)
 
 
 class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):

@@ -41,6 +41,7 @@ from syncline.strategies.comm.join import Joinable
 from syncline.strategies.comm.process_group import ProcessGroupStrategy, broadcast_coalesced
 from syncline.strategies.comm.reducer import Reducer
 from syncline.strategies.comm.sparse_gradients import sparse_gradient_parameters
+from syncline.strategies.strategy import call_training_step
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -254,7 +255,7 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         """Refresh buffers from rank 0 if a synchronized step changed them, then run the forward."""
         if self._buffers_stale and self._broadcast_buffers():
             self.comm_counter.add_tensors(*self._buffers)
-        return task.training_step(batch, batch_idx)
+        return call_training_step(task, batch, batch_idx)
 
     def _broadcast_buffers(self) -> bool:
         """Give every rank `buffer_source`'s buffers, if buffers are broadcast; return whether they were."""

@@ -9,6 +9,8 @@ SGD or a parameter server can replace one another without the loop noticing.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -23,7 +25,7 @@ from syncline.strategies.comm.events import CommEvents
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
 
-__all__ = ["ReduceOp", "Strategy", "move_to_device", "replace_step"]
+__all__ = ["ReduceOp", "Strategy", "call_training_step", "move_to_device", "replace_step"]
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 
@@ -137,7 +139,7 @@ class Strategy(ABC):
     # -------------------------------------------------------------- train step
     def training_step(self, task: Task, batch: Any, batch_idx: int) -> Any:
         """Run the task's forward for one micro-batch and return what `training_step` returned."""
-        return task.training_step(batch, batch_idx)
+        return call_training_step(task, batch, batch_idx)
 
     def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
         """Back-propagate `loss`; synchronize gradients across processes only when `sync` is true.
@@ -301,6 +303,23 @@ def replace_step(optimizer: torch.optim.Optimizer, update: Callable[[], Any]) ->
             optimizer.step = own  # type: ignore[method-assign]
         else:
             del optimizer.step
+
+
+def call_training_step(task: Any, batch: Any, batch_idx: int) -> Any:
+    """Call ``task.training_step(batch, batch_idx)``, or ``(batch)`` where it takes no `batch_idx` (as Lightning)."""
+    step = task.training_step
+    if _takes_batch_idx(getattr(step, "__func__", step)):
+        return step(batch, batch_idx)
+    return step(batch)
+
+
+@functools.cache
+def _takes_batch_idx(function: Callable[..., Any]) -> bool:
+    parameters = list(inspect.signature(function).parameters.values())
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name == "batch_idx" for p in parameters):
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3  # self, batch, and an index under another name
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
