@@ -97,10 +97,6 @@ class ParameterServer(ReducerStrategy):
     """
 
     name = "parameter_server"
-    manual_optimization_refused = (
-        "only the server keeps a backward's reduced gradients (the workers' are scratch), so a second backward "
-        "adding to them before a step would be reduced with the wrong weights"
-    )
     fixed_cap_because = (
         "the time autotuning compares (the backward's) leaves out its parameter broadcast after the step, "
         "which the cap does not shape"
@@ -146,6 +142,18 @@ class ParameterServer(ReducerStrategy):
         self._params = [p for p in task.parameters() if p.requires_grad]
 
     # -------------------------------------------------------------- train step
+    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
+        """Back-propagate `loss`, reducing the gradients onto the server when `sync` is true.
+
+        A manual optimization step may add a backward to gradients an earlier one reduced already: the server
+        holds their average and the workers zeros, so the server multiplies its buffers by the world size
+        first, which the reduction's division undoes (``(W * avg + g_server + sum of g_workers) / W``).
+        """
+        if self.manual_optimization and self.is_server and self._backward_syncs(sync):
+            for bucket in self.reducer.buckets:
+                bucket.buffer.mul_(self.world_size)
+        super().backward(loss, sync=sync, retain_graph=retain_graph)
+
     def after_backward(self) -> None:
         """The gradients are reduced onto the server: make every rank agree on their finiteness."""
         self._agree_on_finiteness()

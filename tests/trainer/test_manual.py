@@ -190,7 +190,6 @@ def test_the_refused_strategies_are_the_relaxed_ones_and_the_parameter_servers()
             "local_sgd",
             "decentralized",
             "async_model_average",
-            "parameter_server",
             "sharded_parameter_server",
         ]
     )

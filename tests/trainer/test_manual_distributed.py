@@ -6,13 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncline.strategies import BucketedDDP, NativeDDP, TensorFusion
+from syncline.strategies import BucketedDDP, NativeDDP, ParameterServer, TensorFusion
 from syncline.strategies.comm.ranks import run_distributed, run_ranks
 from syncline.trainer import Trainer
 from tests.trainer._manual import ToyGAN, gan_loader, train_by_hand
-from tests.trainer._tasks import quiet
+from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
-EXACT = {"bucketed_ddp": BucketedDDP, "native_ddp": NativeDDP, "tensor_fusion": TensorFusion}
+EXACT = {
+    "bucketed_ddp": BucketedDDP,
+    "native_ddp": NativeDDP,
+    "tensor_fusion": TensorFusion,
+    "parameter_server": ParameterServer,
+}
 
 
 def _fit_gan(rank, world_size, name, find_unused, toggle):
@@ -51,3 +56,56 @@ def test_a_backward_that_reaches_not_every_parameter_is_an_error_on_every_rank_w
         assert outcome.error is not None, f"rank {outcome.rank} did not fail"
         assert "find_unused_parameters" in outcome.error, outcome.error
         assert "timed out" not in outcome.error
+
+
+class Accumulating(Regressor):
+    """Lightning's manual accumulation: two backwards per batch (each half of it), a step every 2 batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        x, y = batch
+        half = len(x) // 2
+        for part in (slice(None, half), slice(half, None)):
+            loss = torch.nn.functional.mse_loss(self(x[part]), y[part]) / 2 / 2  # two halves, two batches
+            self.manual_backward(loss)
+        if batch_idx % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def _fit_accumulating(rank, world_size, name):
+    torch.manual_seed(0)
+    task = Accumulating()
+    trainer = Trainer(**quiet(max_epochs=2, strategy=EXACT[name](), num_sanity_val_steps=0))
+    trainer.fit(task, loader(regression_data(32), 4))
+    return {k: v.detach().clone() for k, v in task.state_dict().items()}, trainer.global_step
+
+
+def _accumulated_by_hand() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    task = Regressor()
+    optimizer = task.configure_optimizers()
+    for _ in range(2):
+        for batch_idx, (x, y) in enumerate(loader(regression_data(32), 8)):
+            (torch.nn.functional.mse_loss(task(x), y) / 2).backward()
+            if batch_idx % 2 == 1:
+                optimizer.step()
+                optimizer.zero_grad()
+    return task.state_dict()
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_backwards_that_add_to_earlier_synchronized_gradients_equal_one_process(name):
+    """Four synchronized backwards per optimizer step (two per batch, a step every two batches), each adding to
+    gradients an earlier one averaged: every rank ends with plain torch's weights on the global batch, one
+    backward per batch (tolerance 1e-5)."""
+    results = run_distributed(_fit_accumulating, world_size=2, args=(name,), timeout=120)
+    reference = _accumulated_by_hand()
+    for state, steps in results:
+        assert steps == 2 * 2
+        for key, value in reference.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5)
