@@ -445,8 +445,12 @@ class FitLoop:
 
     # -------------------------------------------------------------- checkpoints
     def accumulated_grads(self) -> list[Tensor | None] | None:
-        """Gradients of an open accumulation window (None when the window is closed)."""
-        if self.state.batch_idx % self.accumulate == 0 or self.state.batches_done:
+        """Gradients of an open accumulation window (None when the window is closed); under manual optimization,
+        whatever gradients the task holds (it accumulates as it likes, e.g. stepping every N batches)."""
+        if not self.trainer.task.automatic_optimization:
+            if all(p.grad is None for p in self.parameters):
+                return None
+        elif self.state.batch_idx % self.accumulate == 0 or self.state.batches_done:
             return None
         return [None if p.grad is None else p.grad.detach().clone() for p in self.parameters]
 
