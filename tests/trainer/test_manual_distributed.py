@@ -30,8 +30,13 @@ def _fit_gan(rank, world_size, name, find_unused, toggle):
     return {k: v.detach().clone() for k, v in task.state_dict().items()}, trainer.global_step
 
 
-@pytest.mark.parametrize("toggle", [True, False], ids=["toggle_optimizer", "no_toggle"])
-@pytest.mark.parametrize("name", sorted(EXACT))
+# Without toggling, the generator's backward also adds to the discriminator's gradients (then reset): run for the
+# core's reducer and for the server, whose reduced gradients are scaled before a backward adds to them.
+GAN_CASES = [(name, True) for name in sorted(EXACT)] + [("bucketed_ddp", False), ("parameter_server", False)]
+GAN_IDS = [f"{name}-{'toggle' if toggle else 'no_toggle'}" for name, toggle in GAN_CASES]
+
+
+@pytest.mark.parametrize(("name", "toggle"), GAN_CASES, ids=GAN_IDS)
 def test_a_manual_gan_on_two_processes_equals_one_process_on_the_global_batch(name, toggle):
     """Two optimizers, two synchronized backwards per batch (the discriminator's reaches no generator parameter;
     with toggle_optimizer the generator's reaches no discriminator parameter), the task's schedulers, 2 epochs:
