@@ -136,6 +136,8 @@ class TrainerOptimizer:
             self._optimizer.zero_grad(set_to_none=False)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_optimizer":  # not set yet (a copy being built): never recurse
+            raise AttributeError(name)
         return getattr(self._optimizer, name)
 
     def __repr__(self) -> str:
