@@ -95,6 +95,16 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         self._trainable: list[tuple[str, Tensor]] = []
 
     @property
+    def manual_optimization_refused(self) -> str:  # type: ignore[override]
+        """Why these options cannot follow manual optimization ("" when they can)."""
+        if self.ddp_kwargs.get("static_graph"):
+            return (
+                "static_graph=True promises that every backward reaches the same parameters, which the backwards "
+                "of a manual step (one per optimizer) need not; drop static_graph"
+            )
+        return ""
+
+    @property
     def ddp(self) -> DistributedDataParallel:
         """The `DistributedDataParallel` wrapper built by `setup`."""
         if self._ddp is None:
@@ -170,14 +180,14 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         if self._accumulators:
             self._check_reaches_every_parameter(loss)
         ddp.require_forward_param_sync = True
-        roots = [loss] if self._finds_unused() and not self.ddp_kwargs.get("static_graph") else []
+        roots = [loss] if self._finds_unused() else []
         ddp.reducer._rebuild_buckets()  # as the forward would; a no-op after the first synchronized backward
         ddp.reducer.prepare_for_backward(roots)
         self._autograd_backward(loss, retain_graph)
         self._count_synchronized_backward()
 
     def _finds_unused(self) -> bool:
-        return bool(self.ddp_kwargs.get("find_unused_parameters") or self.ddp_kwargs.get("static_graph"))
+        return bool(self.ddp_kwargs.get("find_unused_parameters"))
 
     def _check_reaches_every_parameter(self, loss: Tensor) -> None:
         reached = parameters_reached(loss, self._accumulators, {id(p): i for i, (_, p) in enumerate(self._trainable)})

@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 __all__ = ["ReducerStrategy"]
 
 CAP_MEANING = "MiB per bucket; 0 gives every parameter its own bucket"
+_STATIC_GRAPH_IN_MANUAL_STEPS = (
+    "static_graph=True promises that every backward reaches the same parameters, which the backwards of a manual "
+    "step (one per optimizer) need not; drop static_graph"
+)
 _BLOCKING = "its hook compresses each bucket and blocks until it is averaged: there is no overlap to tune"
 
 
@@ -142,6 +146,12 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
                 "bucket_cap_mb=25 (autotuning is for bucketed_ddp)."
             )
         check_number(name, "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning=CAP_MEANING)
+
+    @property
+    def manual_optimization_refused(self) -> str:  # type: ignore[override]
+        """Why these options cannot follow manual optimization ("" when they can); an algorithm that never can
+        declares its reason as a class attribute instead."""
+        return _STATIC_GRAPH_IN_MANUAL_STEPS if self.static_graph else ""
 
     @property
     def supports_join(self) -> bool:
