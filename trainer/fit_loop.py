@@ -434,7 +434,7 @@ class FitLoop:
         see the new rate)."""
         trainer, state = self.trainer, self.state
         if apply:
-            # The forward and backward ran already: the closure only hands over the window's last loss.
+            # The window's forwards and backwards ran already: the closure has nothing left to run.
             trainer.task.optimizer_step(state.current_epoch, batch_idx, self.trainer_optimizers[0], _no_closure)
         state.global_step += 1
         self.stepped = True
