@@ -183,6 +183,7 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         roots = [loss] if self._finds_unused() else []
         ddp.reducer._rebuild_buckets()  # as the forward would; a no-op after the first synchronized backward
         ddp.reducer.prepare_for_backward(roots)
+        # Collective (inside torch's reducer): every bucket's all-reduce, during this backward.
         self._autograd_backward(loss, retain_graph)
         self._count_synchronized_backward()
 
