@@ -137,6 +137,12 @@ def _parse_scheduler(value: Any, monitor: str | None, manual: bool) -> Scheduler
                 f"An lr_scheduler dict needs 'scheduler' and may have {', '.join(map(repr, _SCHEDULER_KEYS[1:]))}; "
                 f"got keys {sorted(value)}."
             )
+        ignored = [key for key in ("monitor", "strict") if key in value]
+        if manual and ignored:
+            rank_zero_warn(
+                f"The lr scheduler dict contains the key(s) {ignored}, but the keys will be ignored. You need to "
+                "call `lr_scheduler.step()` manually in manual optimization."
+            )
         config = SchedulerConfig(
             value["scheduler"],
             value.get("interval", "epoch"),

@@ -230,3 +230,22 @@ def test_fp16_loss_scaling_with_clipping_inside_a_manual_step():
     ratio = (seen["scaled"] / seen["unscaled"]).flatten()
     torch.testing.assert_close(ratio, torch.full_like(ratio, ratio[0].item()), rtol=1e-3, atol=0)
     assert ratio[0] > 1000  # the scaler's scale, 2**16 at the start
+
+
+def test_a_scheduler_dicts_monitor_is_ignored_with_lightnings_warning():
+    class Monitored(ToyGAN):
+        def configure_optimizers(self):
+            (opt_g, opt_d), _ = super().configure_optimizers()
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt_g)
+            return [
+                {"optimizer": opt_g, "lr_scheduler": {"scheduler": plateau, "monitor": "g_loss"}},
+                {"optimizer": opt_d},
+            ]
+
+        def training_step(self, batch, batch_idx):
+            opt_g, opt_d = self.optimizers()
+            self.gan_step(batch, opt_g, opt_d, self.manual_backward)
+
+    with pytest.warns(UserWarning, match=r"contains the key\(s\) \['monitor'\], but the keys will be ignored"):
+        trainer = _fit(Monitored(), limit_train_batches=1)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.05  # nobody stepped the plateau scheduler
