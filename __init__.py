@@ -7,4 +7,8 @@ top-level folders install as `syncline.trainer`, `syncline.strategies`, `synclin
 
 from syncline.trainer import DataModule, Task, Trainer
 
-__all__ = ["DataModule", "Task", "Trainer"]
+#: Lightning's names, so that a Lightning program runs after ``import lightning as L`` becomes ``import syncline as L``.
+LightningModule = Task
+LightningDataModule = DataModule
+
+__all__ = ["DataModule", "LightningDataModule", "LightningModule", "Task", "Trainer"]

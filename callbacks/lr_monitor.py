@@ -69,15 +69,31 @@ class LearningRateMonitor(Callback):
     def learning_rates(self, trainer: Trainer) -> dict[str, float]:
         """Return the current learning rate of every parameter group, by logged name."""
         rates: dict[str, float] = {}
-        names = [config.name for config in trainer.lr_scheduler_configs if config.name]
-        for optimizer in trainer.optimizers:
-            # A scheduler configured with {"name": ...} names the curve as given, as in Lightning.
-            name = names[0] if names else f"lr-{type(optimizer).__name__}"
+        for optimizer, name in zip(trainer.optimizers, _optimizer_names(trainer)):
             groups = optimizer.param_groups
             for i, group in enumerate(groups):
                 # float() of a tensor lr (capturable optimizers) is a host sync: logging steps only.
                 rates[_group_name(name, groups, i)] = float(group["lr"])
         return rates
+
+
+def _optimizer_names(trainer: Trainer) -> list[str]:
+    """Return each optimizer's curve name, as Lightning's: the ``"name"`` its scheduler was configured with, else
+    ``lr-<class>``, with ``-1``, ``-2``, ... for later optimizers of the same class (a GAN's two Adams)."""
+    named = {id(getattr(c.scheduler, "optimizer", None)): c.name for c in trainer.lr_scheduler_configs if c.name}
+    if len(trainer.optimizers) == 1 and named:
+        return [next(iter(named.values()))]  # a scheduler without an `optimizer` attribute names the only one
+    seen: dict[str, int] = {}
+    names = []
+    for optimizer in trainer.optimizers:
+        if id(optimizer) in named:
+            names.append(named[id(optimizer)])
+            continue
+        kind = type(optimizer).__name__
+        count = seen.get(kind, 0)
+        seen[kind] = count + 1
+        names.append(f"lr-{kind}-{count}" if count else f"lr-{kind}")
+    return names
 
 
 def _group_name(name: str, groups: list[dict[str, Any]], index: int) -> str:

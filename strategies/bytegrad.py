@@ -87,6 +87,10 @@ class ByteGrad(ReducerStrategy):
     """
 
     name = "bytegrad"
+    manual_optimization_refused = (
+        "its error feedback carries each bucket's quantization error from one synchronized backward per "
+        "optimizer step to the next"
+    )
     blocking_hook = True
     # Chunks follow the bucket layout: keep the layout of construction so a resumed run chunks alike.
     fixed_layout = True

@@ -63,6 +63,10 @@ class ModelAveraging(ReducerStrategy):
     supports_join = False  # a joined rank has no parameters of its own to average
     stages = ("warm-up", "local steps")
     fixed_cap_because = "its buckets all-reduce gradients only during the warm-up (warmup_steps, 0 by default)"
+    manual_optimization_refused = (
+        "it averages models after each optimizer step and stops averaging gradients after its warm-up, "
+        "counting one optimizer step per batch"
+    )
 
     #: Replicas hold different parameters between averagings: checkpoints keep every rank's, and its
     #: optimizer state. Resuming on another number of processes is refused (`load_state_from_other_world`).

@@ -41,9 +41,11 @@ from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel import DistributedDataParallel
 
 from syncline.options import check_number
+from syncline.strategies.comm.autograd_graph import grad_accumulators, parameters_reached
 from syncline.strategies.comm.backward_sync import BackwardSyncControl
 from syncline.strategies.comm.join import Joinable
 from syncline.strategies.comm.process_group import ProcessGroupStrategy
+from syncline.strategies.strategy import call_training_step
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -59,7 +61,7 @@ class _TrainingStepModule(nn.Module):
         self.task = task
 
     def forward(self, batch: Any, batch_idx: int) -> Any:
-        return self.task.training_step(batch, batch_idx)
+        return call_training_step(self.task, batch, batch_idx)
 
 
 class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
@@ -91,6 +93,20 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         self._forward_synced: bool | None = None
         self._synced_backwards = 0
         self._join = False
+        #: Manual optimization without find_unused_parameters: each trainable parameter's AccumulateGrad node
+        #: and name, to name the parameters a backward will not reach before torch's reducer waits for them.
+        self._accumulators: dict[Any, int] = {}
+        self._trainable: list[tuple[str, Tensor]] = []
+
+    @property
+    def manual_optimization_refused(self) -> str:  # type: ignore[override]
+        """Why these options cannot follow manual optimization ("" when they can)."""
+        if self.ddp_kwargs.get("static_graph"):
+            return (
+                "static_graph=True promises that every backward reaches the same parameters, which the backwards "
+                "of a manual step (one per optimizer) need not; drop static_graph"
+            )
+        return ""
 
     @property
     def ddp(self) -> DistributedDataParallel:
@@ -106,6 +122,9 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         device_ids = [self.root_device] if self.root_device.type == "cuda" else None
         # Collective: torch's DDP broadcasts rank 0's parameters and buffers as it is built.
         self._ddp = DistributedDataParallel(_TrainingStepModule(task), device_ids=device_ids, **self.ddp_kwargs)
+        if self.manual_optimization and not self._finds_unused():
+            self._trainable = [(name, p) for name, p in task.named_parameters() if p.requires_grad]
+            self._accumulators = grad_accumulators([p for _, p in self._trainable])
         if self._join:
             # What `Join([ddp])` sets on entry, except that syncline's loop, not Join's, says who joined.
             self._ddp._join_config = _JoinConfig(enable=True, throw_on_early_termination=False, is_first_joinable=False)
@@ -135,6 +154,9 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         Raises:
             RuntimeError: `sync` disagrees with `sync_next_backward` at the forward.
         """
+        if self.manual_optimization:
+            self._manual_backward(loss, retain_graph)
+            return
         sync = self._backward_syncs(sync)
         if self._forward_synced is not None and sync != self._forward_synced:
             raise RuntimeError(
@@ -143,9 +165,47 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
                 "strategy.sync_next_backward to the same value before training_step."
             )
         self._forward_synced = None
-        loss.backward(retain_graph=retain_graph)
+        self._autograd_backward(loss, retain_graph)
         if sync:
             self._count_synchronized_backward()
+
+    def _manual_backward(self, loss: Tensor, retain_graph: bool) -> None:
+        """Back-propagate inside `training_step` (manual optimization), synchronizing every backward.
+
+        torch's DDP prepares its reducer for one backward at the end of its forward; here the backwards run
+        inside the forward, so the reducer is prepared before each of them, as Lightning's DDP strategy does.
+
+        Raises:
+            RuntimeError: without `find_unused_parameters`, parameters the loss does not reach (frozen by
+                `toggle_optimizer`, or unused): torch's reducer would wait for them and leave this backward's
+                gradients unaveraged, so it is refused before the backward, naming them.
+        """
+        ddp = self.ddp
+        if self._accumulators:
+            self._check_reaches_every_parameter(loss)
+        ddp.require_forward_param_sync = True
+        roots = [loss] if self._finds_unused() else []
+        ddp.reducer._rebuild_buckets()  # as the forward would; a no-op after the first synchronized backward
+        ddp.reducer.prepare_for_backward(roots)
+        # Collective (inside torch's reducer): every bucket's all-reduce, during this backward.
+        self._autograd_backward(loss, retain_graph)
+        self._count_synchronized_backward()
+
+    def _finds_unused(self) -> bool:
+        return bool(self.ddp_kwargs.get("find_unused_parameters"))
+
+    def _check_reaches_every_parameter(self, loss: Tensor) -> None:
+        reached = parameters_reached(loss, self._accumulators, {id(p): i for i, (_, p) in enumerate(self._trainable)})
+        missing = [name for index, (name, _) in enumerate(self._trainable) if index not in reached]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise RuntimeError(
+                f"NativeDDP, rank {self.global_rank}: manual_backward's loss does not reach parameter(s) "
+                f"{', '.join(missing[:5])}{more} (frozen by toggle_optimizer, detached, or unused). torch's DDP "
+                "would wait for their gradients and leave this backward's unaveraged. Pass "
+                "NativeDDP(find_unused_parameters=True) (strategy='ddp_find_unused_parameters_true', or "
+                "strategy.find_unused_parameters=true on the command line)."
+            )
 
     def _count_synchronized_backward(self) -> None:
         """Count what torch's reducer handed to its all-reduces in this backward (it keeps no counter)."""

@@ -142,6 +142,27 @@ class ParameterServer(ReducerStrategy):
         self._params = [p for p in task.parameters() if p.requires_grad]
 
     # -------------------------------------------------------------- train step
+    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
+        """Back-propagate `loss`, reducing the gradients onto the server when `sync` is true.
+
+        A manual optimization step may add a backward to gradients an earlier one reduced already: the server
+        holds their average and the workers zeros, so the server multiplies its buffers by the world size
+        first, which the reduction's division undoes (``(W * avg + g_server + sum of g_workers) / W``).
+
+        Raises:
+            RuntimeError: a backward of a manual step inside `no_sync`: the server could not tell its local
+                gradients from reduced ones.
+        """
+        if self.manual_optimization and not self._backward_syncs(sync):
+            raise RuntimeError(
+                "ParameterServer reduces every backward of a manual optimization step: leave out "
+                "strategy.no_sync() (accumulating by stepping every N batches needs no local accumulation)."
+            )
+        if self.manual_optimization and self.is_server:
+            for bucket in self.reducer.buckets:
+                bucket.buffer.mul_(self.world_size)
+        super().backward(loss, sync=sync, retain_graph=retain_graph)
+
     def after_backward(self) -> None:
         """The gradients are reduced onto the server: make every rank agree on their finiteness."""
         self._agree_on_finiteness()

@@ -160,6 +160,9 @@ class PowerSGD(ReducerStrategy):
     """
 
     name = "powersgd"
+    manual_optimization_refused = (
+        "its error feedback and warm-started factors assume one synchronized backward per optimizer step"
+    )
     blocking_hook = True
     stages = ("exact", "low rank")
 

@@ -55,6 +55,7 @@ class QAdam(ReducerStrategy):
     supports_join = False  # after the warm-up the compressed momentum is not a gradient a joined rank could zero
 
     name = "qadam"
+    manual_optimization_refused = "it replaces one optimizer's Adam step with its own compressed-momentum update"
     stages = ("warm-up", "compressed momentum")
     fixed_cap_because = "its buckets all-reduce gradients only during the warm-up (warmup_steps)"
 

@@ -41,6 +41,7 @@ from syncline.strategies.comm.join import Joinable
 from syncline.strategies.comm.process_group import ProcessGroupStrategy, broadcast_coalesced
 from syncline.strategies.comm.reducer import Reducer
 from syncline.strategies.comm.sparse_gradients import sparse_gradient_parameters
+from syncline.strategies.strategy import call_training_step
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -48,6 +49,10 @@ if TYPE_CHECKING:
 __all__ = ["ReducerStrategy"]
 
 CAP_MEANING = "MiB per bucket; 0 gives every parameter its own bucket"
+_STATIC_GRAPH_IN_MANUAL_STEPS = (
+    "static_graph=True promises that every backward reaches the same parameters, which the backwards of a manual "
+    "step (one per optimizer) need not; drop static_graph"
+)
 _BLOCKING = "its hook compresses each bucket and blocks until it is averaged: there is no overlap to tune"
 
 
@@ -141,6 +146,12 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
                 "bucket_cap_mb=25 (autotuning is for bucketed_ddp)."
             )
         check_number(name, "bucket_cap_mb", bucket_cap_mb, minimum=0, meaning=CAP_MEANING)
+
+    @property
+    def manual_optimization_refused(self) -> str:  # type: ignore[override]
+        """Why these options cannot follow manual optimization ("" when they can); an algorithm that never can
+        declares its reason as a class attribute instead."""
+        return _STATIC_GRAPH_IN_MANUAL_STEPS if self.static_graph else ""
 
     @property
     def supports_join(self) -> bool:
@@ -254,7 +265,7 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         """Refresh buffers from rank 0 if a synchronized step changed them, then run the forward."""
         if self._buffers_stale and self._broadcast_buffers():
             self.comm_counter.add_tensors(*self._buffers)
-        return task.training_step(batch, batch_idx)
+        return call_training_step(task, batch, batch_idx)
 
     def _broadcast_buffers(self) -> bool:
         """Give every rank `buffer_source`'s buffers, if buffers are broadcast; return whether they were."""
@@ -277,7 +288,7 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         start = time.perf_counter()
         walk = self.find_unused_parameters or self.static_graph
         reducer.prepare_for_backward(sync=averages, loss=loss if walk else None)
-        loss.backward(retain_graph=retain_graph)
+        self._autograd_backward(loss, retain_graph)
         reducer.finalize_backward()
         if averages:
             self._sync_started = start

@@ -136,6 +136,10 @@ class ShardedParameterServer(ReducerStrategy):
     """
 
     name = "sharded_parameter_server"
+    manual_optimization_refused = (
+        "it shards one optimizer over the ranks and keeps only each rank's slice of a backward's reduced "
+        "gradients, so several optimizers, toggle_optimizer and backwards adding to earlier gradients cannot work"
+    )
     # Each rank serves fixed slices of fixed buckets: rebuilding the buckets would move optimizer state.
     fixed_layout = True
     fixed_cap_because = "each rank serves fixed slices of fixed buckets: another layout would move its optimizer state"

@@ -9,6 +9,8 @@ SGD or a parameter server can replace one another without the loop noticing.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -23,7 +25,7 @@ from syncline.strategies.comm.events import CommEvents
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
 
-__all__ = ["ReduceOp", "Strategy", "move_to_device", "replace_step"]
+__all__ = ["ReduceOp", "Strategy", "call_training_step", "move_to_device", "replace_step"]
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 
@@ -49,6 +51,19 @@ class Strategy(ABC):
     #: (local SGD in the middle of a period, decentralized or asynchronous averaging). Checkpoints then
     #: keep every rank's weights and optimizer state, and each rank resumes from its own.
     replicas_differ: bool = False
+
+    #: Why this strategy cannot train a task that steps its own optimizers (Lightning's manual optimization), or
+    #: "" when it can: such a task runs several backwards per batch, each synchronizing, and steps several
+    #: optimizers, which only strategies that average every backward's gradients exactly can follow.
+    manual_optimization_refused: str = ""
+
+    #: Whether the task being trained steps its own optimizers: every backward synchronizes, and it may run
+    #: inside `training_step` (the Trainer sets it before a fit, and before launching workers).
+    manual_optimization: bool = False
+
+    #: The task's `backward` hook (Lightning's ``LightningModule.backward``), which `backward` runs autograd
+    #: through once the Trainer set it for a fit; None runs ``loss.backward()``.
+    backward_hook: Callable[..., None] | None = None
 
     #: Where the strategy reports its communication while a `CommunicationTimeline` records a step
     #: (`strategies/comm/events.py`); None, the default, records nothing.
@@ -124,7 +139,7 @@ class Strategy(ABC):
     # -------------------------------------------------------------- train step
     def training_step(self, task: Task, batch: Any, batch_idx: int) -> Any:
         """Run the task's forward for one micro-batch and return what `training_step` returned."""
-        return task.training_step(batch, batch_idx)
+        return call_training_step(task, batch, batch_idx)
 
     def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
         """Back-propagate `loss`; synchronize gradients across processes only when `sync` is true.
@@ -133,7 +148,16 @@ class Strategy(ABC):
         When this returns with `sync=True`, gradients are ready for clipping and the optimizer.
         `retain_graph` keeps the graph for another backward, as in `Tensor.backward`.
         """
-        loss.backward(retain_graph=retain_graph)
+        self._autograd_backward(loss, retain_graph)
+
+    def _autograd_backward(self, loss: Tensor, retain_graph: bool) -> None:
+        """Back-propagate `loss` through the task's `backward` hook if the Trainer set it, else autograd's."""
+        if self.backward_hook is None:
+            loss.backward(retain_graph=retain_graph)
+        elif retain_graph:
+            self.backward_hook(loss, retain_graph=True)
+        else:
+            self.backward_hook(loss)  # a hook overridden as Lightning documents it: backward(self, loss)
 
     def clip_gradients(self, parameters: list[Tensor], max_norm: float, algorithm: str = "norm") -> Tensor:
         """Clip the gradients' global 2-norm to `max_norm` and return the norm before clipping; with
@@ -279,6 +303,23 @@ def replace_step(optimizer: torch.optim.Optimizer, update: Callable[[], Any]) ->
             optimizer.step = own  # type: ignore[method-assign]
         else:
             del optimizer.step
+
+
+def call_training_step(task: Any, batch: Any, batch_idx: int) -> Any:
+    """Call ``task.training_step(batch, batch_idx)``, or ``(batch)`` where it takes no `batch_idx` (as Lightning)."""
+    step = task.training_step
+    if _takes_batch_idx(getattr(step, "__func__", step)):
+        return step(batch, batch_idx)
+    return step(batch)
+
+
+@functools.cache
+def _takes_batch_idx(function: Callable[..., Any]) -> bool:
+    parameters = list(inspect.signature(function).parameters.values())
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name == "batch_idx" for p in parameters):
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3  # self, batch, and an index under another name
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:

@@ -239,7 +239,7 @@ class TensorFusion(BackwardSyncControl, ProcessGroupStrategy):
         """
         if not self._backward_syncs(sync):
             # Inside an accumulation window: gradients accumulate locally, nothing is sent.
-            loss.backward(retain_graph=retain_graph)
+            self._autograd_backward(loss, retain_graph)
             return
         if self._thread is None:
             raise RuntimeError("TensorFusion.setup(task) has not been called yet.")
@@ -252,7 +252,7 @@ class TensorFusion(BackwardSyncControl, ProcessGroupStrategy):
         self._wake.clear()
         self._go.set()
         try:
-            loss.backward(retain_graph=retain_graph)
+            self._autograd_backward(loss, retain_graph)
         finally:
             with self._lock:
                 self._collecting = False

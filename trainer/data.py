@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
+from syncline.trainer.hooks import DataHooks
 from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ __all__ = [
     "epoch_batches",
     "eval_dataloaders",
     "limit_batches",
+    "move_batch",
     "prepare_loader",
     "prepare_loaders",
     "with_distributed_sampler",
@@ -204,3 +206,19 @@ def eval_dataloaders(task: Any, stage: str, dataloaders: Any) -> Any:
             f"{type(task).__name__}.{_LOADER_METHODS[stage]}()."
         )
     return dataloaders
+
+
+def move_batch(trainer: Trainer, batch: Any, dataloader_idx: int) -> Any:
+    """Move `batch` to the strategy's device through the batch-transfer hooks, in Lightning's order:
+    ``on_before_batch_transfer``, ``transfer_batch_to_device``, ``on_after_batch_transfer`` (each the
+    DataModule's where it overrides it, else the task's)."""
+    task, datamodule = trainer.task, trainer.datamodule
+
+    def owner(name: str) -> DataHooks:
+        overridden = datamodule is not None and getattr(type(datamodule), name) is not getattr(DataHooks, name)
+        return datamodule if overridden else task
+
+    batch = owner("on_before_batch_transfer").on_before_batch_transfer(batch, dataloader_idx)
+    device = trainer.strategy.root_device
+    batch = owner("transfer_batch_to_device").transfer_batch_to_device(batch, device, dataloader_idx)
+    return owner("on_after_batch_transfer").on_after_batch_transfer(batch, dataloader_idx)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from syncline.callbacks.callback import Callback
-from syncline.trainer.data import epoch_batches
+from syncline.trainer.data import epoch_batches, move_batch
 
 if TYPE_CHECKING:
     from syncline.trainer.trainer import Trainer
@@ -106,7 +106,7 @@ class EvaluationLoop:
         if not sum(num_batches):
             return [], []
         hooks = EVAL_STAGES[stage]
-        task, strategy, dispatcher = trainer.task, trainer.strategy, trainer.dispatcher
+        task, dispatcher = trainer.task, trainer.dispatcher
         results, logging = trainer.eval_results, not trainer.sanity_checking and stage != "predict"
         step_fn = getattr(task, hooks.step)
         several = len(loaders) > 1
@@ -124,7 +124,7 @@ class EvaluationLoop:
                     extra = (dataloader_idx,) if several else ()
                     results.dataloader_idx = dataloader_idx if several else None
                     for batch_idx, batch in enumerate(epoch_batches(loader, limit)):
-                        batch = strategy.batch_to_device(batch)
+                        batch = move_batch(trainer, batch, dataloader_idx)
                         results.new_batch(batch)
                         dispatcher.fire(hooks.batch_start, batch, batch_idx, dataloader_idx)
                         results.hook = hooks.step

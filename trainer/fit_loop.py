@@ -14,7 +14,8 @@ from torch import Tensor
 from syncline.callbacks.callback import Callback
 from syncline.strategies.comm.join import Joinable
 from syncline.trainer import persistence
-from syncline.trainer.data import epoch_batches
+from syncline.trainer.data import epoch_batches, move_batch
+from syncline.trainer.manual import TrainerOptimizer, train_batch_manually
 from syncline.trainer.nonfinite import NonfiniteLossGuard
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
@@ -41,6 +42,8 @@ class FitLoop:
         self.fire = trainer.dispatcher.fire
         self.accumulate = trainer.accumulate_grad_batches
         self.optim: OptimizerSetup | None = None
+        #: The optimizers as `Task.optimizers()` gives them: their step goes through the Trainer.
+        self.trainer_optimizers: list[TrainerOptimizer] = []
         self.parameters: list[Tensor] = []
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         #: RNG state of the checkpoint being resumed, applied at the point in the loop it was taken.
@@ -60,6 +63,7 @@ class FitLoop:
         trainer = self.trainer
         self.fire = trainer.dispatcher.fire
         self.optim = optim
+        self.trainer_optimizers = [TrainerOptimizer(optimizer, trainer) for optimizer in optim.optimizers]
         self.parameters = [p for p in trainer.task.parameters() if p.requires_grad]
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         self.resume_rng = None
@@ -189,8 +193,11 @@ class FitLoop:
         trainer.log_metrics(results.pop_epoch_logs())
 
     def step_schedulers(self, interval: str, count: int, plateau: bool) -> None:
-        """Step the schedulers of `interval` due at `count`: the plateau ones, or the others."""
+        """Step the schedulers of `interval` due at `count`: the plateau ones, or the others (under manual
+        optimization, none: the task steps its schedulers, as in Lightning)."""
         assert self.optim is not None
+        if not self.trainer.task.automatic_optimization:
+            return
         self.optim.step_schedulers(interval, count, self.trainer.callback_metrics, plateau=plateau)
 
     # -------------------------------------------------------------- validation
@@ -278,6 +285,8 @@ class FitLoop:
         if batch is JOINED:
             # Accumulation is 1 under join: every other rank's batch ends a window, so this one does too.
             self.shadow_batch(batch_idx)
+        elif not self.trainer.task.automatic_optimization:
+            train_batch_manually(self, batch, batch_idx)
         else:
             self.train_batch(batch, batch_idx, is_last)
         if not is_last and self.validation_due(batch_idx, is_last=False):
@@ -292,7 +301,7 @@ class FitLoop:
         """Forward, backward (synchronized at the end of an accumulation window), and maybe a step."""
         trainer, task, strategy = self.trainer, self.trainer.task, self.trainer.strategy
         results = trainer.results
-        batch = strategy.batch_to_device(batch)
+        batch = self.transfer(batch)
         results.new_batch(batch)
         self.fire(Callback.on_train_batch_start, batch, batch_idx)
         window_end = is_last or (batch_idx + 1) % self.accumulate == 0
@@ -311,7 +320,7 @@ class FitLoop:
         if window_end and kept:
             # A window whose every training_step returned None still counts its step, as in Lightning
             # (whose optimizer step then has no gradient to apply).
-            self.optimizer_step(is_last, apply=self._window_losses > 0)
+            self.optimizer_step(is_last, batch_idx, apply=self._window_losses > 0)
         # Counted before the batch-end hooks, so a checkpoint taken there resumes after this batch.
         self.state.batch_idx = batch_idx + 1
         self.fire(Callback.on_train_batch_end, outputs, batch, batch_idx)
@@ -330,7 +339,7 @@ class FitLoop:
             loss = loss / self.accumulate
         if batch_idx % self.accumulate == 0:
             self.fire(Callback.on_before_zero_grad, optimizer)
-            self.trainer.task.optimizer_zero_grad(self.state.current_epoch, batch_idx, optimizer)
+            self.trainer.task.optimizer_zero_grad(self.state.current_epoch, batch_idx, self.trainer_optimizers[0])
         self.nonfinite.observe(loss)
         if window_end and not self.nonfinite.window_is_finite(self.state.global_step, batch_idx):
             # Every rank skips alike: no synchronized backward, no step, the window's gradients dropped.
@@ -347,10 +356,15 @@ class FitLoop:
         assert self.optim is not None
         return self.optim.optimizer
 
-    def flush_step_logs(self) -> None:
-        """Send the step values to the loggers at a logging step (every `log_every_n_steps` steps, or a stop)."""
+    def transfer(self, batch: Any) -> Any:
+        """Move a training batch to the device through the batch-transfer hooks."""
+        return move_batch(self.trainer, batch, 0)
+
+    def flush_step_logs(self, force: bool = False) -> None:
+        """Send the step values to the loggers at a logging step (every `log_every_n_steps` steps, a stop, or
+        when `force`d)."""
         trainer = self.trainer
-        if self.state.global_step % trainer.log_every_n_steps and not self.state.should_stop:
+        if self.state.global_step % trainer.log_every_n_steps and not self.state.should_stop and not force:
             return
         logs = trainer.results.pop_step_logs()
         if logs:
@@ -381,7 +395,7 @@ class FitLoop:
         if self.nonfinite.window_is_finite(self.state.global_step, batch_idx):
             strategy.zero_grad(self.optimizer)
             strategy.shadow_backward()
-            self.optimizer_step(is_last=False)
+            self.optimizer_step(is_last=False, batch_idx=batch_idx)
         else:
             strategy.zero_grad(self.optimizer)
         self.state.batch_idx = batch_idx + 1
@@ -413,17 +427,15 @@ class FitLoop:
             )
         return loss
 
-    def optimizer_step(self, is_last: bool, apply: bool = True) -> None:
-        """Clip, step (when `apply`), count, and step the schedulers due at this step (and, on an epoch's last
-        batch, its epoch schedulers, as Lightning does: the epoch-end validation and checkpoint see the new rate)."""
-        trainer, state, strategy = self.trainer, self.state, self.trainer.strategy
-        optimizer = self.optimizer
+    def optimizer_step(self, is_last: bool, batch_idx: int, apply: bool = True) -> None:
+        """Step through the task's `optimizer_step` hook (when `apply`; the Trainer's step unscales, fires
+        ``on_before_optimizer_step`` and clips), count, and step the schedulers due at this step (and, on an
+        epoch's last batch, its epoch schedulers, as Lightning does: the epoch-end validation and checkpoint
+        see the new rate)."""
+        trainer, state = self.trainer, self.state
         if apply:
-            trainer.precision.unscale(optimizer)
-            self.fire(Callback.on_before_optimizer_step, optimizer)
-            if trainer.gradient_clip_val is not None:
-                strategy.clip_gradients(self.parameters, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-            strategy.optimizer_step(optimizer, trainer.precision.step(optimizer))
+            # The window's forwards and backwards ran already: the closure has nothing left to run.
+            trainer.task.optimizer_step(state.current_epoch, batch_idx, self.trainer_optimizers[0], _no_closure)
         state.global_step += 1
         self.stepped = True
         if self.optim is not None and self.optim.schedulers:
@@ -433,8 +445,12 @@ class FitLoop:
 
     # -------------------------------------------------------------- checkpoints
     def accumulated_grads(self) -> list[Tensor | None] | None:
-        """Gradients of an open accumulation window (None when the window is closed)."""
-        if self.state.batch_idx % self.accumulate == 0 or self.state.batches_done:
+        """Gradients of an open accumulation window (None when the window is closed); under manual optimization,
+        whatever gradients the task holds (it accumulates as it likes, e.g. stepping every N batches)."""
+        if not self.trainer.task.automatic_optimization:
+            if all(p.grad is None for p in self.parameters):
+                return None
+        elif self.state.batch_idx % self.accumulate == 0 or self.state.batches_done:
             return None
         return [None if p.grad is None else p.grad.detach().clone() for p in self.parameters]
 
@@ -460,6 +476,10 @@ class FitLoop:
 
 
 _END = object()
+
+
+def _no_closure() -> None:
+    """The closure `optimizer_step` hands to the task's hook: the forward and backward have run already."""
 
 
 def _flag_last(batches: Iterator[Any], start: int) -> Iterator[tuple[int, Any, bool]]:

@@ -34,10 +34,15 @@ class SchedulerConfig:
 
 @dataclass
 class OptimizerSetup:
-    """The optimizer and schedulers a task configured."""
+    """The optimizers and schedulers a task configured (one optimizer under automatic optimization)."""
 
-    optimizer: torch.optim.Optimizer
+    optimizers: list[torch.optim.Optimizer]
     schedulers: list[SchedulerConfig]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The first optimizer: the one automatic optimization steps."""
+        return self.optimizers[0]
 
     def step_schedulers(self, interval: str, count: int, metrics: dict[str, Tensor], plateau: bool) -> None:
         """Step every scheduler of `interval` whose frequency divides `count` (steps or epochs).
@@ -68,9 +73,15 @@ class OptimizerSetup:
     def state_dict(
         self, optimizer_state_dict: Callable[[torch.optim.Optimizer], dict[str, Any]] = torch.optim.Optimizer.state_dict
     ) -> dict[str, Any]:
-        """Return optimizer and scheduler states; `optimizer_state_dict` reads the optimizer's (the strategy's hook)."""
+        """Return optimizer and scheduler states; `optimizer_state_dict` reads an optimizer's (the strategy's hook).
+
+        ``"optimizer"`` is the first optimizer's state (the only entry of checkpoints written before several
+        optimizers existed); ``"optimizers"`` has every optimizer's, the first one being the same object.
+        """
+        states = [optimizer_state_dict(optimizer) for optimizer in self.optimizers]
         return {
-            "optimizer": optimizer_state_dict(self.optimizer),
+            "optimizer": states[0],
+            "optimizers": states,
             "lr_schedulers": [config.scheduler.state_dict() for config in self.schedulers],
         }
 
@@ -81,8 +92,19 @@ class OptimizerSetup:
             torch.optim.Optimizer.load_state_dict
         ),
     ) -> None:
-        """Restore what `state_dict` returned; `load_optimizer_state_dict` (the strategy's hook) loads the optimizer."""
-        load_optimizer_state_dict(self.optimizer, state["optimizer"])
+        """Restore what `state_dict` returned; `load_optimizer_state_dict` (the strategy's hook) loads an optimizer.
+
+        Raises:
+            ValueError: the checkpoint has another number of optimizers or schedulers than the task configured.
+        """
+        optimizer_states = state.get("optimizers", [state["optimizer"]])
+        if len(optimizer_states) != len(self.optimizers):
+            raise ValueError(
+                f"The checkpoint has {len(optimizer_states)} optimizer(s) but configure_optimizers() returned "
+                f"{len(self.optimizers)}."
+            )
+        for optimizer, optimizer_state in zip(self.optimizers, optimizer_states):
+            load_optimizer_state_dict(optimizer, optimizer_state)
         saved = state["lr_schedulers"]
         if len(saved) != len(self.schedulers):
             raise ValueError(
@@ -105,15 +127,21 @@ _FORMS = (
 )
 
 
-def _parse_scheduler(value: Any, monitor: str | None) -> SchedulerConfig:
+def _parse_scheduler(value: Any, monitor: str | None, manual: bool) -> SchedulerConfig:
     """Return the config of one scheduler (a scheduler, or a dict of `_SCHEDULER_KEYS`); `monitor` is the
-    optimizer dict's, which a bare ReduceLROnPlateau uses."""
+    optimizer dict's, which a bare ReduceLROnPlateau uses; under `manual` optimization the task steps it."""
     if isinstance(value, dict):
         unknown = sorted(set(value) - set(_SCHEDULER_KEYS))
         if "scheduler" not in value or unknown:
             raise ValueError(
                 f"An lr_scheduler dict needs 'scheduler' and may have {', '.join(map(repr, _SCHEDULER_KEYS[1:]))}; "
                 f"got keys {sorted(value)}."
+            )
+        ignored = [key for key in ("monitor", "strict") if key in value]
+        if manual and ignored:
+            rank_zero_warn(
+                f"The lr scheduler dict contains the key(s) {ignored}, but the keys will be ignored. You need to "
+                "call `lr_scheduler.step()` manually in manual optimization."
             )
         config = SchedulerConfig(
             value["scheduler"],
@@ -130,7 +158,7 @@ def _parse_scheduler(value: Any, monitor: str | None) -> SchedulerConfig:
         raise ValueError(f"lr_scheduler interval must be 'epoch' or 'step', got {config.interval!r}.")
     if isinstance(config.frequency, bool) or not isinstance(config.frequency, int) or config.frequency < 1:
         raise ValueError(f"lr_scheduler frequency must be an int >= 1, got {config.frequency!r}.")
-    if config.needs_metric and config.monitor is None:
+    if config.needs_metric and config.monitor is None and not manual:
         raise ValueError(
             "ReduceLROnPlateau needs a metric: return {'scheduler': ..., 'monitor': '<logged key>'} "
             "as the lr_scheduler (or 'monitor' beside 'optimizer')."
@@ -168,13 +196,15 @@ def _split(returned: Any, task_name: str) -> tuple[list[Any], list[Any], str | N
     raise TypeError(f"{task_name}.configure_optimizers() returned {type(returned).__name__}; {_FORMS}.")
 
 
-def parse_optimizers(returned: Any, task_name: str) -> OptimizerSetup:
+def parse_optimizers(returned: Any, task_name: str, manual: bool = False) -> OptimizerSetup:
     """Turn what `configure_optimizers()` returned, in any of Lightning's forms, into an `OptimizerSetup`.
+
+    `manual`: the task steps its optimizers itself (Lightning's manual optimization), which allows several.
 
     Raises:
         TypeError: the value is none of the forms, or holds something that is not an optimizer.
-        ValueError: several optimizers (Lightning trains them only under manual optimization), a bad
-            scheduler dict, or a scheduler of an optimizer that was not returned.
+        RuntimeError: several optimizers under automatic optimization (Lightning's error).
+        ValueError: a bad scheduler dict, or a scheduler of an optimizer that was not returned.
     """
     optimizers, schedulers, monitor = _split(returned, task_name)
     bad = [type(o).__name__ for o in optimizers if not isinstance(o, torch.optim.Optimizer)]
@@ -183,19 +213,19 @@ def parse_optimizers(returned: Any, task_name: str) -> OptimizerSetup:
             f"{task_name}.configure_optimizers() returned {', '.join(bad) or 'no optimizer'} where a "
             f"torch.optim.Optimizer belongs; {_FORMS}."
         )
-    if len(optimizers) > 1:
-        raise ValueError(
-            f"{task_name}.configure_optimizers() returned {len(optimizers)} optimizers. As in Lightning, training "
-            "with several optimizers needs manual optimization (Lightning's `self.automatic_optimization = False`), "
-            "which syncline does not have yet: return one optimizer, with a parameter group per part of the "
-            "model for different settings."
+    if len(optimizers) > 1 and not manual:
+        raise RuntimeError(
+            f"{task_name}.configure_optimizers() returned {len(optimizers)} optimizers. Training with multiple "
+            "optimizers is only supported with manual optimization. Set `self.automatic_optimization = False`, "
+            "then access your optimizers in `training_step` with `opt1, opt2, ... = self.optimizers()` "
+            "(Lightning's rule); or return one optimizer, with a parameter group per part of the model."
         )
-    optimizer = optimizers[0]
-    configs = [_parse_scheduler(scheduler, monitor) for scheduler in schedulers]
+    configs = [_parse_scheduler(scheduler, monitor, manual) for scheduler in schedulers]
     for config in configs:
-        if getattr(config.scheduler, "optimizer", optimizer) is not optimizer:
+        attached = getattr(config.scheduler, "optimizer", optimizers[0])
+        if not any(attached is optimizer for optimizer in optimizers):
             raise ValueError(
                 f"{task_name}.configure_optimizers(): a {type(config.scheduler).__name__} is attached to an "
-                "optimizer that was not returned; build it on the returned optimizer."
+                "optimizer that was not returned; build it on a returned optimizer."
             )
-    return OptimizerSetup(optimizer, configs)
+    return OptimizerSetup(list(optimizers), configs)

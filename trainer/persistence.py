@@ -81,7 +81,8 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
     if optim is not None:
         # Collective for strategies that spread the optimizer state over ranks: the whole state, gathered.
         checkpoint["optimizer"] = optim.state_dict(strategy.optimizer_state_dict)
-        checkpoint["optimizer_states"] = [checkpoint["optimizer"]["optimizer"]]
+        states = checkpoint["optimizer"]
+        checkpoint["optimizer_states"] = states.get("optimizers", [states["optimizer"]])
         checkpoint["lr_schedulers"] = checkpoint["optimizer"]["lr_schedulers"]
         checkpoint["precision"] = trainer.precision.state_dict() if trainer.precision is not None else {}
         checkpoint["results"] = trainer.train_results.state_dict(task)

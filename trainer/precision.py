@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.amp.grad_scaler import OptState
 
 if TYPE_CHECKING:
     from syncline.strategies.strategy import Strategy
@@ -82,8 +83,8 @@ class Precision:
 
         Call once per optimizer step, before clipping or inspection and before `step`.
         """
-        if self.scaler is None:
-            return
+        if self.scaler is None or self._unscaled(optimizer):
+            return  # clip_gradients in a manual step unscaled them already; the step must not do it twice
         self.scaler.unscale_(optimizer)
         if self.strategy is None or self.strategy.world_size == 1:
             return
@@ -97,6 +98,12 @@ class Precision:
         anywhere = self.strategy.any_rank_found_inf(local.reshape(1).float())
         for flag in found.values():
             flag.copy_(anywhere.reshape(()).to(flag.device))
+
+    def _unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `unscale_` ran for `optimizer` since the scaler's last update."""
+        assert self.scaler is not None
+        state = self.scaler._per_optimizer_states.get(id(optimizer))
+        return state is not None and state["stage"] is OptState.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
         """Return the function that takes the optimizer step (skipping it on fp16 overflow).

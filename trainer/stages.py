@@ -37,12 +37,16 @@ def fit_stage(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ck
     trainer.val_dataloaders, trainer.num_val_batches = prepare_loaders(
         trainer, val, trainer.limit_val_batches, "limit_val_batches"
     )
+    task.configure_model()  # after setup, before the weights are restored and the strategy wraps the task
     if checkpoint is not None:
         # As in Lightning: the task's and the callbacks' state before configure_optimizers.
         persistence.restore_model(trainer, checkpoint, callbacks=True)
     strategy.setup(task)
-    trainer.optim = parse_optimizers(task.configure_optimizers(), type(task).__name__)
-    strategy.setup_optimizer(trainer.optim.optimizer)
+    strategy.backward_hook = task.backward
+    manual = not task.automatic_optimization
+    trainer.optim = parse_optimizers(task.configure_optimizers(), type(task).__name__, manual=manual)
+    for optimizer in trainer.optim.optimizers:
+        strategy.setup_optimizer(optimizer)
     trainer.fit_loop.setup(trainer.optim)
     if checkpoint is not None:
         persistence.restore_training(trainer, checkpoint)
@@ -67,6 +71,7 @@ def evaluation_stage(trainer: Trainer, stage: str, dataloaders: Any, ckpt_path: 
     loaders, num_batches = prepare_loaders(
         trainer, eval_dataloaders(source, stage, dataloaders), getattr(trainer, name), name
     )
+    task.configure_model()
     if checkpoint is not None:
         persistence.restore_model(trainer, checkpoint, callbacks=False)
     trainer.strategy.setup(task)

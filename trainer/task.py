@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from syncline.trainer.hooks import DataHooks
+from syncline.trainer.hooks import DataHooks, ModelHooks
 from syncline.trainer.hparams import AttributeDict, HyperparametersMixin, build_from_hparams, read_for_loading
 
 if TYPE_CHECKING:
@@ -22,24 +23,28 @@ __all__ = ["AttributeDict", "Task"]
 TaskT = TypeVar("TaskT", bound="Task")
 
 
-class Task(DataHooks, HyperparametersMixin, nn.Module):
+class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
     """Subclass this and override the steps you need, as with a LightningModule.
 
     `training_step` returns a loss tensor or a dict with a ``"loss"`` entry; `configure_optimizers`
     returns an optimizer in any of Lightning's forms: an optimizer, a list, ``([optimizer], [schedulers])``,
     a dict with ``"optimizer"`` and optionally ``"lr_scheduler"`` (a scheduler or a dict with ``"scheduler"``,
     ``"interval"`` ("epoch" or "step"), ``"frequency"``, ``"monitor"``, ``"strict"``, ``"name"``) and
-    ``"monitor"``, or a list of such dicts; one optimizer, as Lightning's automatic optimization allows.
+    ``"monitor"``, or a list of such dicts; one optimizer, as Lightning's automatic optimization allows, or
+    several with manual optimization (``self.automatic_optimization = False``: `training_step` calls
+    `manual_backward` and steps ``self.optimizers()`` itself; see trainer/manual.py).
     Hooks with the names of `callbacks.Callback`'s, minus its `trainer` and `task` arguments, are called
     before the callbacks' of the same event.
     """
 
     #: Lightning's switch: False lets a resume start state the checkpoint lacks (a strategy's) afresh.
     strict_loading: bool = True
+    _automatic_optimization: bool = True
 
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Trainer | None = None
+        self._param_requires_grad_state: dict[Tensor, bool] = {}
         self._init_hparams()
 
     # ------------------------------------------------------------ environment
@@ -117,13 +122,14 @@ class Task(DataHooks, HyperparametersMixin, nn.Module):
             task.to(map_location)
         return task
 
-    def optimizers(self, use_pl_optimizer: bool = True) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
-        """Return the optimizer `configure_optimizers` gave the Trainer (Lightning's shape: the one, or a list).
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """Return the optimizers `configure_optimizers` gave the Trainer: the one, or a list (Lightning's shape).
 
-        syncline returns the torch optimizer itself; `use_pl_optimizer` is accepted for Lightning's code.
+        With `use_pl_optimizer` (the default) each is a `TrainerOptimizer`, whose ``step()`` goes through the
+        Trainer (and counts toward `global_step` under manual optimization); False gives the torch optimizers.
         """
-        found = self.trainer.optimizers
-        return found[0] if len(found) == 1 else found
+        found = self.trainer.fit_loop.trainer_optimizers if use_pl_optimizer else self.trainer.optimizers
+        return found[0] if len(found) == 1 else list(found)
 
     def lr_schedulers(self) -> Any:
         """Return the learning-rate schedulers being used: None without any, the one, or a list."""
@@ -131,6 +137,129 @@ class Task(DataHooks, HyperparametersMixin, nn.Module):
         if not found:
             return None
         return found[0] if len(found) == 1 else found
+
+    # ----------------------------------------------------- manual optimization
+    @property
+    def automatic_optimization(self) -> bool:
+        """False when `training_step` back-propagates and steps the optimizers itself (Lightning's switch)."""
+        return self._automatic_optimization
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, automatic: bool) -> None:
+        self._automatic_optimization = automatic
+
+    def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Back-propagate `loss` in manual optimization: the loss scaler's scaling, ``on_before_backward``, the
+        strategy's backward (which synchronizes gradients across processes, through the `backward` hook, given
+        `args` and `kwargs`, e.g. ``retain_graph=True``), ``on_after_backward``.
+
+        Raises:
+            RuntimeError: the task uses automatic optimization.
+        """
+        from syncline.callbacks.callback import Callback
+
+        if self.automatic_optimization:
+            raise RuntimeError(
+                "To use manual_backward, please disable automatic optimization: set the task's property "
+                "`automatic_optimization` to False."
+            )
+        trainer = self.trainer
+        assert trainer.precision is not None
+        retain_graph = bool(kwargs.pop("retain_graph", False))
+        strategy = trainer.strategy
+        hook = strategy.backward_hook
+        if args or kwargs:
+            strategy.backward_hook = lambda tensor, **more: self.backward(tensor, *args, **kwargs, **more)
+        try:
+            trainer.dispatcher.fire(Callback.on_before_backward, loss)
+            strategy.backward(trainer.precision.scale_loss(loss), sync=True, retain_graph=retain_graph)
+        finally:
+            strategy.backward_hook = hook
+        trainer.dispatcher.fire(Callback.on_after_backward)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Let only `optimizer`'s parameters require grad: the other optimizers' parameters stop requiring it
+        until `untoggle_optimizer`, so a backward for this optimizer computes no gradient for them."""
+        states: dict[Tensor, bool] = {}
+        for other in self.trainer.optimizers:
+            for group in other.param_groups:
+                for param in group["params"]:
+                    if param not in states:
+                        states[param] = param.requires_grad
+                        param.requires_grad = False
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.requires_grad = states[param]
+        self._param_requires_grad_state = states
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Give the other optimizers' parameters back the `requires_grad` they had before `toggle_optimizer`."""
+        mine = getattr(optimizer, "optimizer", optimizer)
+        for other in self.trainer.optimizers:
+            if other is mine:
+                continue
+            for group in other.param_groups:
+                for param in group["params"]:
+                    if param in self._param_requires_grad_state:
+                        param.requires_grad = self._param_requires_grad_state[param]
+        self._param_requires_grad_state = {}
+
+    @contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """`toggle_optimizer` inside the block, `untoggle_optimizer` after it (even on an error)."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
+
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip the gradients of `optimizer`'s parameters, after unscaling them (fp16): their global 2-norm to
+        `gradient_clip_val` ("norm"), or every element to [-val, val] ("value"); None or 0 clips nothing.
+        Defaults are the Trainer's `gradient_clip_val` and `gradient_clip_algorithm`, as in Lightning.
+
+        Raises:
+            ValueError: a value or algorithm that contradicts the Trainer's, or an unknown algorithm.
+            TypeError: `gradient_clip_val` is not a number.
+        """
+        trainer = self.trainer
+        configured = trainer.gradient_clip_val is not None
+        if gradient_clip_val is None:
+            gradient_clip_val = trainer.gradient_clip_val or 0.0
+        elif configured and trainer.gradient_clip_val != gradient_clip_val:
+            raise ValueError(
+                f"You have set `Trainer(gradient_clip_val={trainer.gradient_clip_val!r})` and have passed "
+                f"`clip_gradients(gradient_clip_val={gradient_clip_val!r})`. Please use only one of them."
+            )
+        if gradient_clip_algorithm is None:
+            gradient_clip_algorithm = trainer.gradient_clip_algorithm
+        elif configured and trainer.gradient_clip_algorithm != gradient_clip_algorithm.lower():
+            raise ValueError(
+                f"You have set `Trainer(gradient_clip_algorithm={trainer.gradient_clip_algorithm!r})` and have "
+                f"passed `clip_gradients(gradient_clip_algorithm={gradient_clip_algorithm!r})`. Please use only "
+                "one of them."
+            )
+        algorithm = gradient_clip_algorithm.lower()
+        if isinstance(gradient_clip_val, bool) or not isinstance(gradient_clip_val, (int, float)):
+            raise TypeError(f"`gradient_clip_val` should be an int or a float. Got {gradient_clip_val!r}.")
+        if algorithm not in ("norm", "value"):
+            raise ValueError(f"`gradient_clip_algorithm` {algorithm!r} is invalid. Allowed: 'norm', 'value'.")
+        if gradient_clip_val <= 0:
+            return
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        assert trainer.precision is not None
+        trainer.precision.unscale(optimizer)
+        if self.automatic_optimization:
+            # The strategy's own view of the task's parameters (a sharded one clips its slices).
+            parameters = trainer.fit_loop.parameters
+        else:
+            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        trainer.strategy.clip_gradients(parameters, float(gradient_clip_val), algorithm)
 
     # ---------------------------------------------------------------- logging
     def log(
@@ -245,10 +374,6 @@ class Task(DataHooks, HyperparametersMixin, nn.Module):
 
     def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Called before gradients are reset, at the start of each accumulation window."""
-
-    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
-        """Reset the gradients before the first backward of an accumulation window (override to change how)."""
-        self.trainer.strategy.zero_grad(optimizer)
 
     def on_validation_start(self) -> None:
         """Called when a validation run begins."""

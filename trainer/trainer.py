@@ -26,6 +26,7 @@ from syncline.trainer.checkpoint import save_checkpoint
 from syncline.trainer.datamodule import DataModule, check_datamodule
 from syncline.trainer.evaluation import EvaluationLoop
 from syncline.trainer.fit_loop import FitLoop
+from syncline.trainer.manual import check_optimization_mode
 from syncline.trainer.optim import OptimizerSetup
 from syncline.trainer.precision import Precision
 from syncline.trainer.preemption import PreemptionWatch, TrainingPreempted
@@ -277,8 +278,8 @@ class Trainer:
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        """The optimizer of the task being fitted (a list, as in Lightning)."""
-        return [self.optim.optimizer] if self.optim is not None else []
+        """The optimizers of the task being fitted (a list, as in Lightning)."""
+        return list(self.optim.optimizers) if self.optim is not None else []
 
     # ------------------------------------------------------------------ stages
     def fit(
@@ -361,6 +362,8 @@ class Trainer:
         self._task = task
         self.datamodule, kwargs = check_datamodule(stage, datamodule, data if stage == "fit" else {"dataloaders": data})
         data = kwargs.get("dataloaders")
+        if stage == "fit" and isinstance(task, Task):
+            check_optimization_mode(self, task)  # Lightning's rules for manual optimization, before any launch
         if self.devices > 1 and not launched_by_torchrun():
             # The launcher checks the options against the world size before it looks at the task.
             return launch(self, stage, task, {**kwargs, "datamodule": self.datamodule, "ckpt_path": ckpt_path})

@@ -409,10 +409,19 @@ class Reducer:
         triggers = set(self._sparse)
         for bucket in self._buckets:
             triggers.add(max(bucket.param_indices, key=position.__getitem__))
-        self._handles = [
-            param.register_post_accumulate_grad_hook(self._on_trigger if index in triggers else self._arrivals.append)
-            for index, param in enumerate(self._params)
-        ]
+        # torch hooks only tensors that require grad: a parameter frozen for now (`toggle_optimizer` in manual
+        # optimization, when the buckets are rebuilt) is hooked thawed for the backwards that train it again.
+        frozen = [param for param in self._params if not param.requires_grad]
+        for param in frozen:
+            param.requires_grad_(True)
+        try:
+            self._handles = [
+                param.register_post_accumulate_grad_hook(self._on_trigger if i in triggers else self._arrivals.append)
+                for i, param in enumerate(self._params)
+            ]
+        finally:
+            for param in frozen:
+                param.requires_grad_(False)
 
     def _on_trigger(self, param: Tensor) -> None:
         """Record `param`'s arrival, then process all arrivals and launch the buckets that are complete."""

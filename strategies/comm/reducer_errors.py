@@ -85,8 +85,9 @@ def unsynced_message(rank: int, names: Sequence[str]) -> str:
     return (
         f"Rank {rank}: the optimizer is about to step with gradients that were never averaged across ranks "
         f"({shown}): they came from a backward that the strategy did not run, so the replicas would drift "
-        "apart. Call strategy.backward(loss, sync=True) instead of loss.backward(); to accumulate locally, "
-        "use strategy.backward(loss, sync=False) or `with strategy.no_sync():`."
+        "apart. In a task's manual optimization, call self.manual_backward(loss) instead of loss.backward(); in "
+        "a loop of your own, strategy.backward(loss, sync=True), or to accumulate locally "
+        "strategy.backward(loss, sync=False) or `with strategy.no_sync():`."
     )
 
 

@@ -120,3 +120,27 @@ def test_named_param_groups_and_the_rate_in_callback_metrics(tmp_path):
         "lr-Adam/pg2",
     }
     assert float(trainer.callback_metrics["lr-Adam/weights"]) == pytest.approx(0.1)
+
+
+def test_several_optimizers_of_one_class_get_lightnings_numbered_names(tmp_path):
+    """A manual GAN's two Adams log as ``lr-Adam`` and ``lr-Adam-1``; a scheduler's name names its own optimizer."""
+    from tests.trainer._manual import ToyGAN, gan_loader
+
+    class TwoAdams(ToyGAN):
+        def configure_optimizers(self):
+            opt_g = torch.optim.Adam(self.generator.parameters(), lr=0.05)
+            opt_d = torch.optim.Adam(self.discriminator.parameters(), lr=0.1)
+            opt_e = torch.optim.Adam(self.discriminator.parameters(), lr=0.2)
+            named = {"scheduler": torch.optim.lr_scheduler.StepLR(opt_e, 1), "name": "extra"}
+            return [{"optimizer": opt_g}, {"optimizer": opt_d}, {"optimizer": opt_e, "lr_scheduler": named}]
+
+        def training_step(self, batch, batch_idx):
+            opt_g, opt_d, _ = self.optimizers()
+            self.gan_step(batch, opt_g, opt_d, self.manual_backward)
+
+    logger = RecordingLogger(str(tmp_path))
+    trainer = make_trainer(tmp_path, callbacks=[LearningRateMonitor()], logger=logger, log_every_n_steps=1)
+    trainer.fit(TwoAdams(toggle=False), gan_loader())
+    assert {key: float(trainer.callback_metrics[key]) for key in ("lr-Adam", "lr-Adam-1", "extra")} == pytest.approx(
+        {"lr-Adam": 0.05, "lr-Adam-1": 0.1, "extra": 0.2}
+    )

@@ -46,14 +46,30 @@ def test_every_hook_the_trainer_fires_is_declared_on_callback():
     assert {"on_train_batch_end", "on_validation_end", "on_fit_start"} <= fired  # the scan found the loop
     missing = sorted(name for name in fired if not hasattr(Callback, name))
     assert not missing, f"hooks fired but not declared on Callback: {missing}"
-    # Every hook a task can override under the same name is a Callback hook too.
-    task_hooks = {n for n, _ in inspect.getmembers(Task, inspect.isfunction) if n.startswith("on_")}
+    # Every hook a task can override under the same name is a Callback hook too, except the batch-transfer
+    # hooks, which return the batch (Lightning's DataHooks: a task's or a DataModule's, never a callback's).
+    transfer = {"on_before_batch_transfer", "on_after_batch_transfer"}
+    task_hooks = {n for n, _ in inspect.getmembers(Task, inspect.isfunction) if n.startswith("on_")} - transfer
     assert task_hooks <= set(HOOKS), sorted(task_hooks - set(HOOKS))
+
+
+#: The task's hooks that are not callbacks' (Lightning's ModelHooks and the batch-transfer DataHooks).
+TASK_HOOKS = [
+    "configure_model",
+    "optimizer_zero_grad",
+    "backward",
+    "optimizer_step",
+    "configure_gradient_clipping",
+    "on_before_batch_transfer",
+    "transfer_batch_to_device",
+    "on_after_batch_transfer",
+]
+TRANSFER = ["on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"]
 
 
 def _hooked_task(calls: list[str], base: type[Task] = Regressor) -> Task:
     """Return a task recording every hook it receives (and its steps) as "name", before running it."""
-    recorded = [*HOOKS, "configure_optimizers", "training_step", "validation_step", "optimizer_zero_grad"]
+    recorded = [*HOOKS, "configure_optimizers", "training_step", "validation_step", *TASK_HOOKS]
     recorded = [name for name in recorded if hasattr(base, name)]
     cls = type("HookedTask", (base,), {})
 
@@ -87,7 +103,7 @@ def _both(*names: str) -> list[str]:
 
 
 def _eval_run(noun: str, batches: int, step: str) -> list[str]:
-    batch = [*_both(f"on_{noun}_batch_start"), step, *_both(f"on_{noun}_batch_end")]
+    batch = [*TRANSFER, *_both(f"on_{noun}_batch_start"), step, *_both(f"on_{noun}_batch_end")]
     return [
         *_both(f"on_{noun}_start", f"on_{noun}_epoch_start"),
         *(batch * batches),
@@ -96,12 +112,14 @@ def _eval_run(noun: str, batches: int, step: str) -> list[str]:
 
 
 def _train_batch(step: bool, zero_grad: bool) -> list[str]:
-    calls = [*_both("on_train_batch_start"), "training_step"]
+    """Lightning's order, except that `optimizer_step` is entered after the backward (Lightning enters it first
+    and runs training_step, zero_grad and backward in its closure; docs/from_lightning.md)."""
+    calls = [*TRANSFER, *_both("on_train_batch_start"), "training_step"]
     if zero_grad:
         calls += [*_both("on_before_zero_grad"), "optimizer_zero_grad"]
-    calls += _both("on_before_backward", "on_after_backward")
+    calls += [*_both("on_before_backward"), "backward", *_both("on_after_backward")]
     if step:
-        calls += _both("on_before_optimizer_step")
+        calls += ["optimizer_step", *_both("on_before_optimizer_step"), "configure_gradient_clipping"]
     return [*calls, *_both("on_train_batch_end")]
 
 
@@ -119,6 +137,7 @@ def test_fit_fires_every_hook_in_lightning_order(tmp_path):
     validation = _eval_run("validation", 2, "validation_step")
     expected = [
         *_both("setup"),
+        "configure_model",
         "configure_optimizers",
         *_both("on_fit_start"),
         "Callback.on_sanity_check_start",
@@ -145,8 +164,9 @@ def test_resume_restores_the_task_and_callbacks_before_configure_optimizers(tmp_
     calls: list[str] = []
     trainer = Trainer(**quiet(max_epochs=2), callbacks=[_recorder_named(calls)])
     trainer.fit(_hooked_task(calls), data, ckpt_path=first.checkpoint_callback.best_model_path)
-    assert calls[:7] == [
+    assert calls[:8] == [
         *_both("setup"),
+        "configure_model",
         "on_load_checkpoint",
         "Callback.on_load_checkpoint",
         "configure_optimizers",
@@ -157,12 +177,12 @@ def test_resume_restores_the_task_and_callbacks_before_configure_optimizers(tmp_
 
 @pytest.mark.parametrize("stage", ["validate", "test"])
 def test_evaluation_without_batches_fires_no_evaluation_hook(stage):
-    """Lightning's `test_trainer_model_hook_system_eval` with 0 batches: only setup and teardown."""
+    """Lightning's `test_trainer_model_hook_system_eval` with 0 batches: only setup, configure_model, teardown."""
     calls: list[str] = []
     trainer = Trainer(**quiet(limit_val_batches=0), callbacks=[_recorder_named(calls)])
     empty = loader(regression_data(8), 8) if stage == "validate" else loader(regression_data(0), 8)
     assert getattr(trainer, stage)(_hooked_task(calls), empty) == []
-    assert calls == [*_both("setup"), *_both("teardown")]
+    assert calls == [*_both("setup"), "configure_model", *_both("teardown")]
 
 
 def test_monitoring_callbacks_see_what_the_task_logs_at_the_epoch_end(tmp_path):

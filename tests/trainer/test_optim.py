@@ -143,7 +143,7 @@ def _returning(value):
     ids=["list", "tuple of lists", "list of dicts"],
 )
 def test_several_optimizers_are_refused_as_lightning_refuses_them_without_manual_optimization(value):
-    with pytest.raises(ValueError, match=r"returned 2 optimizers.*needs manual optimization.*return one optimizer"):
+    with pytest.raises(RuntimeError, match=r"returned 2 optimizers.*only supported with manual optimization.*= False"):
         _fit(_returning(value), epochs=1)
 
 
