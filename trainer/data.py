@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from syncline.trainer.rank_zero import rank_zero_warn
 
@@ -23,6 +23,7 @@ __all__ = [
     "prepare_loaders",
     "with_distributed_sampler",
     "with_evaluation_sampler",
+    "without_shuffling",
 ]
 
 
@@ -162,9 +163,31 @@ def epoch_batches(loader: Iterable[Any], num_batches: int | float, skip: int = 0
     return itertools.islice(iterator, int(num_batches) - skip)
 
 
+def without_shuffling(loader: Any, prefix: str) -> Any:
+    """Return `loader` reading its data set in order, so that overfitting takes the same batches every epoch.
+
+    A DataLoader whose sampler is not sequential is rebuilt with a `SequentialSampler`, with Lightning's
+    warning; `prefix` ("train" or "val") names the loader in it. Other loaders are returned unchanged.
+    """
+    if not isinstance(loader, DataLoader) or isinstance(loader.sampler, SequentialSampler):
+        return loader
+    if type(loader.batch_sampler) is not BatchSampler:
+        return loader  # a batch sampler of the user's own decides the order
+    rank_zero_warn(
+        f"You requested to overfit but enabled {prefix} dataloader shuffling. "
+        f"We are turning off the {prefix} dataloader shuffling for you."
+    )
+    return _with_sampler(loader, SequentialSampler(loader.dataset))  # type: ignore[arg-type]
+
+
 def prepare_loader(trainer: Trainer, loader: Any, evaluation: bool = False) -> Any:
     """Return `loader` sharded for the trainer's processes: training data with a `DistributedSampler`
-    (seeded with `trainer.seed`), evaluation data so that every sample is seen exactly once."""
+    (seeded with `trainer.seed`), evaluation data so that every sample is seen exactly once.
+
+    With `overfit_batches` during `fit`, the training and validation data are read in order, as in Lightning.
+    """
+    if trainer.overfit_batches and trainer.state.stage == "fit":
+        loader = without_shuffling(loader, "val" if evaluation else "train")
     if not (trainer.use_distributed_sampler and isinstance(loader, DataLoader)):
         return loader
     if evaluation:

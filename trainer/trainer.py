@@ -24,6 +24,7 @@ from syncline.trainer.arguments import (
 )
 from syncline.trainer.checkpoint import save_checkpoint
 from syncline.trainer.datamodule import DataModule, check_datamodule
+from syncline.trainer.debugging import apply_debugging_flags
 from syncline.trainer.evaluation import EvaluationLoop
 from syncline.trainer.fit_loop import FitLoop
 from syncline.trainer.optim import OptimizerSetup
@@ -88,6 +89,8 @@ class Trainer:
             restarted `fit` resumes from the newest ``last.ckpt``, as under ``torchrun --max-restarts``.
         preemption_signal: "SIGTERM", "SIGUSR1", "SIGUSR2" or None: this signal (or Ctrl-C) stops every rank
             after the current step with ``last.ckpt`` and exit status 75 (`TrainingPreempted`).
+        fast_dev_run: True or n: n batches (True: 1) of every stage, one epoch, no sanity check, checkpoint or log.
+        overfit_batches: train and validate on this many batches (int) or fraction (float), in order (unshuffled).
     """
 
     def __init__(
@@ -124,6 +127,8 @@ class Trainer:
         uneven_inputs: str = "check",
         max_restarts: int = 0,
         preemption_signal: str | None = "SIGTERM",
+        fast_dev_run: bool | int = False,
+        overfit_batches: int | float = 0.0,
     ) -> None:
         check_options(locals())
         devices = resolve_devices(devices, accelerator)
@@ -160,6 +165,7 @@ class Trainer:
             self.strategy.use_accelerator(kind)
         self.loggers = build_loggers(logger, self.default_root_dir)
         self.callbacks = build_callbacks(callbacks, enable_checkpointing, enable_progress_bar)
+        apply_debugging_flags(self, fast_dev_run, overfit_batches)  # sets fast_dev_run and overfit_batches
 
         self.state = TrainerState()
         self.callback_metrics: dict[str, Tensor] = {}
@@ -433,9 +439,9 @@ class Trainer:
                 logger.log_metrics(values, step)
 
     # ------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Write a checkpoint of everything a bit-exact resume needs. Call it on every process."""
-        checkpoint = persistence.checkpoint_state(self)
+    def save_checkpoint(self, path: str | os.PathLike[str], weights_only: bool = False) -> None:
+        """Write a checkpoint of everything a bit-exact resume needs (or the weights only). Call it on every process."""
+        checkpoint = persistence.checkpoint_state(self, weights_only)
         if self.is_global_zero:
             save_checkpoint(checkpoint, path)
         # Collective: nobody reads the file before rank 0 has finished writing it.

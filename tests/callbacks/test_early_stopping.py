@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from syncline.callbacks import EarlyStopping, ModelCheckpoint
-from syncline.callbacks.early_stopping import _Decision
+from syncline.callbacks.early_stopping import EarlyStoppingReason, _Decision
 from syncline.strategies.comm.ranks import run_distributed
 from syncline.trainer import Trainer
 from tests.callbacks._tasks import FakeRank, Scripted, make_loader, make_trainer
@@ -97,7 +97,7 @@ def test_resume_continues_the_wait_count(tmp_path):
 
 def test_non_zero_rank_stops_when_rank_zero_says_so(tmp_path):
     """Rank 1's own metric improves, but rank 0's broadcast decision stops it."""
-    decision = _Decision(wait_count=3, best_score=0.5, should_stop=True)
+    decision = _Decision(wait_count=3, best_score=0.5, reason=EarlyStoppingReason.PATIENCE_EXHAUSTED)
     strategy = FakeRank(rank=1, broadcasts=[decision])
     stopper = EarlyStopping("val_metric")
     trainer, task = _fit(tmp_path, stopper, [1.0, 0.1, 0.01], strategy=strategy)
