@@ -6,10 +6,10 @@ import contextlib
 import math
 import os
 import re
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.callback import Callback
@@ -224,7 +224,7 @@ class ModelCheckpoint(Callback):
     def on_train_start(self, trainer: Trainer, task: Task) -> None:
         """Start watching for optimizer steps from the (possibly resumed) global step, and the clock."""
         self._step_seen = trainer.global_step
-        self._last_time_checked = time.monotonic()
+        self._last_time_checked = monotonic()
 
     def on_train_batch_end(self, trainer: Trainer, task: Task, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Save when this micro-batch's optimizer step reached a multiple of `every_n_train_steps`, or
@@ -235,7 +235,7 @@ class ModelCheckpoint(Callback):
         self._step_seen = step
         due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0
         if self.train_time_interval is not None and not trainer.fast_dev_run:
-            now = time.monotonic()
+            now = monotonic()
             elapsed = now - (self._last_time_checked or now) >= self.train_time_interval.total_seconds()
             # Collective: rank 0's clock decides, so no rank waits in a save the others skip.
             if trainer.strategy.broadcast_object(elapsed if trainer.is_global_zero else None):

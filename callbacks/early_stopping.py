@@ -160,10 +160,11 @@ class EarlyStopping(Callback):
             return _Decision(self.wait_count, self.best_score, reason.NON_FINITE_METRIC, message)
         order = "<" if self.mode == "min" else ">"
         if self.stopping_threshold is not None and self._beyond(current, self.stopping_threshold):
-            message = f"Stopping threshold reached: {self.monitor} = {current} {order} {self.stopping_threshold}."
+            message = f"Stopping threshold reached: {self.monitor} = {current:.6g} {order} {self.stopping_threshold}."
             return _Decision(self.wait_count, self.best_score, reason.STOPPING_THRESHOLD, message)
         if self.divergence_threshold is not None and self._beyond(self.divergence_threshold, current):
-            message = f"Divergence threshold reached: {self.monitor} = {current} {order} {self.divergence_threshold}."
+            value = f"{self.monitor} = {current:.6g} {order} {self.divergence_threshold}"
+            message = f"Divergence threshold reached: {value}."
             return _Decision(self.wait_count, self.best_score, reason.DIVERGENCE_THRESHOLD, message)
         if self._improves(current):
             message = f"EarlyStopping: {self.monitor} improved to {current:.6g}."
