@@ -236,7 +236,8 @@ class ModelCheckpoint(Callback):
         due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0
         if self.train_time_interval is not None and not trainer.fast_dev_run:
             now = monotonic()
-            elapsed = now - (self._last_time_checked or now) >= self.train_time_interval.total_seconds()
+            previous = self._last_time_checked
+            elapsed = previous is not None and now - previous >= self.train_time_interval.total_seconds()
             # Collective: rank 0's clock decides, so no rank waits in a save the others skip.
             if trainer.strategy.broadcast_object(elapsed if trainer.is_global_zero else None):
                 self._last_time_checked, due = now, True

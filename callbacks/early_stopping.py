@@ -163,7 +163,8 @@ class EarlyStopping(Callback):
             message = f"Stopping threshold reached: {self.monitor} = {current:.6g} {order} {self.stopping_threshold}."
             return _Decision(self.wait_count, self.best_score, reason.STOPPING_THRESHOLD, message)
         if self.divergence_threshold is not None and self._beyond(self.divergence_threshold, current):
-            value = f"{self.monitor} = {current:.6g} {order} {self.divergence_threshold}"
+            worse = ">" if self.mode == "min" else "<"
+            value = f"{self.monitor} = {current:.6g} {worse} {self.divergence_threshold}"
             message = f"Divergence threshold reached: {value}."
             return _Decision(self.wait_count, self.best_score, reason.DIVERGENCE_THRESHOLD, message)
         if self._improves(current):

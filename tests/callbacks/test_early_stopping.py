@@ -158,7 +158,8 @@ def test_divergence_threshold_stops_once_the_metric_is_worse_than_it(tmp_path, m
     trainer, task = _fit(tmp_path, stopper, values)
     assert stopper.stopped_epoch == 3 and trainer.current_epoch == 4
     assert stopper.stopping_reason is EarlyStoppingReason.DIVERGENCE_THRESHOLD
-    assert stopper.stopping_reason_message.startswith("Divergence threshold reached: val_metric = ")
+    worse = "val_metric = 11 > 10.0" if mode == "min" else "val_metric = -11 < -10.0"
+    assert stopper.stopping_reason_message == f"Divergence threshold reached: {worse}."
 
 
 def test_stopping_reason_for_patience_non_finite_and_no_stop(tmp_path):
