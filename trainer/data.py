@@ -15,12 +15,14 @@ if TYPE_CHECKING:
     from syncline.trainer.trainer import Trainer
 
 __all__ = [
+    "BatchIndexRecorder",
     "UnpaddedShardSampler",
     "epoch_batches",
     "eval_dataloaders",
     "limit_batches",
     "prepare_loader",
     "prepare_loaders",
+    "with_batch_indices",
     "with_distributed_sampler",
     "with_evaluation_sampler",
     "without_shuffling",
@@ -78,6 +80,47 @@ class UnpaddedShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.size, self.num_replicas))
+
+
+class BatchIndexRecorder(Sampler[list[int]]):
+    """A batch sampler that gives `batch_sampler`'s batches and remembers each one's sample indices in `seen`
+    (what a prediction writer is told; Lightning's ``_IndexBatchSamplerWrapper``)."""
+
+    def __init__(self, batch_sampler: Iterable[list[int]]) -> None:
+        self.batch_sampler = batch_sampler
+        self.seen: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.seen = []
+        for batch in self.batch_sampler:
+            self.seen.append(list(batch))
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+
+def with_batch_indices(loader: Any) -> Any:
+    """Return `loader` with its batch sampler wrapped in a `BatchIndexRecorder` (a DataLoader that batches),
+    or unchanged (any other loader: its batch indices are unknown)."""
+    if not isinstance(loader, DataLoader) or loader.batch_sampler is None:
+        return loader
+    if isinstance(loader.batch_sampler, BatchIndexRecorder):
+        return loader
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=BatchIndexRecorder(loader.batch_sampler),
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+    )
 
 
 def _can_shard(loader: Any, sampler_kwargs: dict[str, int] | None) -> bool:

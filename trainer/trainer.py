@@ -340,12 +340,14 @@ class Trainer:
         task: Task | None = None,
         dataloaders: Any = None,
         datamodule: DataModule | None = None,
-        *,
+        return_predictions: bool | None = None,
         ckpt_path: str | os.PathLike[str] | None = None,
+        *,
         model: Task | None = None,
-    ) -> list[Any]:
-        """Return `predict_step`'s outputs batch by batch (a list per loader with several; see `validate`)."""
-        return self._stage("predict", *self._eval_task("predict", task, model, ckpt_path), dataloaders, datamodule)
+    ) -> list[Any] | None:
+        """Return `predict_step`'s outputs per batch (per loader with several); None if return_predictions=False."""
+        chosen = self._eval_task("predict", task, model, ckpt_path)
+        return self._stage("predict", *chosen, dataloaders, datamodule, return_predictions=return_predictions)
 
     def _eval_task(self, stage: str, task: Task | None, model: Task | None, ckpt_path: Any) -> tuple[Task, Any]:
         """Return the task to evaluate and the checkpoint to load, as Lightning chooses them."""
@@ -362,19 +364,19 @@ class Trainer:
             )
         return self._task, "best" if ckpt_path is None else ckpt_path
 
-    def _stage(self, stage: str, task: Any, ckpt_path: Any, data: Any, datamodule: Any) -> Any:
+    def _stage(self, stage: str, task: Any, ckpt_path: Any, data: Any, datamodule: Any, **options: Any) -> Any:
         """Run `stage` here, or launch `devices` workers that run it (not when torchrun started us)."""
         self._task = task
         self.datamodule, kwargs = check_datamodule(stage, datamodule, data if stage == "fit" else {"dataloaders": data})
         data = kwargs.get("dataloaders")
         if self.devices > 1 and not launched_by_torchrun():
             # The launcher checks the options against the world size before it looks at the task.
-            return launch(self, stage, task, {**kwargs, "datamodule": self.datamodule, "ckpt_path": ckpt_path})
+            return launch(self, stage, task, dict(kwargs, datamodule=self.datamodule, ckpt_path=ckpt_path, **options))
         if not isinstance(task, Task):
             raise TypeError(f"Trainer.{stage} needs a trainer.Task, got {type(task).__name__}.")
         if stage == "fit":
             return self._run(stage, task, lambda: fit_stage(self, ckpt_path=ckpt_path, **kwargs))
-        return self._run(stage, task, lambda: evaluation_stage(self, stage, data, ckpt_path))
+        return self._run(stage, task, lambda: evaluation_stage(self, stage, data, ckpt_path, **options))
 
     def worker_result(self, task: Task, returned: Any) -> dict[str, Any]:
         """Return what a launched rank 0 sends back to the process that launched it."""
