@@ -190,12 +190,18 @@ class EarlyStopping(Callback):
 
     # ------------------------------------------------------------- resuming
     def state_dict(self) -> dict[str, Any]:
-        """Return the wait count, best score and stop epoch."""
+        """Return the wait count, best score, stop epoch and stopping reason.
+
+        The reason travels too, so that after a launched `fit` (``devices`` > 1) the process that launched it
+        reads why rank 0 stopped.
+        """
         return {
             "wait_count": self.wait_count,
             "best_score": self.best_score,
             "stopped_epoch": self.stopped_epoch,
             "patience": self.patience,
+            "stopping_reason": self.stopping_reason.value,
+            "stopping_reason_message": self.stopping_reason_message,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -203,3 +209,5 @@ class EarlyStopping(Callback):
         self.wait_count = state_dict["wait_count"]
         self.best_score = state_dict["best_score"]
         self.stopped_epoch = state_dict["stopped_epoch"]
+        self.stopping_reason = EarlyStoppingReason(state_dict.get("stopping_reason", "not_stopped"))
+        self.stopping_reason_message = state_dict.get("stopping_reason_message")

@@ -191,3 +191,15 @@ def test_check_on_train_epoch_end_with_two_validations_per_epoch(tmp_path, on_ep
     stopper = EarlyStopping("val_metric", patience=3, check_on_train_epoch_end=on_epoch_end)
     trainer, _ = _fit(tmp_path, stopper, [5.0] * 6, val_check_interval=0.5)
     assert stopper.stopped_epoch == stop_epoch
+
+
+def test_stopping_reason_is_part_of_the_state_that_launched_runs_send_back(tmp_path):
+    """After a launched fit, the launching process loads rank 0's callback state: the reason must be in it, in
+    a form a weights-only checkpoint load accepts."""
+    stopper = EarlyStopping("val_metric", patience=1)
+    _fit(tmp_path, stopper, [1.0, 2.0])
+    torch.save(stopper.state_dict(), tmp_path / "state.pt")
+    copy = EarlyStopping("val_metric", patience=1)
+    copy.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert copy.stopping_reason is EarlyStoppingReason.PATIENCE_EXHAUSTED
+    assert copy.stopping_reason_message == stopper.stopping_reason_message
