@@ -8,6 +8,8 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.callback import Callback
@@ -36,6 +38,8 @@ class _Plan:
     best_k_models: dict[str, float] = field(default_factory=dict)
     best_model_path: str = ""
     best_model_score: float | None = None
+    #: The monitored score of the top-k file written (None when none is, or without a monitor).
+    current_score: float | None = None
     last_path: str | None = None
 
 
@@ -54,16 +58,27 @@ class ModelCheckpoint(Callback):
         save_top_k: how many checkpoints to keep; -1 keeps all, 0 none (only `save_last`).
         save_last: also write ``last.ckpt`` at every save, replacing the previous one (``last-v1.ckpt``... when
             the directory holds another run's).
-        every_n_epochs: save every this many epochs (1 unless `every_n_train_steps` is given; 0 never).
+        every_n_epochs: save every this many epochs (1 unless `every_n_train_steps` or `train_time_interval` is
+            given; 0 never).
         every_n_train_steps: save every this many optimizer steps, after the step's micro-batch.
+        train_time_interval: save after the first optimizer step at least this `datetime.timedelta` after the
+            previous time save (or the start of training); rank 0's clock decides for every rank.
         save_on_train_epoch_end: save epoch checkpoints at the end of the training epoch (True) or after
-            each validation (False). None: at epoch end, unless validation runs within the epoch.
+            each validation (False). None: at epoch end when validation runs once per epoch at its end
+            (``check_val_every_n_epoch=1``, ``val_check_interval=1.0``) or not at all; else after validation.
+        save_weights_only: write the weights, hyperparameters and DataModule state only (no optimizer,
+            progress, RNG or callback state): `load_from_checkpoint` reads the file, `fit(ckpt_path=...)` refuses it.
         auto_insert_metric_name: render template fields as ``name=value``.
+
+    Nothing is saved under `Trainer(fast_dev_run=...)`, as in Lightning.
 
     Attributes:
         best_model_path: the best checkpoint so far ("" before the first save).
         best_model_score: its `monitor` value (None without a monitor).
         best_k_models: every kept top-k checkpoint with its score (its global step without a monitor).
+        kth_best_model_path: the worst kept top-k checkpoint once `save_top_k` are kept (with -1, always), the
+            one a better score replaces ("" before that); `kth_value` is its score.
+        current_score: the monitored score of the latest top-k checkpoint written (None before one is).
         last_model_path: the last ``last.ckpt`` written ("" if none).
     """
 
@@ -82,14 +97,26 @@ class ModelCheckpoint(Callback):
         every_n_train_steps: int | None = None,
         save_on_train_epoch_end: bool | None = None,
         auto_insert_metric_name: bool = True,
+        train_time_interval: timedelta | None = None,
+        save_weights_only: bool = False,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint mode must be 'min' or 'max', got {mode!r}.")
         check_int("ModelCheckpoint", "save_top_k", save_top_k, -1, meaning="-1 keeps all, 0 none")
         check_int("ModelCheckpoint", "every_n_epochs", every_n_epochs, 0, none_ok=True)
         check_int("ModelCheckpoint", "every_n_train_steps", every_n_train_steps, 0, none_ok=True)
-        if every_n_epochs and every_n_train_steps:
-            raise ValueError("ModelCheckpoint: pass every_n_epochs or every_n_train_steps, not both.")
+        if train_time_interval is not None and (
+            not isinstance(train_time_interval, timedelta) or train_time_interval.total_seconds() <= 0
+        ):
+            raise ValueError(
+                f"ModelCheckpoint(train_time_interval={train_time_interval!r}): pass a positive datetime.timedelta, "
+                "e.g. timedelta(minutes=30)."
+            )
+        if sum(bool(trigger) for trigger in (every_n_epochs, every_n_train_steps, train_time_interval)) > 1:
+            raise ValueError(
+                f"ModelCheckpoint: every_n_epochs={every_n_epochs}, every_n_train_steps={every_n_train_steps} and "
+                f"train_time_interval={train_time_interval} are exclusive; pass one of them."
+            )
         self._given_dirpath = _real_dir(dirpath)
         self.dirpath: str | None = self._given_dirpath
         self.filename = filename
@@ -98,15 +125,23 @@ class ModelCheckpoint(Callback):
         self.save_top_k = save_top_k
         self.save_last = bool(save_last)
         self.every_n_train_steps = every_n_train_steps or 0
-        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else int(not every_n_train_steps)
+        self.train_time_interval = train_time_interval
+        no_trigger = not (every_n_train_steps or train_time_interval)
+        self.every_n_epochs = every_n_epochs if every_n_epochs is not None else int(no_trigger)
         self.save_on_train_epoch_end = save_on_train_epoch_end
         self.auto_insert_metric_name = auto_insert_metric_name
+        self.save_weights_only = save_weights_only
 
         self.best_k_models: dict[str, float] = {}
         self.best_model_path = ""
         self.best_model_score: float | None = None
+        self.kth_best_model_path = ""
+        self.kth_value = math.inf if mode == "min" else -math.inf
+        self.current_score: float | None = None
         self.last_model_path = ""
         self._last_global_step_saved = -1
+        #: When the time trigger last fired (or training started), on rank 0's monotonic clock.
+        self._last_time_checked: float | None = None
         #: Global step at the previous train batch end, to notice the micro-batch that took a step.
         self._step_seen = 0
         #: Whether this fit resumed this callback's bookkeeping for the same directory.
@@ -124,6 +159,8 @@ class ModelCheckpoint(Callback):
             "every_n_train_steps": self.every_n_train_steps,
             "every_n_epochs": self.every_n_epochs,
         }
+        if self.train_time_interval is not None:  # only then, so older checkpoints keep their key
+            settings["train_time_interval"] = self.train_time_interval
         return f"{type(self).__qualname__}{settings}"
 
     # ------------------------------------------------------------------ hooks
@@ -143,6 +180,7 @@ class ModelCheckpoint(Callback):
         if isinstance(tidy, Exception):
             raise tidy
         self.best_k_models, self.best_model_path, self.best_model_score = tidy
+        self._update_kth()
         self._resumed = False
         self._validated = self._warned_missing = False
 
@@ -184,16 +222,26 @@ class ModelCheckpoint(Callback):
             )
 
     def on_train_start(self, trainer: Trainer, task: Task) -> None:
-        """Start watching for optimizer steps from the (possibly resumed) global step."""
+        """Start watching for optimizer steps from the (possibly resumed) global step, and the clock."""
         self._step_seen = trainer.global_step
+        self._last_time_checked = monotonic()
 
     def on_train_batch_end(self, trainer: Trainer, task: Task, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Save when this micro-batch's optimizer step reached a multiple of `every_n_train_steps`."""
+        """Save when this micro-batch's optimizer step reached a multiple of `every_n_train_steps`, or
+        `train_time_interval` has passed."""
         step = trainer.global_step
         if step == self._step_seen:  # inside an accumulation window: no optimizer step this micro-batch
             return
         self._step_seen = step
-        if self.every_n_train_steps and step % self.every_n_train_steps == 0:
+        due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0
+        if self.train_time_interval is not None and not trainer.fast_dev_run:
+            now = monotonic()
+            previous = self._last_time_checked
+            elapsed = previous is not None and now - previous >= self.train_time_interval.total_seconds()
+            # Collective: rank 0's clock decides, so no rank waits in a save the others skip.
+            if trainer.strategy.broadcast_object(elapsed if trainer.is_global_zero else None):
+                self._last_time_checked, due = now, True
+        if due:
             self._save(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, task: Task) -> None:
@@ -211,7 +259,7 @@ class ModelCheckpoint(Callback):
 
     def on_train_end(self, trainer: Trainer, task: Task) -> None:
         """Write ``last.ckpt`` for the final state when training stopped between saves (max_steps)."""
-        if not self.save_last or trainer.global_step == self._last_global_step_saved:
+        if not self.save_last or trainer.global_step == self._last_global_step_saved or trainer.fast_dev_run:
             return
         self._last_global_step_saved = trainer.global_step
         path = self.last_checkpoint_path(trainer) if trainer.is_global_zero else None
@@ -226,6 +274,8 @@ class ModelCheckpoint(Callback):
             return self.save_on_train_epoch_end
         if not any(trainer.num_val_batches):
             return True
+        if trainer.check_val_every_n_epoch != 1:
+            return False  # as in Lightning: save after the validations, in the epochs that have them
         # Validating only at the end of each epoch: its metrics are there when the epoch ends.
         interval = trainer.val_check_interval
         return isinstance(interval, float) and interval == 1.0
@@ -233,8 +283,8 @@ class ModelCheckpoint(Callback):
     # ----------------------------------------------------------------- saving
     def _save(self, trainer: Trainer) -> None:
         """Decide on rank 0 what to write and delete, then write it on every rank."""
-        if trainer.global_step == self._last_global_step_saved:
-            return  # one save per optimizer step, however many triggers fire at it
+        if trainer.global_step == self._last_global_step_saved or trainer.fast_dev_run:
+            return  # one save per optimizer step, however many triggers fire at it; none in a debugging run
         plan = self._plan(trainer) if trainer.is_global_zero else None
         # Collective: the files to write and delete are rank 0's choice, so every rank joins the same saves.
         plan = trainer.strategy.broadcast_object(plan)
@@ -244,12 +294,17 @@ class ModelCheckpoint(Callback):
         if plan.save_path is not None:
             previous = (dict(self.best_k_models), self.best_model_path, self.best_model_score)
             # The checkpoint's own copy of this callback's state must already list the file it is written to.
+            previous_kth = (self.kth_best_model_path, self.kth_value, self.current_score)
             self.best_k_models = plan.best_k_models
             self.best_model_path, self.best_model_score = plan.best_model_path, plan.best_model_score
+            self._update_kth()
+            if plan.current_score is not None:
+                self.current_score = plan.current_score
             try:
-                trainer.save_checkpoint(plan.save_path)  # collective; atomic on rank 0
+                trainer.save_checkpoint(plan.save_path, self.save_weights_only)  # collective; atomic on rank 0
             except BaseException:
                 self.best_k_models, self.best_model_path, self.best_model_score = previous
+                self.kth_best_model_path, self.kth_value, self.current_score = previous_kth
                 raise
             if plan.drop_path is not None and trainer.is_global_zero:
                 # Only now: until the new file exists, the dropped one may be the only good checkpoint.
@@ -261,7 +316,7 @@ class ModelCheckpoint(Callback):
         """Write the last checkpoint to `path`; a previous last file of this run with another name goes."""
         previous, self.last_model_path = self.last_model_path, path
         try:
-            trainer.save_checkpoint(path)  # collective; replaces the file atomically
+            trainer.save_checkpoint(path, self.save_weights_only)  # collective; replaces the file atomically
         except BaseException:
             self.last_model_path = previous
             raise
@@ -332,6 +387,14 @@ class ModelCheckpoint(Callback):
         plan.drop_path = drop if drop != path else None
         plan.best_model_path = self._best(kept)
         plan.best_model_score = kept[plan.best_model_path] if self.monitor is not None else None
+        plan.current_score = score if self.monitor is not None else None
+
+    def _update_kth(self) -> None:
+        """Set `kth_best_model_path` and `kth_value`: the worst kept file once `save_top_k` are kept, as Lightning."""
+        kept = self.best_k_models
+        if self.monitor is not None and kept and (self.save_top_k == -1 or len(kept) == self.save_top_k):
+            self.kth_best_model_path = self._worst(kept)
+            self.kth_value = kept[self.kth_best_model_path]
 
     def _may_come_later(self, trainer: Trainer) -> bool:
         """Whether a missing monitored metric may still be logged: by a validation that has not run yet,
@@ -393,6 +456,9 @@ class ModelCheckpoint(Callback):
             "best_model_path": self.best_model_path,
             "best_model_score": self.best_model_score,
             "best_k_models": dict(self.best_k_models),
+            "kth_best_model_path": self.kth_best_model_path,
+            "kth_value": self.kth_value,
+            "current_score": self.current_score,
             "last_model_path": self.last_model_path,
             "last_global_step_saved": self._last_global_step_saved,
         }
@@ -411,6 +477,9 @@ class ModelCheckpoint(Callback):
         self._resumed = True
         self.best_model_score = state_dict.get("best_model_score")
         self.best_k_models = dict(state_dict.get("best_k_models", {}))
+        self.kth_best_model_path = state_dict.get("kth_best_model_path", self.kth_best_model_path)
+        self.kth_value = state_dict.get("kth_value", self.kth_value)
+        self.current_score = state_dict.get("current_score", self.current_score)
         self.last_model_path = state_dict.get("last_model_path", "")
         self._last_global_step_saved = state_dict.get("last_global_step_saved", -1)
 

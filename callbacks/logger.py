@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-__all__ = ["Logger"]
+__all__ = ["DummyLogger", "Logger"]
 
 
 class Logger(ABC):
@@ -35,3 +35,22 @@ class Logger(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned, before anything is written."""
+
+
+class DummyLogger(Logger):
+    """Write nothing: what `Trainer(fast_dev_run=...)` puts in place of the loggers, as Lightning does.
+
+    Args:
+        log_dir: what `log_dir` reports (the Trainer's `default_root_dir`); nothing is written there.
+    """
+
+    def __init__(self, log_dir: str) -> None:
+        self._log_dir = log_dir
+
+    @property
+    def log_dir(self) -> str:
+        """The directory reported to callbacks; nothing is written there."""
+        return self._log_dir
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Drop `metrics`."""

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from syncline.callbacks.callback import Callback
+from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -28,16 +29,26 @@ class LearningRateMonitor(Callback):
     Step values are logged before the optimizer step that uses them, at Lightning's logging steps
     (`Trainer.log_every_n_steps`); epoch values at the start of each epoch.
 
+    With `log_momentum`, each rate's momentum is logged beside it as ``<name>-momentum`` (Adam's and every
+    optimizer's with ``betas``: ``betas[0]``; 0 for an optimizer without momentum, with Lightning's warning);
+    with `log_weight_decay`, its weight decay as ``<name>-weight_decay``.
+
     Args:
         logging_interval: "step" or "epoch"; None follows the scheduler's interval ("step" without one).
+        log_momentum: also log the momentum of every parameter group.
+        log_weight_decay: also log the weight decay of every parameter group.
     """
 
-    def __init__(self, logging_interval: str | None = None) -> None:
+    def __init__(
+        self, logging_interval: str | None = None, log_momentum: bool = False, log_weight_decay: bool = False
+    ) -> None:
         if logging_interval not in _INTERVALS:
             raise ValueError(
                 f"LearningRateMonitor logging_interval must be None, 'step' or 'epoch', got {logging_interval!r}."
             )
         self.logging_interval = logging_interval
+        self.log_momentum = log_momentum
+        self.log_weight_decay = log_weight_decay
         self._interval = logging_interval or "step"
 
     def on_train_start(self, trainer: Trainer, task: Task) -> None:
@@ -45,6 +56,12 @@ class LearningRateMonitor(Callback):
         if not trainer.loggers:
             raise ValueError("LearningRateMonitor needs a logger; the Trainer was created with logger=False.")
         configs = trainer.lr_scheduler_configs
+        if self.log_momentum and any(not {"momentum", "betas"} & set(o.defaults) for o in trainer.optimizers):
+            rank_zero_warn(
+                "You have set log_momentum=True, but some optimizers do not have momentum. This will log a value 0 "
+                "for the momentum.",
+                RuntimeWarning,
+            )
         if self.logging_interval is None and configs:
             self._interval = configs[0].interval
 
@@ -67,13 +84,20 @@ class LearningRateMonitor(Callback):
         trainer.callback_metrics.update({name: torch.tensor(rate) for name, rate in rates.items()})
 
     def learning_rates(self, trainer: Trainer) -> dict[str, float]:
-        """Return the current learning rate of every parameter group, by logged name."""
+        """Return the current learning rate of every parameter group, by logged name (and with `log_momentum`
+        and `log_weight_decay`, its momentum and weight decay)."""
         rates: dict[str, float] = {}
         for optimizer, name in zip(trainer.optimizers, _optimizer_names(trainer)):
             groups = optimizer.param_groups
+            betas = "betas" in optimizer.defaults
             for i, group in enumerate(groups):
+                group_name = _group_name(name, groups, i)
                 # float() of a tensor lr (capturable optimizers) is a host sync: logging steps only.
-                rates[_group_name(name, groups, i)] = float(group["lr"])
+                rates[group_name] = float(group["lr"])
+                if self.log_momentum:
+                    rates[f"{group_name}-momentum"] = float(group["betas"][0] if betas else group.get("momentum", 0))
+                if self.log_weight_decay:
+                    rates[f"{group_name}-weight_decay"] = float(group.get("weight_decay", 0))
         return rates
 
 

@@ -18,6 +18,7 @@ from syncline.options import OptionError, check_int, check_number
 from syncline.strategies.comm.join import Joinable
 from syncline.strategies.registry import resolve_strategy
 from syncline.strategies.strategy import Strategy
+from syncline.trainer.debugging import check_debugging_flags
 from syncline.trainer.nonfinite import NONFINITE_LOSS
 from syncline.trainer.persistence import CKPT_READ
 from syncline.trainer.precision import PRECISIONS
@@ -85,6 +86,7 @@ def check_options(options: dict[str, Any]) -> None:
             )
     else:
         check_int("Trainer", "val_check_interval", interval, 1, meaning="batches; or a float fraction in (0, 1]")
+    check_debugging_flags(options["fast_dev_run"], options["overfit_batches"])
     _check_choice("ckpt_read", options["ckpt_read"], CKPT_READ)
     if options["gradient_clip_algorithm"] is not None:
         _check_choice("gradient_clip_algorithm", options["gradient_clip_algorithm"], ("norm", "value"))

@@ -77,6 +77,9 @@ class TrainerConf:
     uneven_inputs: str = "check"
     max_restarts: int = 0
     preemption_signal: str | None = "SIGTERM"
+    # A bool or a number of batches (Lightning's `fast_dev_run=True` or `=7`).
+    fast_dev_run: bool | int = False
+    overfit_batches: int | float = 0.0
 
 
 @dataclass

@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from syncline.trainer.hooks import DataHooks
 from syncline.trainer.rank_zero import rank_zero_warn
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from syncline.trainer.trainer import Trainer
 
 __all__ = [
+    "BatchIndexRecorder",
     "UnpaddedShardSampler",
     "epoch_batches",
     "eval_dataloaders",
@@ -23,8 +24,10 @@ __all__ = [
     "move_batch",
     "prepare_loader",
     "prepare_loaders",
+    "with_batch_indices",
     "with_distributed_sampler",
     "with_evaluation_sampler",
+    "without_shuffling",
 ]
 
 
@@ -79,6 +82,47 @@ class UnpaddedShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.size, self.num_replicas))
+
+
+class BatchIndexRecorder(Sampler[list[int]]):
+    """A batch sampler that gives `batch_sampler`'s batches and remembers each one's sample indices in `seen`
+    (what a prediction writer is told; Lightning's ``_IndexBatchSamplerWrapper``)."""
+
+    def __init__(self, batch_sampler: Iterable[list[int]]) -> None:
+        self.batch_sampler = batch_sampler
+        self.seen: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.seen = []
+        for batch in self.batch_sampler:
+            self.seen.append(list(batch))
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+
+def with_batch_indices(loader: Any) -> Any:
+    """Return `loader` with its batch sampler wrapped in a `BatchIndexRecorder` (a DataLoader that batches),
+    or unchanged (any other loader: its batch indices are unknown)."""
+    if not isinstance(loader, DataLoader) or loader.batch_sampler is None:
+        return loader
+    if isinstance(loader.batch_sampler, BatchIndexRecorder):
+        return loader
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=BatchIndexRecorder(loader.batch_sampler),
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+    )
 
 
 def _can_shard(loader: Any, sampler_kwargs: dict[str, int] | None) -> bool:
@@ -164,9 +208,31 @@ def epoch_batches(loader: Iterable[Any], num_batches: int | float, skip: int = 0
     return itertools.islice(iterator, int(num_batches) - skip)
 
 
+def without_shuffling(loader: Any, prefix: str) -> Any:
+    """Return `loader` reading its data set in order, so that overfitting takes the same batches every epoch.
+
+    A DataLoader whose sampler is not sequential is rebuilt with a `SequentialSampler`, with Lightning's
+    warning; `prefix` ("train" or "val") names the loader in it. Other loaders are returned unchanged.
+    """
+    if not isinstance(loader, DataLoader) or isinstance(loader.sampler, SequentialSampler):
+        return loader
+    if type(loader.batch_sampler) is not BatchSampler:
+        return loader  # a batch sampler of the user's own decides the order
+    rank_zero_warn(
+        f"You requested to overfit but enabled {prefix} dataloader shuffling. "
+        f"We are turning off the {prefix} dataloader shuffling for you."
+    )
+    return _with_sampler(loader, SequentialSampler(loader.dataset))  # type: ignore[arg-type]
+
+
 def prepare_loader(trainer: Trainer, loader: Any, evaluation: bool = False) -> Any:
     """Return `loader` sharded for the trainer's processes: training data with a `DistributedSampler`
-    (seeded with `trainer.seed`), evaluation data so that every sample is seen exactly once."""
+    (seeded with `trainer.seed`), evaluation data so that every sample is seen exactly once.
+
+    With `overfit_batches` during `fit`, the training and validation data are read in order, as in Lightning.
+    """
+    if trainer.overfit_batches and trainer.state.stage == "fit":
+        loader = without_shuffling(loader, "val" if evaluation else "train")
     if not (trainer.use_distributed_sampler and isinstance(loader, DataLoader)):
         return loader
     if evaluation:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from syncline.callbacks.callback import Callback
-from syncline.trainer.data import epoch_batches, move_batch
+from syncline.trainer.data import BatchIndexRecorder, epoch_batches, move_batch
 
 if TYPE_CHECKING:
     from syncline.trainer.trainer import Trainer
@@ -89,18 +89,29 @@ class EvaluationLoop:
         self.trainer = trainer
         #: Batches evaluated per loader in this stage call: the step at which step values are logged.
         self.seen_batches: dict[int, int] = {}
+        #: In predict, for prediction writers (Lightning's ``predict_loop`` attributes): the sample indices of
+        #: the batch in progress, and of every batch so far (a list per loader); None where they are unknown.
+        self.current_batch_indices: list[int] | None = None
+        self.epoch_batch_indices: list[list[list[int]]] = []
+        self._predictions: list[list[Any]] = []
 
     def reset(self) -> None:
         """Start counting logged evaluation steps again (at the start of each stage)."""
         self.seen_batches.clear()
 
+    @property
+    def predictions(self) -> list[Any]:
+        """The predictions of the predict run in progress: a list of batches, or one such list per loader."""
+        return self._predictions[0] if len(self._predictions) == 1 else self._predictions
+
     def run(
-        self, stage: str, loaders: Sequence[Any], num_batches: Sequence[int | float]
+        self, stage: str, loaders: Sequence[Any], num_batches: Sequence[int | float], keep_predictions: bool = True
     ) -> tuple[list[dict[str, float]], list[Any]]:
         """Run `stage` over `loaders` without gradients; return (epoch metrics per loader, predictions).
 
         Nothing runs, not even a hook, when there are no batches. Predictions are collected for the
-        predict stage only: one list per loader, or one list of batches with a single loader.
+        predict stage only, when `keep_predictions`: one list per loader, or one list of batches with a
+        single loader.
         """
         trainer = self.trainer
         if not sum(num_batches):
@@ -111,6 +122,7 @@ class EvaluationLoop:
         step_fn = getattr(task, hooks.step)
         several = len(loaders) > 1
         predictions: list[list[Any]] = [[] for _ in loaders]
+        self._predictions, self.epoch_batch_indices = predictions, [[] for _ in loaders]
         trainer.num_eval_batches = list(num_batches)
         modes = ModuleModes(task)
         task.eval()
@@ -126,12 +138,14 @@ class EvaluationLoop:
                     for batch_idx, batch in enumerate(epoch_batches(loader, limit)):
                         batch = move_batch(trainer, batch, dataloader_idx)
                         results.new_batch(batch)
+                        if stage == "predict":
+                            self._note_batch_indices(loader, batch_idx, dataloader_idx)
                         dispatcher.fire(hooks.batch_start, batch, batch_idx, dataloader_idx)
                         results.hook = hooks.step
                         with trainer.precision.autocast():
                             outputs = step_fn(batch, batch_idx, *extra)
                         results.hook = ""
-                        if stage == "predict":
+                        if stage == "predict" and keep_predictions:
                             predictions[dataloader_idx].append(outputs)
                         dispatcher.fire(hooks.batch_end, outputs, batch, batch_idx, dataloader_idx)
                         if logging:
@@ -151,6 +165,15 @@ class EvaluationLoop:
             modes.restore()
         metrics = _per_loader({name: float(value) for name, value in epoch_logs.items()}, len(loaders))
         return metrics, (predictions if several else predictions[0])
+
+    def _note_batch_indices(self, loader: Any, batch_idx: int, dataloader_idx: int) -> None:
+        """Record the sample indices of predict batch `batch_idx`, known when its loader records them."""
+        recorder = getattr(loader, "batch_sampler", None)
+        if isinstance(recorder, BatchIndexRecorder) and batch_idx < len(recorder.seen):
+            self.current_batch_indices = recorder.seen[batch_idx]
+            self.epoch_batch_indices[dataloader_idx].append(self.current_batch_indices)
+        else:
+            self.current_batch_indices = None
 
     def _log_step(self, dataloader_idx: int) -> None:
         """Send this batch's step values to the loggers, at the count of batches seen in this loader."""

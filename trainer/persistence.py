@@ -41,12 +41,14 @@ class CheckpointPathError(CheckpointError, ValueError):
     """`ckpt_path` names no checkpoint ("best" without one, an unknown word); a ValueError, as in Lightning."""
 
 
-def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
-    """Assemble everything a bit-exact resume needs (a collective: call it on every rank).
+def checkpoint_state(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
+    """Assemble everything a bit-exact resume needs (a collective: call it on every rank, with one `weights_only`).
 
     Lightning's top-level keys (``epoch``, ``global_step``, ``state_dict``, ``hyper_parameters``,
     ``callbacks``, ``optimizer_states``, ``lr_schedulers``) are there too, so scripts that read a Lightning
     checkpoint read this one; they share their tensors with syncline's own keys, so the file is no larger.
+    With `weights_only` (``ModelCheckpoint(save_weights_only=True)``) only the weights, hyperparameters and
+    DataModule state are kept, as in Lightning: `load_from_checkpoint` reads it, a resume refuses it.
     """
     task, loop, optim, strategy = trainer.task, trainer.fit_loop, trainer.optim, trainer.strategy
     hparams = to_primitive(task.hparams)
@@ -57,6 +59,18 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         "state_dict": task.state_dict(),
         "hparams": hparams,
         "hyper_parameters": hparams,
+    }
+    if task.hparams_name is not None:
+        checkpoint["hparams_name"] = task.hparams_name
+    if task.hparams_type is not None:
+        checkpoint["hparams_type"] = task.hparams_type
+    # The DataModule's state under its class's name, as Lightning keeps it.
+    checkpoint.update(datamodule_checkpoint(trainer.datamodule))
+    if weights_only:
+        checkpoint["weights_only"] = True
+        task.on_save_checkpoint(checkpoint)  # the task's hook, not the callbacks', as in Lightning
+        return checkpoint
+    checkpoint |= {
         "progress": trainer.state.state_dict(),
         "world_size": trainer.world_size,
         # Collective: every rank's RNG, so each process resumes its own random stream. Training's, not
@@ -69,12 +83,6 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         },
         "loggers": [logger.state_dict() for logger in trainer.loggers],
     }
-    if task.hparams_name is not None:
-        checkpoint["hparams_name"] = task.hparams_name
-    if task.hparams_type is not None:
-        checkpoint["hparams_type"] = task.hparams_type
-    # The DataModule's state under its class's name, as Lightning keeps it.
-    checkpoint.update(datamodule_checkpoint(trainer.datamodule))
     sampler_seed = _train_sampler_seed(trainer)
     if sampler_seed is not None:
         checkpoint["sampler_seed"] = sampler_seed
@@ -191,6 +199,12 @@ def best_checkpoint(trainer: Trainer) -> str:
             'ckpt_path="best" is set but no ModelCheckpoint is configured; pass a path or "last" instead.'
         )
     path = getattr(callback, "best_model_path", "")
+    if not path and trainer.fast_dev_run:
+        stage = trainer.state.stage or "test"
+        raise CheckpointPathError(
+            f'You cannot execute `.{stage}(ckpt_path="best")` with `fast_dev_run=True` (it saves no checkpoint). '
+            f"Please pass an exact checkpoint path to `.{stage}(ckpt_path=...)`, or the task itself."
+        )
     if not path:
         raise CheckpointPathError(
             'ckpt_path="best" is set but the ModelCheckpoint has saved no checkpoint yet (fit first, or pass a path).'
@@ -220,6 +234,12 @@ def restore_model(trainer: Trainer, checkpoint: dict[str, Any], callbacks: bool)
     `configure_optimizers`: the task's ``on_load_checkpoint`` first, then the callbacks'."""
     task = trainer.task
     source = checkpoint.get("loaded_from", "The checkpoint")
+    if callbacks and checkpoint.get("weights_only"):
+        raise CheckpointError(
+            f"Checkpoint {source} holds the weights only (ModelCheckpoint(save_weights_only=True)): it has no "
+            "optimizer, progress or RNG state to resume fit from. Resume from a full checkpoint, or load it with "
+            f"{type(task).__name__}.load_from_checkpoint(path) and start a new fit without ckpt_path."
+        )
     require_entries(checkpoint, _RESUME_ENTRIES if callbacks else ("state_dict",), source)
     if callbacks:
         trainer.dispatcher.fire(Callback.on_load_checkpoint, checkpoint)

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.callback import Callback
+from syncline.callbacks.prediction_writer import BasePredictionWriter
 from syncline.trainer import persistence
-from syncline.trainer.data import eval_dataloaders, limit_batches, prepare_loader, prepare_loaders
+from syncline.trainer.data import eval_dataloaders, limit_batches, prepare_loader, prepare_loaders, with_batch_indices
 from syncline.trainer.datamodule import merged_hparams, prepare_and_setup
 from syncline.trainer.optim import parse_optimizers
 from syncline.trainer.rank_zero import rank_zero_warn
@@ -61,8 +62,15 @@ def fit_stage(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ck
     trainer.dispatcher.fire(Callback.on_fit_end)
 
 
-def evaluation_stage(trainer: Trainer, stage: str, dataloaders: Any, ckpt_path: Any) -> Any:
-    """Run validate, test or predict on `trainer.task`: its metrics (a dict per loader) or its predictions."""
+def evaluation_stage(
+    trainer: Trainer, stage: str, dataloaders: Any, ckpt_path: Any, return_predictions: bool | None = None
+) -> Any:
+    """Run validate, test or predict on `trainer.task`: its metrics (a dict per loader) or its predictions.
+
+    Predictions are returned unless `return_predictions` is False (None is True, as in Lightning without a
+    spawning launcher: syncline's launcher sends rank 0's predictions back); they are kept as long as a
+    prediction writer writes at the epoch's end.
+    """
     task = trainer.task
     checkpoint = persistence.open_checkpoint(trainer, ckpt_path, resume=False)
     prepare_and_setup(trainer, stage, checkpoint)
@@ -71,9 +79,16 @@ def evaluation_stage(trainer: Trainer, stage: str, dataloaders: Any, ckpt_path: 
     loaders, num_batches = prepare_loaders(
         trainer, eval_dataloaders(source, stage, dataloaders), getattr(trainer, name), name
     )
+    writers = [callback for callback in trainer.callbacks if isinstance(callback, BasePredictionWriter)]
+    if stage == "predict" and writers:
+        loaders = [with_batch_indices(loader) for loader in loaders]  # after sharding: this rank's indices
     task.configure_model()
     if checkpoint is not None:
         persistence.restore_model(trainer, checkpoint, callbacks=False)
     trainer.strategy.setup(task)
-    metrics, predictions = trainer.evaluation.run(stage, loaders, num_batches)
-    return predictions if stage == "predict" else metrics
+    returned = return_predictions is not False
+    keep = returned or any(writer.on_epoch for writer in writers)
+    metrics, predictions = trainer.evaluation.run(stage, loaders, num_batches, keep_predictions=keep)
+    if stage != "predict":
+        return metrics
+    return predictions if returned else None

@@ -24,6 +24,7 @@ from syncline.trainer.arguments import (
 )
 from syncline.trainer.checkpoint import save_checkpoint
 from syncline.trainer.datamodule import DataModule, check_datamodule
+from syncline.trainer.debugging import apply_debugging_flags
 from syncline.trainer.evaluation import EvaluationLoop
 from syncline.trainer.fit_loop import FitLoop
 from syncline.trainer.manual import check_optimization_mode
@@ -89,6 +90,8 @@ class Trainer:
             restarted `fit` resumes from the newest ``last.ckpt``, as under ``torchrun --max-restarts``.
         preemption_signal: "SIGTERM", "SIGUSR1", "SIGUSR2" or None: this signal (or Ctrl-C) stops every rank
             after the current step with ``last.ckpt`` and exit status 75 (`TrainingPreempted`).
+        fast_dev_run: True or n: n batches (True: 1) of every stage, one epoch, no sanity check, checkpoint or log.
+        overfit_batches: train and validate on this many batches (int) or fraction (float), in order (unshuffled).
     """
 
     def __init__(
@@ -125,6 +128,8 @@ class Trainer:
         uneven_inputs: str = "check",
         max_restarts: int = 0,
         preemption_signal: str | None = "SIGTERM",
+        fast_dev_run: bool | int = False,
+        overfit_batches: int | float = 0.0,
     ) -> None:
         check_options(locals())
         devices = resolve_devices(devices, accelerator)
@@ -161,6 +166,7 @@ class Trainer:
             self.strategy.use_accelerator(kind)
         self.loggers = build_loggers(logger, self.default_root_dir)
         self.callbacks = build_callbacks(callbacks, enable_checkpointing, enable_progress_bar)
+        apply_debugging_flags(self, fast_dev_run, overfit_batches)  # sets fast_dev_run and overfit_batches
 
         self.state = TrainerState()
         self.callback_metrics: dict[str, Tensor] = {}
@@ -335,12 +341,14 @@ class Trainer:
         task: Task | None = None,
         dataloaders: Any = None,
         datamodule: DataModule | None = None,
-        *,
+        return_predictions: bool | None = None,
         ckpt_path: str | os.PathLike[str] | None = None,
+        *,
         model: Task | None = None,
-    ) -> list[Any]:
-        """Return `predict_step`'s outputs batch by batch (a list per loader with several; see `validate`)."""
-        return self._stage("predict", *self._eval_task("predict", task, model, ckpt_path), dataloaders, datamodule)
+    ) -> list[Any] | None:
+        """Return `predict_step`'s outputs per batch (per loader with several); None if return_predictions=False."""
+        chosen = self._eval_task("predict", task, model, ckpt_path)
+        return self._stage("predict", *chosen, dataloaders, datamodule, return_predictions=return_predictions)
 
     def _eval_task(self, stage: str, task: Task | None, model: Task | None, ckpt_path: Any) -> tuple[Task, Any]:
         """Return the task to evaluate and the checkpoint to load, as Lightning chooses them."""
@@ -357,7 +365,7 @@ class Trainer:
             )
         return self._task, "best" if ckpt_path is None else ckpt_path
 
-    def _stage(self, stage: str, task: Any, ckpt_path: Any, data: Any, datamodule: Any) -> Any:
+    def _stage(self, stage: str, task: Any, ckpt_path: Any, data: Any, datamodule: Any, **options: Any) -> Any:
         """Run `stage` here, or launch `devices` workers that run it (not when torchrun started us)."""
         self._task = task
         self.datamodule, kwargs = check_datamodule(stage, datamodule, data if stage == "fit" else {"dataloaders": data})
@@ -366,12 +374,12 @@ class Trainer:
             check_optimization_mode(self, task)  # Lightning's rules for manual optimization, before any launch
         if self.devices > 1 and not launched_by_torchrun():
             # The launcher checks the options against the world size before it looks at the task.
-            return launch(self, stage, task, {**kwargs, "datamodule": self.datamodule, "ckpt_path": ckpt_path})
+            return launch(self, stage, task, dict(kwargs, datamodule=self.datamodule, ckpt_path=ckpt_path, **options))
         if not isinstance(task, Task):
             raise TypeError(f"Trainer.{stage} needs a trainer.Task, got {type(task).__name__}.")
         if stage == "fit":
             return self._run(stage, task, lambda: fit_stage(self, ckpt_path=ckpt_path, **kwargs))
-        return self._run(stage, task, lambda: evaluation_stage(self, stage, data, ckpt_path))
+        return self._run(stage, task, lambda: evaluation_stage(self, stage, data, ckpt_path, **options))
 
     def worker_result(self, task: Task, returned: Any) -> dict[str, Any]:
         """Return what a launched rank 0 sends back to the process that launched it."""
@@ -436,9 +444,9 @@ class Trainer:
                 logger.log_metrics(values, step)
 
     # ------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Write a checkpoint of everything a bit-exact resume needs. Call it on every process."""
-        checkpoint = persistence.checkpoint_state(self)
+    def save_checkpoint(self, path: str | os.PathLike[str], weights_only: bool = False) -> None:
+        """Write a checkpoint of everything a bit-exact resume needs (or the weights only). Call it on every process."""
+        checkpoint = persistence.checkpoint_state(self, weights_only)
         if self.is_global_zero:
             save_checkpoint(checkpoint, path)
         # Collective: nobody reads the file before rank 0 has finished writing it.

@@ -94,9 +94,9 @@ def test_every_n_train_steps_saves_once_per_optimizer_step_with_accumulation(tmp
     saves = []
     original = trainer.save_checkpoint
 
-    def spy(path):
+    def spy(path, weights_only=False):
         saves.append((os.path.basename(path), trainer.global_step, trainer.state.batch_idx))
-        original(path)
+        original(path, weights_only)
 
     monkeypatch.setattr(trainer, "save_checkpoint", spy)
     trainer.fit(Scripted(), make_loader(8))
@@ -233,7 +233,7 @@ def test_non_zero_rank_follows_rank_zero_and_deletes_nothing(tmp_path, monkeypat
     checkpoint = ModelCheckpoint(monitor="val_metric")
     trainer = make_trainer(tmp_path, strategy=strategy, callbacks=[checkpoint])
     saved = []
-    monkeypatch.setattr(trainer, "save_checkpoint", saved.append)
+    monkeypatch.setattr(trainer, "save_checkpoint", lambda path, weights_only=False: saved.append(path))
     trainer.fit(Scripted(val_values=[9.0]), make_loader(BATCHES), make_loader(2))
 
     assert strategy.sent == [None, None, None]  # rank 1 contributes nothing to any decision

@@ -3,11 +3,14 @@ monitored `epoch`/`step`, versioned last files, name templates, and Lightning's 
 
 from __future__ import annotations
 
+import math
+from datetime import timedelta
+
 import pytest
 import torch
 
 from syncline.callbacks import CSVLogger, ModelCheckpoint
-from syncline.trainer.checkpoint import load_checkpoint
+from syncline.trainer.checkpoint import CheckpointError, load_checkpoint
 from tests.callbacks._tasks import Scripted, make_loader, make_trainer
 
 
@@ -80,3 +83,81 @@ def test_files_hold_lightnings_top_level_keys(tmp_path):
     assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == trainer.optimizers[0].param_groups[0]["lr"]
     assert saved["lr_schedulers"][0]["last_epoch"] == 1
     assert checkpoint.state_key in saved["callbacks"]
+
+
+def test_save_weights_only_writes_a_file_load_from_checkpoint_reads_and_resume_refuses(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_weights_only=True, save_last=True)
+    trainer = make_trainer(tmp_path, max_epochs=1, callbacks=[checkpoint])
+    task = Scripted()
+    trainer.fit(task, make_loader(4))
+    saved = load_checkpoint(tmp_path / "last.ckpt")
+    # Lightning's weights-only file: no optimizer, scheduler, callback, loop or RNG state.
+    for key in ("optimizer", "optimizer_states", "lr_schedulers", "callbacks", "progress", "rng"):
+        assert key not in saved, key
+    assert {"state_dict", "hyper_parameters", "epoch", "global_step"} <= saved.keys()
+    loaded = Scripted.load_from_checkpoint(tmp_path / "last.ckpt")
+    for name, value in task.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    # Evaluation loads the weights; a resume has nothing to continue from, and says so.
+    assert "test_loss" in trainer.test(Scripted(), make_loader(2), ckpt_path=tmp_path / "last.ckpt")[0]
+    with pytest.raises(CheckpointError, match=r"holds the weights only \(ModelCheckpoint\(save_weights_only=True\)\)"):
+        make_trainer(tmp_path, max_epochs=2).fit(Scripted(), make_loader(4), ckpt_path=tmp_path / "last.ckpt")
+
+
+def test_train_time_interval_saves_after_the_first_step_past_each_interval(tmp_path, monkeypatch):
+    """A clock that advances 10 s per reading and an interval of 25 s: steps 3 and 6 of 8 are saved (Lightning
+    reads the clock at every step and at the start of training), and no epoch checkpoint."""
+    clock = iter(range(0, 1000, 10))
+    monkeypatch.setattr("syncline.callbacks.checkpoint.monotonic", lambda: float(next(clock)))
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(seconds=25), save_top_k=-1)
+    _fit(tmp_path, checkpoint, epochs=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"train_time_interval": timedelta(minutes=1), "every_n_epochs": 1}, "are exclusive; pass one of them"),
+        ({"train_time_interval": 60}, r"train_time_interval=60\): pass a positive datetime.timedelta"),
+    ],
+)
+def test_train_time_interval_errors_name_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ModelCheckpoint(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("values", "kth", "kth_value", "current", "best"),
+    [
+        # Two kept: the worse of them is the k-th; a score that enters replaces it.
+        ([5.0, 3.0, 4.0, 1.0], "epoch=1", 3.0, 1.0, "epoch=3"),
+        # 6 does not enter the top 2: nothing is saved, and current_score stays the last saved score.
+        ([5.0, 3.0, 6.0], "epoch=0", 5.0, 3.0, "epoch=1"),
+        # Fewer than save_top_k kept: there is no k-th yet.
+        ([5.0], "", math.inf, 5.0, "epoch=0"),
+    ],
+)
+def test_kth_best_model_path_and_current_score_as_lightning(tmp_path, values, kth, kth_value, current, best):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", monitor="val_metric", save_top_k=2)
+    trainer = make_trainer(tmp_path, max_epochs=len(values), callbacks=[checkpoint])
+    trainer.fit(Scripted(val_values=values), make_loader(2), make_loader(1))
+    assert checkpoint.kth_best_model_path == (str(tmp_path / f"{kth}.ckpt") if kth else "")
+    assert (checkpoint.kth_value, checkpoint.current_score) == (kth_value, current)
+    assert checkpoint.best_model_path == str(tmp_path / f"{best}.ckpt")
+    state = checkpoint.state_dict()
+    assert (state["kth_best_model_path"], state["kth_value"], state["current_score"]) == (
+        checkpoint.kth_best_model_path,
+        kth_value,
+        current,
+    )
+
+
+@pytest.mark.parametrize(("on_epoch_end", "epochs"), [(None, [1, 3]), (False, [1, 3]), (True, [0, 1, 2, 3])])
+def test_save_on_train_epoch_end_with_check_val_every_n_epoch(tmp_path, on_epoch_end, epochs):
+    """Validating every 2nd epoch, Lightning saves after each validation by default, not at every epoch's end."""
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=on_epoch_end
+    )
+    trainer = make_trainer(tmp_path, max_epochs=4, callbacks=[checkpoint], check_val_every_n_epoch=2)
+    trainer.fit(Scripted(), make_loader(2), make_loader(1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"epoch={e}.ckpt" for e in epochs]

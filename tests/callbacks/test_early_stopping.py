@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from syncline.callbacks import EarlyStopping, ModelCheckpoint
-from syncline.callbacks.early_stopping import _Decision
+from syncline.callbacks.early_stopping import EarlyStoppingReason, _Decision
 from syncline.strategies.comm.ranks import run_distributed
 from syncline.trainer import Trainer
 from tests.callbacks._tasks import FakeRank, Scripted, make_loader, make_trainer
@@ -97,7 +97,7 @@ def test_resume_continues_the_wait_count(tmp_path):
 
 def test_non_zero_rank_stops_when_rank_zero_says_so(tmp_path):
     """Rank 1's own metric improves, but rank 0's broadcast decision stops it."""
-    decision = _Decision(wait_count=3, best_score=0.5, should_stop=True)
+    decision = _Decision(wait_count=3, best_score=0.5, reason=EarlyStoppingReason.PATIENCE_EXHAUSTED)
     strategy = FakeRank(rank=1, broadcasts=[decision])
     stopper = EarlyStopping("val_metric")
     trainer, task = _fit(tmp_path, stopper, [1.0, 0.1, 0.01], strategy=strategy)
@@ -133,3 +133,73 @@ def _fit_two_ranks(rank, world_size):
 def test_two_ranks_stop_together_on_rank_zero_decision():
     results = run_distributed(_fit_two_ranks, world_size=2, timeout=120)
     assert results == [([0, 1, 2], 2)] * 2
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "threshold", "stop_epoch", "message"),
+    [
+        # Lightning: stop at once when the metric is strictly better than the threshold (a tie is not).
+        ("min", [5.0, 1.0, 0.9, 0.5], 1.0, 2, "Stopping threshold reached: val_metric = 0.9 < 1.0."),
+        ("max", [0.5, 0.9, 0.95, 0.99], 0.9, 2, "Stopping threshold reached: val_metric = 0.95 > 0.9."),
+    ],
+)
+def test_stopping_threshold_stops_at_once(tmp_path, mode, values, threshold, stop_epoch, message):
+    stopper = EarlyStopping("val_metric", patience=100, mode=mode, stopping_threshold=threshold)
+    trainer, task = _fit(tmp_path, stopper, values)
+    assert task.epochs_started == list(range(stop_epoch + 1))
+    assert stopper.stopping_reason is EarlyStoppingReason.STOPPING_THRESHOLD
+    assert stopper.stopping_reason_message == message
+
+
+@pytest.mark.parametrize(("mode", "values"), [("min", [1.0, 0.5, 10.0, 11.0]), ("max", [1.0, 2.0, -10.0, -11.0])])
+def test_divergence_threshold_stops_once_the_metric_is_worse_than_it(tmp_path, mode, values):
+    threshold = 10.0 if mode == "min" else -10.0  # the third value ties it, the fourth is beyond it
+    stopper = EarlyStopping("val_metric", patience=100, mode=mode, divergence_threshold=threshold)
+    trainer, task = _fit(tmp_path, stopper, values)
+    assert stopper.stopped_epoch == 3 and trainer.current_epoch == 4
+    assert stopper.stopping_reason is EarlyStoppingReason.DIVERGENCE_THRESHOLD
+    worse = "val_metric = 11 > 10.0" if mode == "min" else "val_metric = -11 < -10.0"
+    assert stopper.stopping_reason_message == f"Divergence threshold reached: {worse}."
+
+
+def test_stopping_reason_for_patience_non_finite_and_no_stop(tmp_path):
+    patient = EarlyStopping("val_metric", patience=1)
+    _fit(tmp_path, patient, [1.0, 2.0])
+    assert patient.stopping_reason is EarlyStoppingReason.PATIENCE_EXHAUSTED
+    assert "did not improve in the last 1 checks" in patient.stopping_reason_message
+    finite = EarlyStopping("val_metric", patience=5)
+    _fit(tmp_path, finite, [1.0, math.inf])
+    assert finite.stopping_reason is EarlyStoppingReason.NON_FINITE_METRIC
+    running = EarlyStopping("val_metric", patience=5)
+    _fit(tmp_path, running, [3.0, 2.0, 1.0], max_epochs=3)
+    assert running.stopping_reason is EarlyStoppingReason.NOT_STOPPED and running.stopping_reason_message is None
+
+
+def test_by_default_checks_at_train_epoch_end_when_validation_runs_once_there(tmp_path):
+    """Lightning checks at the training epoch's end then, so an epoch aggregate of training can be monitored."""
+    stopper = EarlyStopping("train_metric", patience=1)
+    trainer = make_trainer(tmp_path, max_epochs=5, callbacks=[stopper])
+    task = Scripted(val_values=[1.0] * 5, train_values=[3.0, 2.0, 2.5, 1.0, 0.5])
+    trainer.fit(task, make_loader(2), make_loader(1))
+    assert task.epochs_started == [0, 1, 2] and stopper.best_score == 2.0
+
+
+@pytest.mark.parametrize(("on_epoch_end", "stop_epoch"), [(None, 1), (False, 1), (True, 3)])
+def test_check_on_train_epoch_end_with_two_validations_per_epoch(tmp_path, on_epoch_end, stop_epoch):
+    """A metric that never improves, validated twice per epoch: after each validation (Lightning's default
+    then) the second check of epoch 1 exhausts patience 3; once per epoch end, epoch 3's does."""
+    stopper = EarlyStopping("val_metric", patience=3, check_on_train_epoch_end=on_epoch_end)
+    trainer, _ = _fit(tmp_path, stopper, [5.0] * 6, val_check_interval=0.5)
+    assert stopper.stopped_epoch == stop_epoch
+
+
+def test_stopping_reason_is_part_of_the_state_that_launched_runs_send_back(tmp_path):
+    """After a launched fit, the launching process loads rank 0's callback state: the reason must be in it, in
+    a form a weights-only checkpoint load accepts."""
+    stopper = EarlyStopping("val_metric", patience=1)
+    _fit(tmp_path, stopper, [1.0, 2.0])
+    torch.save(stopper.state_dict(), tmp_path / "state.pt")
+    copy = EarlyStopping("val_metric", patience=1)
+    copy.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert copy.stopping_reason is EarlyStoppingReason.PATIENCE_EXHAUSTED
+    assert copy.stopping_reason_message == stopper.stopping_reason_message

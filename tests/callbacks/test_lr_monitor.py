@@ -144,3 +144,40 @@ def test_several_optimizers_of_one_class_get_lightnings_numbered_names(tmp_path)
     assert {key: float(trainer.callback_metrics[key]) for key in ("lr-Adam", "lr-Adam-1", "extra")} == pytest.approx(
         {"lr-Adam": 0.05, "lr-Adam-1": 0.1, "extra": 0.2}
     )
+
+
+class Optimized(Scripted):
+    """Scripted task with the optimizer given (a factory of the parameters)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def configure_optimizers(self):
+        return self.make(self.parameters())
+
+
+@pytest.mark.parametrize(
+    ("make", "name", "momentum", "decay"),
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01), "lr-SGD", 0.9, 0.01),
+        # Lightning logs Adam's betas[0] as its momentum.
+        (lambda p: torch.optim.Adam(p, lr=0.1, betas=(0.8, 0.99), weight_decay=0.02), "lr-Adam", 0.8, 0.02),
+    ],
+)
+def test_log_momentum_and_weight_decay_beside_the_rate(tmp_path, make, name, momentum, decay):
+    monitor = LearningRateMonitor(log_momentum=True, log_weight_decay=True)
+    logger = _fit(tmp_path, monitor, Optimized(make), epochs=1, log_every_n_steps=1)
+    assert logger.values(f"{name}-momentum") == [(step, pytest.approx(momentum)) for step in range(4)]
+    assert logger.values(f"{name}-weight_decay") == [(step, pytest.approx(decay)) for step in range(4)]
+    # Off by default, as in Lightning.
+    logger = _fit(tmp_path, LearningRateMonitor(), Optimized(make), epochs=1, log_every_n_steps=1)
+    assert not logger.values(f"{name}-momentum") and not logger.values(f"{name}-weight_decay")
+
+
+def test_log_momentum_without_momentum_logs_zero_with_lightnings_warning(tmp_path):
+    with pytest.warns(RuntimeWarning, match="log_momentum=True, but some optimizers do not have momentum"):
+        logger = _fit(
+            tmp_path, LearningRateMonitor(log_momentum=True), Optimized(torch.optim.Adagrad), log_every_n_steps=1
+        )
+    assert {value for _, value in logger.values("lr-Adagrad-momentum")} == {0.0}
