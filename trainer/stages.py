@@ -19,7 +19,7 @@ from syncline.trainer.rank_zero import rank_zero_warn
 if TYPE_CHECKING:
     from syncline.trainer.trainer import Trainer
 
-__all__ = ["evaluation_stage", "fit_stage"]
+__all__ = ["evaluation_stage", "evaluation_target", "fit_stage"]
 
 _LIMITS = {"validate": "limit_val_batches", "test": "limit_test_batches", "predict": "limit_predict_batches"}
 
@@ -92,3 +92,20 @@ def evaluation_stage(
     if stage != "predict":
         return metrics
     return predictions if returned else None
+
+
+def evaluation_target(stage: str, task: Any, model: Any, ckpt_path: Any, fitted: Any) -> tuple[Any, Any]:
+    """Return the task `stage` evaluates and the checkpoint it loads, as Lightning chooses them (`fitted`: the
+    task of the Trainer's last stage, or None)."""
+    if task is not None and model is not None:
+        raise TypeError(f"Trainer.{stage} takes one task: pass it positionally or as model=..., not both.")
+    if task is not None or model is not None:
+        return task if task is not None else model, ckpt_path
+    if fitted is None:
+        raise TypeError(f"Trainer.{stage} needs a task: pass it (or model=...), or call fit first.")
+    if ckpt_path is None:
+        rank_zero_warn(
+            f"Trainer.{stage}() without a task uses the fitted one with its best checkpoint, as "
+            "Lightning does; pass ckpt_path='best', 'last' or a path to silence this."
+        )
+    return fitted, "best" if ckpt_path is None else ckpt_path

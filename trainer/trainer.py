@@ -31,10 +31,9 @@ from syncline.trainer.manual import check_optimization_mode
 from syncline.trainer.optim import OptimizerSetup
 from syncline.trainer.precision import Precision
 from syncline.trainer.preemption import PreemptionWatch, TrainingPreempted
-from syncline.trainer.rank_zero import rank_zero_warn
 from syncline.trainer.results import ResultCollection
 from syncline.trainer.seed import seed_everything, set_deterministic
-from syncline.trainer.stages import evaluation_stage, fit_stage
+from syncline.trainer.stages import evaluation_stage, evaluation_target, fit_stage
 from syncline.trainer.state import TrainerState
 from syncline.trainer.task import Task
 
@@ -322,7 +321,9 @@ class Trainer:
         Without a task, the task of the previous `fit` is used with its best checkpoint, as in Lightning.
         `ckpt_path`: None (the task's current weights), "best", "last", or a checkpoint's path.
         """
-        return self._stage("validate", *self._eval_task("validate", task, model, ckpt_path), dataloaders, datamodule)
+        return self._stage(
+            "validate", *evaluation_target("validate", task, model, ckpt_path, self._task), dataloaders, datamodule
+        )
 
     def test(
         self,
@@ -334,7 +335,9 @@ class Trainer:
         model: Task | None = None,
     ) -> list[dict[str, float]]:
         """Run the test loop once and return its epoch metrics, one dict per loader (see `validate`)."""
-        return self._stage("test", *self._eval_task("test", task, model, ckpt_path), dataloaders, datamodule)
+        return self._stage(
+            "test", *evaluation_target("test", task, model, ckpt_path, self._task), dataloaders, datamodule
+        )
 
     def predict(
         self,
@@ -347,23 +350,8 @@ class Trainer:
         model: Task | None = None,
     ) -> list[Any] | None:
         """Return `predict_step`'s outputs per batch (per loader with several); None if return_predictions=False."""
-        chosen = self._eval_task("predict", task, model, ckpt_path)
+        chosen = evaluation_target("predict", task, model, ckpt_path, self._task)
         return self._stage("predict", *chosen, dataloaders, datamodule, return_predictions=return_predictions)
-
-    def _eval_task(self, stage: str, task: Task | None, model: Task | None, ckpt_path: Any) -> tuple[Task, Any]:
-        """Return the task to evaluate and the checkpoint to load, as Lightning chooses them."""
-        if task is not None and model is not None:
-            raise TypeError(f"Trainer.{stage} takes one task: pass it positionally or as model=..., not both.")
-        if task is not None or model is not None:
-            return task if task is not None else model, ckpt_path
-        if self._task is None:
-            raise TypeError(f"Trainer.{stage} needs a task: pass it (or model=...), or call fit first.")
-        if ckpt_path is None:
-            rank_zero_warn(
-                f"Trainer.{stage}() without a task uses the fitted one with its best checkpoint, as "
-                "Lightning does; pass ckpt_path='best', 'last' or a path to silence this."
-            )
-        return self._task, "best" if ckpt_path is None else ckpt_path
 
     def _stage(self, stage: str, task: Any, ckpt_path: Any, data: Any, datamodule: Any, **options: Any) -> Any:
         """Run `stage` here, or launch `devices` workers that run it (not when torchrun started us)."""

@@ -51,7 +51,7 @@ class KillAt(Callback):
             raise Killed
 
 
-def _fit(root, kind: str, val_check_interval: float, max_epochs: int, ckpt_path=None, callbacks=(), seed=7):
+def _fit(root, kind: str, val_check_interval: float, max_epochs: int, ckpt_path=None, callbacks=(), seed=7, **flags):
     torch.manual_seed(0 if ckpt_path is None else 5)
     task = WithScheduler(kind)
     trainer = Trainer(
@@ -62,6 +62,7 @@ def _fit(root, kind: str, val_check_interval: float, max_epochs: int, ckpt_path=
         logger=False,
         enable_progress_bar=False,
         callbacks=[ModelCheckpoint(dirpath=root / "ckpts", save_last=True), *callbacks],
+        **flags,
     )
     # The validation loader draws from the global RNG each time it is iterated (its base seed).
     val = DataLoader(regression_data(12), batch_size=6, shuffle=True)
@@ -116,4 +117,19 @@ def test_checkpoint_saved_before_the_epoch_end_hooks_runs_them_on_resume(tmp_pat
     with pytest.raises(Killed):
         _fit(tmp_path / "split", "plateau", 1.0, 2, callbacks=[SaveInValidationEnd(path)])
     resumed, trainer = _fit(tmp_path / "split", "plateau", 1.0, 2, ckpt_path=path, seed=99)
+    _assert_same_run(resumed, trainer, reference, reference_trainer)
+
+
+@pytest.mark.parametrize("kind", ["step", "epoch"])
+def test_resume_with_check_val_every_n_epoch_is_bit_exact(tmp_path, kind):
+    """Validation in every second epoch (1 and 3): stopped after epoch 2, which does not validate, and killed
+    inside epoch 3, which does; both resume to the uninterrupted run's weights, rate and step."""
+    every = {"check_val_every_n_epoch": 2}
+    reference, reference_trainer = _fit(tmp_path / "straight", kind, 1.0, 4, **every)
+    _fit(tmp_path / "split", kind, 1.0, 3, **every)
+    resumed, trainer = _fit(tmp_path / "split", kind, 1.0, 4, ckpt_path="last", seed=99, **every)
+    _assert_same_run(resumed, trainer, reference, reference_trainer)
+    with pytest.raises(Killed):
+        _fit(tmp_path / "killed", kind, 1.0, 4, callbacks=[KillAt(epoch=3, batch_idx=4)], **every)
+    resumed, trainer = _fit(tmp_path / "killed", kind, 1.0, 4, ckpt_path="last", seed=99, **every)
     _assert_same_run(resumed, trainer, reference, reference_trainer)
