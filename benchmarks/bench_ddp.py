@@ -23,8 +23,6 @@ Results go to a table on stdout and to `benchmarks/results/ddp.json`.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -32,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import cpu_model, run_world, write_json
+from benchmarks.common import machine, ms, paired_block_ratio, run_world, slowest_rank, write_json
 from benchmarks.workloads import LayerStack
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.comm.process_group import init_process_group_from_env
@@ -151,19 +149,13 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list | Non
 
 
 def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
-    def ms(seconds: float) -> float:
-        return round(1e3 * seconds, 3)
-
     def quantiles(values: list[float]) -> dict[str, float]:
         q = statistics.quantiles(values, n=4)
         return {"median_ms": ms(statistics.median(values)), "p25_ms": ms(q[0]), "p75_ms": ms(q[2])}
 
     variants = {}
     for name in per_rank[0]:
-        # A synchronized step is as slow as its slowest rank.
-        step = [max(values) for values in zip(*(r[name]["step"] for r in per_rank))]
-        backward = [max(values) for values in zip(*(r[name]["backward"] for r in per_rank))]
-        blocks = [max(values) for values in zip(*(r[name]["block"] for r in per_rank))]
+        step, backward, blocks = (slowest_rank(per_rank, name, key) for key in ("step", "backward", "block"))
         entry = {
             "step": quantiles(step),
             "backward": quantiles(backward),
@@ -184,24 +176,8 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
     for name in ("naive_per_param_allreduce", "naive_flat_allreduce"):
         variants[name]["exposed_comm_ms"] = variants[name]["measured_exposed_comm_ms"]
     ratio = variants["bucketed_ddp"]["step"]["median_ms"] / variants["native_ddp"]["step"]["median_ms"]
-    # Paired per repeat: the two blocks of one repeat ran within a second of each other, so a slow
-    # spell of the machine (other jobs) cancels out of their ratio.
-    paired = [
-        max(ours) / max(native)
-        for ours, native in zip(
-            zip(*(r["bucketed_ddp"]["block"] for r in per_rank)),
-            zip(*(r["native_ddp"]["block"] for r in per_rank)),
-        )
-    ]
     return {
-        "machine": {
-            "cpu": cpu_model(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "backend": "gloo",
-            "threads_per_rank": 1,
-        },
+        "machine": {**machine(), "world_size": args.world_size},
         "setup": {
             "world_size": args.world_size,
             "model": f"{DEPTH} x (Linear({WIDTH}, {WIDTH}) + LayerNorm({WIDTH}))",
@@ -216,11 +192,7 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
         },
         "variants": variants,
         "ratio_bucketed_over_native": round(ratio, 4),
-        "paired_block_ratio_bucketed_over_native": {
-            "median": round(statistics.median(paired), 4),
-            "min": round(min(paired), 4),
-            "max": round(max(paired), 4),
-        },
+        "paired_block_ratio_bucketed_over_native": paired_block_ratio(per_rank, "bucketed_ddp", "native_ddp"),
     }
 
 
