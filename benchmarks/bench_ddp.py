@@ -124,6 +124,17 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list | Non
     variants = build_variants()
     generator = torch.Generator().manual_seed(rank)
     batch = torch.randn(BATCH, WIDTH, generator=generator)
+    gathered = time_variants(variants, batch, args)
+    return gathered if rank == 0 else None
+
+
+def time_variants(variants: list, batch: torch.Tensor, args: argparse.Namespace) -> list[dict[str, dict[str, list]]]:
+    """Time every variant's steps on this rank; return every rank's timings (collective: call it on all).
+
+    Each repeat runs `args.warmup` untimed and `args.steps` timed steps of each variant, in an order rotated
+    by one every repeat, so that drift of the machine (thermal, other load) hits all. A variant's `step` may
+    return (backward seconds, exposed seconds or None), recorded beside the step's time.
+    """
     timings: dict[str, dict[str, list]] = {
         v.name: {"step": [], "backward": [], "exposed": [], "block": []} for v in variants
     }
@@ -132,20 +143,24 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list | Non
         for variant in variants[shift:] + variants[:shift]:
             for i in range(args.warmup):
                 variant.step(batch, i)
+            # Collective: every rank starts the timed block together.
             dist.barrier()
             block = []
             for i in range(args.steps):
                 start = time.perf_counter()
-                backward, exposed = variant.step(batch, i)
+                measured = variant.step(batch, i)
                 block.append(time.perf_counter() - start)
-                timings[variant.name]["backward"].append(backward)
-                if exposed is not None:
-                    timings[variant.name]["exposed"].append(exposed)
+                if measured is not None:
+                    backward, exposed = measured
+                    timings[variant.name]["backward"].append(backward)
+                    if exposed is not None:
+                        timings[variant.name]["exposed"].append(exposed)
             timings[variant.name]["step"].extend(block)
             timings[variant.name]["block"].append(statistics.median(block))
-    gathered = [None] * world_size
+    gathered: list = [None] * dist.get_world_size()
+    # Collective: rank 0 summarizes every rank's timings.
     dist.all_gather_object(gathered, timings)
-    return gathered if rank == 0 else None
+    return gathered
 
 
 def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:

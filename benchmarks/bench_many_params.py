@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.bench_ddp import time_variants
 from benchmarks.common import machine, ms, paired_block_ratio, run_world, slowest_rank, write_json
 from benchmarks.workloads import LayerStack
 from syncline.strategies.bucketed_ddp import BucketedDDP
@@ -84,22 +85,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list | Non
     init_process_group_from_env(backend="gloo")
     variants = build_variants(args.depth)
     batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
-    timings: dict[str, dict[str, list[float]]] = {v.name: {"step": [], "block": []} for v in variants}
-    for repeat in range(args.repeats):
-        shift = repeat % len(variants)
-        for variant in variants[shift:] + variants[:shift]:
-            for i in range(args.warmup):
-                variant.step(batch, i)
-            dist.barrier()
-            block = []
-            for i in range(args.steps):
-                start = time.perf_counter()
-                variant.step(batch, i)
-                block.append(time.perf_counter() - start)
-            timings[variant.name]["step"].extend(block)
-            timings[variant.name]["block"].append(statistics.median(block))
-    gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, timings)
+    gathered = time_variants(variants, batch, args)
     return gathered if rank == 0 else None
 
 
