@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import QUIET_TRAINER, machine, run_child
-from benchmarks.example_runs import StepRecorder
 from syncline.callbacks import Callback
 from syncline.strategies.native_ddp import NativeDDP
+
+from .common import QUIET_TRAINER, machine, run_child
+from .example_runs import StepRecorder
 
 RESULTS = Path(__file__).parent / "results" / "averaging.json"
 WARMUP = 25

@@ -29,10 +29,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import RESULTS, machine, run_world, summary, write_json
-from benchmarks.workloads import LayerStack
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.comm.process_group import init_process_group_from_env
+
+from .common import RESULTS, machine, run_world, summary, write_json
+from .workloads import LayerStack
 
 DEFAULT_CAPS = (1.0, 5.0, 25.0, 100.0)
 

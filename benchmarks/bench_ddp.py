@@ -30,11 +30,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import machine, ms, paired_block_ratio, run_world, slowest_rank, write_json
-from benchmarks.workloads import LayerStack
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.comm.process_group import init_process_group_from_env
 from syncline.strategies.native_ddp import NativeDDP
+
+from .common import machine, ms, paired_block_ratio, run_world, slowest_rank, write_json
+from .workloads import LayerStack
 
 WIDTH, DEPTH, BATCH = 512, 12, 64
 

@@ -32,13 +32,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.bench_ddp import time_variants
-from benchmarks.common import machine, ms, paired_block_ratio, run_world, slowest_rank, write_json
-from benchmarks.workloads import LayerStack
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.comm.launcher import free_port
 from syncline.strategies.comm.process_group import init_process_group_from_env
 from syncline.strategies.native_ddp import NativeDDP
+
+from .bench_ddp import time_variants
+from .common import machine, ms, paired_block_ratio, run_world, slowest_rank, write_json
+from .workloads import LayerStack
 
 WIDTH, BATCH = 16, 8
 

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.common import machine, summary
 from syncline.strategies.comm.ranks import run_distributed
+
+from .common import machine, summary
 
 RESULTS = Path(__file__).parent / "results" / "nonfinite.json"
 STEPS, REPEATS, WARMUP = 50, 5, 10

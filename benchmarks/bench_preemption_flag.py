@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.common import machine, ms
 from syncline.strategies.comm.ranks import run_distributed
+
+from .common import machine, ms
 
 __all__ = ["add_arguments", "command"]
 

@@ -21,9 +21,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from benchmarks.common import ROOT, load_average, machine, summary, write_json
 from syncline.strategies import BucketedDDP, Strategy, TensorFusion
 from syncline.strategies.comm.ranks import run_distributed
+
+from .common import ROOT, load_average, machine, summary, write_json
 
 DEPTH, WIDTH, BATCH, WARMUP = 8, 512, 32, 3
 OUT = ROOT / "benchmarks" / "results" / "tensor_fusion.json"

@@ -25,11 +25,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from benchmarks.workloads import MLPSteps
-from benchmarks.workloads import make_mlp as make_model
-from benchmarks.workloads import mlp_loader as make_loader
 from syncline.callbacks import Callback
 from syncline.trainer import Task, Trainer
+
+from .workloads import MLPSteps
+from .workloads import make_mlp as make_model
+from .workloads import mlp_loader as make_loader
 
 WARMUP = 200
 

@@ -23,35 +23,35 @@ __all__ = ["COMMANDS", "LAB_COMMANDS", "main", "parse_args"]
 
 #: Every command, by the name on the command line: the module that implements it.
 COMMANDS: dict[str, str] = {
-    "suite": "benchmarks.run",
-    "report": "benchmarks.report",
-    "plot": "benchmarks.plot",
-    "plot-timeline": "benchmarks.plot_timeline",
-    "ddp": "benchmarks.bench_ddp",
-    "autotune": "benchmarks.bench_autotune",
-    "many-params": "benchmarks.bench_many_params",
-    "tensor-fusion": "benchmarks.bench_tensor_fusion",
-    "trainer": "benchmarks.bench_trainer",
-    "overhead": "benchmarks.overhead",
-    "checkpoint": "benchmarks.bench_checkpoint",
-    "nonfinite": "benchmarks.bench_nonfinite",
-    "preemption-flag": "benchmarks.bench_preemption_flag",
-    "strategies": "benchmarks.strategies_example",
-    "averaging": "benchmarks.averaging_example",
-    "gpt2": "benchmarks.gpt2_study",
-    "cuda-stream-check": "benchmarks.cuda_stream_check",
+    "suite": ".run",
+    "report": ".report",
+    "plot": ".plot",
+    "plot-timeline": ".plot_timeline",
+    "ddp": ".bench_ddp",
+    "autotune": ".bench_autotune",
+    "many-params": ".bench_many_params",
+    "tensor-fusion": ".bench_tensor_fusion",
+    "trainer": ".bench_trainer",
+    "overhead": ".overhead",
+    "checkpoint": ".bench_checkpoint",
+    "nonfinite": ".bench_nonfinite",
+    "preemption-flag": ".bench_preemption_flag",
+    "strategies": ".strategies_example",
+    "averaging": ".averaging_example",
+    "gpt2": ".gpt2_study",
+    "cuda-stream-check": ".cuda_stream_check",
     # Started by other commands in a fresh interpreter (`common.run_child`).
-    "example-run": "benchmarks.example_runs",
-    "gpt2-train": "benchmarks.gpt2_train",
+    "example-run": ".example_runs",
+    "gpt2-train": ".gpt2_train",
 }
 #: The network lab's commands (`python -m benchmarks lab <name>`; root and iproute2).
 LAB_COMMANDS: dict[str, str] = {
-    "cluster": "benchmarks.lab.cluster",
-    "strategies": "benchmarks.lab.strategies",
-    "ddp": "benchmarks.lab.ddp",
-    "tradeoff": "benchmarks.lab.tradeoff",
-    "deferred-update": "benchmarks.lab.deferred_update",
-    "faults": "benchmarks.lab.faults",
+    "cluster": ".lab.cluster",
+    "strategies": ".lab.strategies",
+    "ddp": ".lab.ddp",
+    "tradeoff": ".lab.tradeoff",
+    "deferred-update": ".lab.deferred_update",
+    "faults": ".lab.faults",
 }
 _HIDDEN = {"example-run", "gpt2-train"}
 
@@ -70,12 +70,12 @@ def _add(subparsers: argparse._SubParsersAction, name: str, module: ModuleType, 
 
 def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     """The parser of `argv`'s command (only that command's module is imported: some import torch and more)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     wanted = argv[0] if argv else None
     for name, module in COMMANDS.items():
         if wanted in (None, "-h", "--help") or wanted == name:
-            _add(commands, name, importlib.import_module(module), hidden=name in _HIDDEN)
+            _add(commands, name, importlib.import_module(module, __package__), hidden=name in _HIDDEN)
         else:
             commands.add_parser(name, help=argparse.SUPPRESS)
     lab = commands.add_parser(
@@ -85,7 +85,7 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     lab_wanted = argv[1] if wanted == "lab" and len(argv) > 1 else None
     for name, module in LAB_COMMANDS.items():
         if wanted == "lab" and lab_wanted in (None, "-h", "--help", name):
-            _add(lab_commands, name, importlib.import_module(module), hidden=False)
+            _add(lab_commands, name, importlib.import_module(module, __package__), hidden=False)
         else:
             lab_commands.add_parser(name, help=argparse.SUPPRESS)
     return parser

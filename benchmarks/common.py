@@ -29,6 +29,8 @@ from typing import Any
 
 from syncline.strategies.comm.ranks import run_distributed
 
+from . import MODULE
+
 __all__ = [
     "add_child_arguments",
     "fill_marked_block",
@@ -176,7 +178,7 @@ def run_child(command: str, args: Sequence[str], timeout: float, env: dict[str, 
     """
     with tempfile.TemporaryDirectory(prefix="syncline-bench-") as tmp:
         out = Path(tmp, "result.json")
-        argv = [sys.executable, "-m", "benchmarks", *command.split(), *args, "--out", str(out)]
+        argv = [sys.executable, "-m", MODULE, *command.split(), *args, "--out", str(out)]
         child_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         # The child measures its time to first step from this moment (the same clock, the same machine).
         child_env[LAUNCHED_AT] = repr(time.time())

@@ -34,9 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import ms, summary
-from benchmarks.workloads import build
 from syncline.strategies.comm.ranks import run_distributed
+
+from .common import ms, summary
+from .workloads import build
 
 __all__ = [
     "DDPPlan",

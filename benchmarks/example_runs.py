@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import LAUNCHED_AT, QUIET_TRAINER, add_child_arguments, run_child, run_child_command, summary
 from syncline.callbacks import Callback
+
+from .common import LAUNCHED_AT, QUIET_TRAINER, add_child_arguments, run_child, run_child_command, summary
 
 __all__ = ["StepRecorder", "run_example"]
 

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, fill_marked_block, run_child
+from .common import ROOT, fill_marked_block, run_child
 
 __all__ = ["CONFIGS", "GPT2_PLANS", "GPT2Plan", "fill_page", "gpt2_table", "run_gpt2_study", "summarize"]
 

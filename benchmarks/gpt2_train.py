@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from benchmarks.common import QUIET_TRAINER, add_child_arguments, run_child_command
 from syncline.callbacks import Callback
+
+from .common import QUIET_TRAINER, add_child_arguments, run_child_command
 
 __all__ = ["MemoryProbe", "StudyRecorder", "tensor_bytes"]
 

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import LAUNCHED_AT, run_child
+from .common import LAUNCHED_AT, run_child
 
 __all__ = ["LOOPS", "lightning_available", "run_overhead"]
 
@@ -66,7 +66,7 @@ def _raw(steps: int, clock: _Clock, root: Path) -> None:
     from torch import nn
     from tqdm import tqdm
 
-    from benchmarks.workloads import make_mlp, mlp_loader
+    from .workloads import make_mlp, mlp_loader
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -84,10 +84,11 @@ def _raw(steps: int, clock: _Clock, root: Path) -> None:
 def _trainer(steps: int, clock: _Clock, root: Path) -> None:
     import torch
 
-    from benchmarks.bench_trainer import MLPTask
-    from benchmarks.workloads import mlp_loader
     from syncline.callbacks import Callback
     from syncline.trainer import Trainer
+
+    from .bench_trainer import MLPTask
+    from .workloads import mlp_loader
 
     class Timer(Callback):
         def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):
@@ -113,7 +114,7 @@ def _lightning(steps: int, clock: _Clock, root: Path) -> None:
     import pytorch_lightning as pl
     import torch
 
-    from benchmarks.workloads import MLPSteps, mlp_loader
+    from .workloads import MLPSteps, mlp_loader
 
     class MLPModule(MLPSteps, pl.LightningModule):
         """bench_trainer.py's MLPTask, as a LightningModule."""

@@ -1,7 +1,7 @@
 """Draw the report's figures from a suite run's JSON (matplotlib: the optional `bench` extra).
 
     python -m benchmarks plot                                   # benchmarks/results/suite.json -> docs/img/
-    python -m benchmarks plot benchmarks/results/suite_quick.json --out /tmp/img
+    python -m benchmarks plot /tmp/syncline-benchmarks/suite_quick.json --out /tmp/img
 
 Figures (each drawn only when its section is in the JSON):
 
@@ -20,8 +20,8 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.analysis import sweep
-from benchmarks.common import ROOT
+from .analysis import sweep
+from .common import ROOT
 
 __all__ = ["breakdown_parts", "cap_label", "add_arguments", "command", "plot_all"]
 

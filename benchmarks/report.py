@@ -1,7 +1,7 @@
 """The report's tables (Markdown) from a suite run's JSON, so the report quotes the run's own numbers.
 
     python -m benchmarks report                          # print them, from benchmarks/results/suite.json
-    python -m benchmarks report benchmarks/results/suite_quick.json
+    python -m benchmarks report /tmp/syncline-benchmarks/suite_quick.json
     python -m benchmarks report --write docs/performance.md   # fill the page's marked blocks
     python -m benchmarks report --check docs/performance.md   # exit 1 if the page differs from the JSON
 
@@ -19,10 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.analysis import paired_ratio, sweep
-from benchmarks.common import ROOT
-from benchmarks.ddp_suite import variant_name
-from benchmarks.plot import breakdown_parts
+from .analysis import paired_ratio, sweep
+from .common import ROOT
+from .ddp_suite import variant_name
+from .plot import breakdown_parts
 
 __all__ = ["BLOCKS", "blocks", "fill", "add_arguments", "command", "tables"]
 

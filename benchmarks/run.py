@@ -40,6 +40,7 @@ import datetime
 import json
 import math
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,15 +48,16 @@ from typing import Any
 
 import torch
 
-from benchmarks.analysis import headlines
-from benchmarks.common import ROOT, load_average, machine
-from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, run_ddp_workload, run_device_workload
-from benchmarks.example_runs import run_example, summarize_runs
 from benchmarks.gpt2_study import GPT2_PLANS, GPT2Plan, run_gpt2_study
-from benchmarks.lab import LAB_PLANS, LabPlan, run_lab_section
-from benchmarks.overhead import run_overhead
-from benchmarks.plot import plot_all
-from benchmarks.report import fill
+
+from .analysis import headlines
+from .common import ROOT, load_average, machine
+from .ddp_suite import ALL_IN_ONE_MB, DDPPlan, run_ddp_workload, run_device_workload
+from .example_runs import run_example, summarize_runs
+from .lab import LAB_PLANS, LabPlan, run_lab_section
+from .overhead import run_overhead
+from .plot import plot_all
+from .report import fill
 
 __all__ = ["OPTIONAL_SECTIONS", "PLANS", "SECTIONS", "add_arguments", "command"]
 
@@ -368,7 +370,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(SECTIONS),
         help=f"comma-separated subset of {SECTIONS}, or of those run only when named: {tuple(OPTIONAL_SECTIONS)}",
     )
-    parser.add_argument("--out", type=Path, help="JSON file (default: benchmarks/results/suite[_quick].json)")
+    parser.add_argument(
+        "--out", type=Path, help="JSON file (default: benchmarks/results/suite.json; quick: <temp>/syncline-benchmarks)"
+    )
     parser.add_argument(
         "--report",
         action="store_true",
@@ -391,7 +395,9 @@ def command(args: argparse.Namespace) -> None:
     stem = "suite"
     if len(sections) == 1 and sections[0] in OPTIONAL_SECTIONS:
         stem = OPTIONAL_SECTIONS[sections[0]]
-    out = args.out or RESULTS / (stem + {"full": ".json", "quick": "_quick.json", "smoke": "_smoke.json"}[name])
+    # Only a full run replaces the committed results; a quick or smoke run goes to the temp folder.
+    folder = RESULTS if name == "full" else Path(tempfile.gettempdir()) / "syncline-benchmarks"
+    out = args.out or folder / (stem + {"full": ".json", "quick": "_quick.json", "smoke": "_smoke.json"}[name])
 
     def log(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT
+from .common import ROOT
 
 __all__ = ["STRATEGIES", "run_strategy", "table"]
 

@@ -81,6 +81,10 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         super().__init__(backend=backend, timeout=timeout)
         if "bucket_cap_mb" in ddp_kwargs:
             check_number("NativeDDP", "bucket_cap_mb", ddp_kwargs["bucket_cap_mb"], minimum=0, meaning="MiB per bucket")
+        if ddp_kwargs.get("broadcast_buffers") is True:
+            # torch's default; given explicitly (as the Hydra config does) it only prints torch's deprecation
+            # warning on every rank.
+            del ddp_kwargs["broadcast_buffers"]
         self.ddp_kwargs = ddp_kwargs
         self.gradient_as_bucket_view = bool(ddp_kwargs.get("gradient_as_bucket_view", False))
         self._ddp: DistributedDataParallel | None = None

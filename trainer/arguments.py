@@ -6,6 +6,7 @@ decided here, before anything is launched.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from syncline.trainer.uneven import UNEVEN_INPUTS
 __all__ = [
     "ACCELERATORS",
     "LIGHTNING_STRATEGIES",
+    "TIMELINE_ENV",
     "build_callbacks",
     "build_loggers",
     "check_options",
@@ -34,6 +36,9 @@ __all__ = [
     "strategy_of",
 ]
 
+#: An environment variable naming a Chrome-trace file: every `fit` then records its steps there (rank 0 writes
+#: it), as a `CommunicationTimeline` in the callbacks would. The network lab sets it to time a user's job.
+TIMELINE_ENV = "SYNCLINE_TIMELINE"
 #: The accelerators `Trainer(accelerator=...)` accepts, and the device type each means.
 ACCELERATORS = {"auto": None, "cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
 
@@ -198,6 +203,7 @@ def build_callbacks(
     """Return the callbacks, with a ProgressBar and a ModelCheckpoint unless switched off; checkpoints last."""
     from syncline.callbacks.checkpoint import ModelCheckpoint
     from syncline.callbacks.progress import ProgressBar
+    from syncline.callbacks.timeline import CommunicationTimeline
 
     if isinstance(callbacks, Callback):
         callbacks = [callbacks]
@@ -211,6 +217,10 @@ def build_callbacks(
         result = [c for c in result if not isinstance(c, ProgressBar)]
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in result):
         result.append(ModelCheckpoint())
+    trace = os.environ.get(TIMELINE_ENV)
+    if trace and not any(isinstance(c, CommunicationTimeline) for c in result):
+        # The network lab asks every fit for its step times, whatever script or command line runs it.
+        result.append(CommunicationTimeline(trace, num_steps=None))
     # Checkpoints go last, so the state they save includes what other callbacks did at the same event.
     result.sort(key=lambda c: isinstance(c, ModelCheckpoint))
     if not checkpointing and any(isinstance(c, ModelCheckpoint) for c in result):

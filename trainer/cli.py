@@ -12,7 +12,9 @@ launches the worker processes itself, so there is one output directory and one r
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
+import dataclasses
 import difflib
 import inspect
 import io
@@ -20,6 +22,8 @@ import os
 import re
 import sys
 import traceback
+import types
+import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,15 +39,23 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-import syncline.trainer.config  # noqa: F401  (registers the structured configs in Hydra's ConfigStore)
 from syncline.strategies.comm.launcher import WorkerFailedError
 from syncline.trainer.checkpoint import CheckpointError
+from syncline.trainer.config import TrainerConf  # importing it registers the structured configs in Hydra
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 from syncline.trainer.rank_zero import rank_zero_only
 from syncline.trainer.seed import seed_everything
 from syncline.trainer.trainer import Trainer
 
-__all__ = ["RUNTIME_ERROR", "USAGE_ERROR", "check_overrides", "main", "run", "task_by_target"]
+__all__ = [
+    "RUNTIME_ERROR",
+    "USAGE_ERROR",
+    "check_overrides",
+    "constructor_keys",
+    "main",
+    "run",
+    "task_by_target",
+]
 
 #: Exit code of a bad command line or bad argument values.
 USAGE_ERROR = 2
@@ -58,7 +70,11 @@ _GROUPS = ("task", "data", "strategy", "callbacks")
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the command line: check the overrides in `argv` (default: ``sys.argv[1:]``), then train."""
-    args = task_by_target(list(sys.argv[1:] if argv is None else argv))
+    # As `python -m` does: a task or DataModule module in the working directory imports from the
+    # `syncline` console script too (its sys.path[0] is the script's folder, not the working directory).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    args = constructor_keys(task_by_target(list(sys.argv[1:] if argv is None else argv)))
     problem = check_overrides(args)
     if problem is not None:
         _exit(problem, USAGE_ERROR)
@@ -91,6 +107,21 @@ def task_by_target(args: Sequence[str]) -> list[str]:
     return rewritten
 
 
+def constructor_keys(args: Sequence[str]) -> list[str]:
+    """Let ``task.<key>=<value>`` (and ``data.<key>=...``) set any argument of the class's constructor.
+
+    A task option's YAML lists only some of the arguments; Hydra would refuse the others as keys not in
+    the config. They are rewritten to ``++task.<key>=<value>`` (add or override), and `check_overrides`
+    checks every key and value against the constructor's signature instead.
+    """
+    rewritten = []
+    for arg in args:
+        key, sep, _ = arg.partition("=")
+        plain = sep and not key.startswith(("+", "~")) and key.split(".", 1)[0] in ("task", "data") and "." in key
+        rewritten.append("++" + arg if plain else arg)
+    return rewritten
+
+
 def check_overrides(args: Sequence[str]) -> str | None:
     """Compose the config with `args` and return what is wrong with them, or None if nothing is.
 
@@ -120,6 +151,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def run(cfg: DictConfig, output_dir: str) -> None:
     """Save the resolved `cfg` under `output_dir`, build everything it describes, and fit."""
     _save_config(cfg, Path(output_dir) / "config.yaml")
+    _announce_settings(cfg)
     try:
         task, datamodule, fit_trainer = _build(cfg, output_dir)
     except (InstantiationException, ValueError, TypeError) as error:
@@ -155,6 +187,16 @@ def _build(cfg: DictConfig, output_dir: str) -> tuple[Any, Any, Trainer]:
     # Options that cannot work on this many processes fail here, in one line, before any worker starts.
     trainer.strategy.check_world_size(int(os.environ.get("WORLD_SIZE", trainer.devices)))
     return task, datamodule, trainer
+
+
+@rank_zero_only
+def _announce_settings(cfg: DictConfig) -> None:
+    """Print the `trainer` settings that differ from the Trainer's defaults (the task's config may set some)."""
+    given: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
+    defaults = dataclasses.asdict(TrainerConf())
+    changed = [f"{key}={value}" for key, value in given.items() if key in defaults and value != defaults[key]]
+    if changed:
+        print(f"syncline: trainer settings other than the Trainer's defaults: {', '.join(changed)}", flush=True)
 
 
 @rank_zero_only
@@ -245,6 +287,52 @@ def _check_target_keys(cfg: DictConfig, group: str) -> str | None:
                 f"error: unknown key '{group}.{key}': {target} takes no argument {key!r}."
                 f"{_did_you_mean(str(key), valid)}\nValid keys under '{group}': {', '.join(valid)}"
             )
+    return _check_argument_types(cfg, group, target, task_class)
+
+
+def _check_argument_types(cfg: DictConfig, group: str, target: str, task_class: Any) -> str | None:
+    """Check each value of `group` against its constructor argument's annotation (where one can be read)."""
+    try:
+        hints = typing.get_type_hints(task_class.__init__)
+        values = OmegaConf.to_container(cfg[group], resolve=True)
+    except Exception:
+        return None  # annotations that cannot be resolved here are left to the constructor
+    for key, value in values.items():  # type: ignore[union-attr]
+        if key in hints and _fits(value, hints[key]) is False:
+            shown = getattr(hints[key], "__name__", None) or str(hints[key]).replace("typing.", "")
+            return (
+                f"error: bad value for {group}.{key}={value}: {target} takes {key}: {shown}, "
+                f"not {type(value).__name__} {value!r}."
+            )
+    return None
+
+
+def _fits(value: Any, annotation: Any) -> bool | None:
+    """Whether a config `value` fits `annotation`: True, False, or None where it cannot be told."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any or annotation is inspect.Parameter.empty:
+        return True
+    if isinstance(value, dict) and "_target_" in value:
+        return None  # an object Hydra builds
+    if origin in (typing.Union, types.UnionType):
+        fits = [_fits(value, arg) for arg in args]
+        return True if True in fits else (None if None in fits else False)
+    if origin is typing.Literal:
+        return value in args
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin in (list, tuple, collections.abc.Sequence) or annotation in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if origin in (dict, collections.abc.Mapping) or annotation is dict:
+        return isinstance(value, dict)
     return None
 
 

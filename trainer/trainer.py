@@ -23,16 +23,16 @@ from syncline.trainer.arguments import (
     strategy_of,
 )
 from syncline.trainer.checkpoint import save_checkpoint
-from syncline.trainer.data import eval_dataloaders, limit_batches, prepare_loader, prepare_loaders
-from syncline.trainer.datamodule import DataModule, check_datamodule, merged_hparams, prepare_and_setup
+from syncline.trainer.datamodule import DataModule, check_datamodule
 from syncline.trainer.evaluation import EvaluationLoop
 from syncline.trainer.fit_loop import FitLoop
-from syncline.trainer.optim import OptimizerSetup, parse_optimizers
+from syncline.trainer.optim import OptimizerSetup
 from syncline.trainer.precision import Precision
 from syncline.trainer.preemption import PreemptionWatch, TrainingPreempted
 from syncline.trainer.rank_zero import rank_zero_warn
 from syncline.trainer.results import ResultCollection
 from syncline.trainer.seed import seed_everything, set_deterministic
+from syncline.trainer.stages import evaluation_stage, fit_stage
 from syncline.trainer.state import TrainerState
 from syncline.trainer.task import Task
 
@@ -367,8 +367,8 @@ class Trainer:
         if not isinstance(task, Task):
             raise TypeError(f"Trainer.{stage} needs a trainer.Task, got {type(task).__name__}.")
         if stage == "fit":
-            return self._run(stage, task, lambda: self._fit(ckpt_path=ckpt_path, **kwargs))
-        return self._run(stage, task, lambda: self._evaluate(stage, data, ckpt_path))
+            return self._run(stage, task, lambda: fit_stage(self, ckpt_path=ckpt_path, **kwargs))
+        return self._run(stage, task, lambda: evaluation_stage(self, stage, data, ckpt_path))
 
     def worker_result(self, task: Task, returned: Any) -> dict[str, Any]:
         """Return what a launched rank 0 sends back to the process that launched it."""
@@ -417,53 +417,6 @@ class Trainer:
             finally:
                 self.strategy.teardown()
                 self.state.stage = ""
-
-    def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: Any) -> None:
-        task, strategy = self.task, self.strategy
-        checkpoint = persistence.open_checkpoint(self, ckpt_path, resume=True)
-        prepare_and_setup(self, "fit", checkpoint)
-        source = self.datamodule if self.datamodule is not None else task
-        loader = train_dataloaders if train_dataloaders is not None else source.train_dataloader()
-        self.train_dataloader = prepare_loader(self, loader)
-        limit = self.limit_train_batches
-        self.num_training_batches = limit_batches(self.train_dataloader, limit, "limit_train_batches")
-        val, limit = val_dataloaders if val_dataloaders is not None else source.val_dataloader(), self.limit_val_batches
-        self.val_dataloaders, self.num_val_batches = prepare_loaders(self, val, limit, "limit_val_batches")
-        if checkpoint is not None:
-            # As in Lightning: the task's and the callbacks' state before configure_optimizers.
-            persistence.restore_model(self, checkpoint, callbacks=True)
-        strategy.setup(task)
-        self.optim = parse_optimizers(task.configure_optimizers(), type(task).__name__)
-        strategy.setup_optimizer(self.optim.optimizer)
-        self.fit_loop.setup(self.optim)
-        if checkpoint is not None:
-            persistence.restore_training(self, checkpoint)
-        if in_eval := sum(not module.training for module in task.modules()):  # kept so, as Lightning does
-            rank_zero_warn(f"Found {in_eval} module(s) in eval mode at the start of training; they train so.")
-        self.dispatcher.fire(Callback.on_fit_start)
-        hparams = merged_hparams(task, self.datamodule)
-        if self.is_global_zero and hparams:
-            for logger in self.loggers:
-                logger.log_hyperparams(hparams)
-        self.fit_loop.train()
-        self.dispatcher.fire(Callback.on_fit_end)
-
-    def _evaluate(self, stage: str, dataloaders: Any, ckpt_path: Any) -> Any:
-        task = self.task
-        checkpoint = persistence.open_checkpoint(self, ckpt_path, resume=False)
-        prepare_and_setup(self, stage, checkpoint)
-        name = {"validate": "limit_val_batches", "test": "limit_test_batches", "predict": "limit_predict_batches"}[
-            stage
-        ]
-        source = self.datamodule if self.datamodule is not None else task
-        loaders, num_batches = prepare_loaders(
-            self, eval_dataloaders(source, stage, dataloaders), getattr(self, name), name
-        )
-        if checkpoint is not None:
-            persistence.restore_model(self, checkpoint, callbacks=False)
-        self.strategy.setup(task)
-        metrics, predictions = self.evaluation.run(stage, loaders, num_batches)
-        return predictions if stage == "predict" else metrics
 
     # ----------------------------------------------------------------- logging
     def log_metrics(self, metrics: dict[str, Tensor | float], step: int | None = None) -> None:

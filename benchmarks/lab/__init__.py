@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.lab.cluster import namespaces_unavailable
+from .cluster import namespaces_unavailable
 
 __all__ = ["LAB_PLANS", "LabPlan", "run_lab_section"]
 
@@ -78,8 +78,10 @@ def run_lab_section(plan: LabPlan, log: Callable[[str], None]) -> dict[str, Any]
     if reason is not None:
         log(f"lab: skipped: {reason}")
         return {"skipped": reason}
-    from benchmarks import lab_ddp, lab_strategies, lab_tradeoff
-    from benchmarks.ddp_suite import DDPPlan
+    from ..ddp_suite import DDPPlan
+    from . import ddp as lab_ddp
+    from . import strategies as lab_strategies
+    from . import tradeoff as lab_tradeoff
 
     chosen = lab_strategies.select_strategies(plan.strategy_labels)  # with `local`, the bound's compute
     strategies: list[dict[str, Any]] = []

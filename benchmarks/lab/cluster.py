@@ -32,25 +32,30 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import MODULE
+
 __all__ = [
     "LabResult",
     "NodeResult",
+    "StepReport",
     "add_worker_argument",
     "build_nodes",
     "lab_rate",
     "link_bound",
     "namespaces_unavailable",
     "parse_rate",
+    "run_job",
     "run_lab",
     "run_worker_if_asked",
     "run_worker_job",
     "skipped_without_namespaces",
     "start_nodes",
+    "step_report",
+    "step_starts",
     "torchrun_command",
+    "with_run_dir",
 ]
 
-#: The repository root, where `python -m benchmarks ...` finds the package.
-_ROOT = Path(__file__).resolve().parents[2]
 
 SUBNET = "10.77.0"
 MASTER_PORT = 29500
@@ -190,8 +195,7 @@ def run_lab(
     # The lab runs in a child that owns the private namespaces: when it exits, for whatever reason, the
     # kernel frees every namespace, veth and bridge it made, and its tmpfs on /run with them.
     lab = subprocess.Popen(
-        ["unshare", "-mn", sys.executable, "-m", "benchmarks", "lab", "cluster", _INSIDE, json.dumps(spec)],
-        cwd=_ROOT,
+        ["unshare", "-mn", sys.executable, "-m", MODULE, "lab", "cluster", _INSIDE, json.dumps(spec)],
         start_new_session=True,
     )
     try:
@@ -227,7 +231,7 @@ def run_worker_job(
     spec = {**spec, "out": str(work / "result.json")}
     (work / "spec.json").write_text(json.dumps(spec))
     lab = run_lab(
-        ["-m", "benchmarks", "lab", script, _WORKER, str(work / "spec.json")],
+        ["-m", MODULE, "lab", script, _WORKER, str(work / "spec.json")],
         nodes=nodes,
         rate=rate,
         timeout=timeout,
@@ -396,14 +400,94 @@ def _temporary_dir() -> str:
     return tempfile.mkdtemp(prefix="syncline-lab-")
 
 
+# ------------------------------------------------------------------ a user's job
+#: The environment variable that makes every `fit` of the job record its steps (syncline.trainer.arguments).
+TIMELINE_ENV = "SYNCLINE_TIMELINE"
+
+
+@dataclass
+class StepReport:
+    """How a job's training steps went on the lab's links: read off rank 0's timeline and the links' counters."""
+
+    steps: int
+    #: Mean time from one optimizer step's start to the next's on rank 0, the first step (warm-up) aside: what
+    #: a strategy's periodic work costs is in it (validation too, when the job validates: switch it off).
+    seconds_per_step: float
+    #: Each node's bytes sent over the whole job, divided by the steps (start-up traffic included).
+    bytes_per_step: list[float]
+    #: The busiest node's bytes per step through its link (None on unshaped links): no step can be shorter.
+    wire_seconds: float | None
+
+    @property
+    def wire_share(self) -> float | None:
+        """The wire's bound over the measured step: near 1, the link is the limit; near 0, compute or latency."""
+        return None if self.wire_seconds is None else self.wire_seconds / self.seconds_per_step
+
+
+def step_starts(trace_path: str | os.PathLike[str]) -> dict[int, float]:
+    """Return rank 0's optimizer steps and when each started (seconds), from a `CommunicationTimeline` trace."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    starts: dict[int, float] = {}
+    for event in events:
+        if event.get("ph") == "X" and event.get("pid") == 0 and event.get("name") == "forward":
+            step = int(event["args"]["step"])
+            starts[step] = min(starts.get(step, float("inf")), event["ts"] / 1e6)
+    return starts
+
+
+def step_report(result: LabResult, trace_path: str | os.PathLike[str]) -> StepReport:
+    """Combine a lab run's link counters with its timeline into seconds and bytes per step."""
+    starts = step_starts(trace_path)
+    steps = sorted(starts)
+    if len(steps) < 2:
+        raise RuntimeError(f"{trace_path} holds fewer than two steps; run the job for more steps.")
+    # From the second step's start to the last's: the first step (warm-up, bucket rebuild) is left out.
+    first = steps[1] if len(steps) > 2 else steps[0]
+    seconds = (starts[steps[-1]] - starts[first]) / (steps[-1] - first)
+    per_step = [node.bytes_sent / len(steps) for node in result.node_results]
+    wire = max(per_step) * 8 / result.rate_bits_per_second if result.rate_bits_per_second else None
+    return StepReport(len(steps), seconds, per_step, wire)
+
+
+def with_run_dir(command: Sequence[str], run_dir: Path) -> list[str]:
+    """Give a ``-m syncline`` command one output folder for every node (Hydra would make one per node)."""
+    command = list(command)
+    if command[:2] == ["-m", "syncline"] and not any(arg.startswith("hydra.run.dir=") for arg in command):
+        command.append(f"hydra.run.dir={run_dir}")
+    return command
+
+
+def run_job(
+    command: Sequence[str], nodes: int, rate: str | None, procs_per_node: int, timeout: float, log_dir: Path
+) -> tuple[LabResult, StepReport | None]:
+    """Run a user's `command` on the lab (from the working directory) and report its steps, if it trained."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    trace = log_dir / "timeline.json"
+    trace.unlink(missing_ok=True)
+    command = with_run_dir(command, Path.cwd() / "outputs" / f"lab-{log_dir.name}")
+    result = run_lab(command, nodes, rate, procs_per_node, timeout, log_dir, env={TIMELINE_ENV: str(trace)})
+    return result, (step_report(result, trace) if result.ok and trace.is_file() else None)
+
+
 # ------------------------------------------------------------------ command line
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's options."""
     parser.add_argument("--nodes", type=int, default=2, help="network namespaces, one torchrun node each")
     parser.add_argument("--rate", default=None, help="each node's link rate, e.g. 100mbit or 1gbit (default: unshaped)")
-    parser.add_argument("--nproc-per-node", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--log-dir", default=None)
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="processes torchrun starts on each node")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds the job may take (each, with --strategies)"
+    )
+    parser.add_argument(
+        "--log-dir", default=None, help="where the nodes' logs and the timeline go (default: a new temp folder)"
+    )
+    parser.add_argument(
+        "--strategies",
+        default=None,
+        help="comma-separated strategy names, or 'all': run a `-m syncline ...` command once with each "
+        "(strategy=<name> appended) and print a table",
+    )
+    parser.add_argument("--json", default=None, help="also write the report (or the table's rows) to this JSON file")
     parser.add_argument(_INSIDE, metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument(
         "torchrun_args", nargs=argparse.REMAINDER, help="after --: a script and its arguments, or -m module ..."
@@ -411,25 +495,102 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int | None:
-    """``python -m benchmarks lab cluster --nodes N --rate R -- <what torchrun runs>``."""
+    """``python -m syncline.benchmarks lab cluster --nodes N --rate R -- <what torchrun runs>``."""
     if args.inside_lab is not None:
         _inside(json.loads(args.inside_lab))
         return 0
     torchrun_args = args.torchrun_args[1:] if args.torchrun_args[:1] == ["--"] else args.torchrun_args
     if not torchrun_args:
         print(
-            "usage: python -m benchmarks lab cluster [options] -- <script and arguments | -m module ...>",
+            "usage: python -m syncline.benchmarks lab cluster [options] -- <script and arguments | -m module ...>"
+            "\n(--help for the options)",
             file=sys.stderr,
         )
+        return 2
+    if args.rate is not None:
+        try:
+            parse_rate(args.rate)
+        except ValueError as error:
+            print(f"error: --rate: {error}", file=sys.stderr)
+            return 2
+    names = _strategy_names(args.strategies, torchrun_args)
+    if isinstance(names, str):
+        print(names, file=sys.stderr)
         return 2
     reason = namespaces_unavailable()
     if reason is not None:
         print(f"network lab unavailable: {reason}", file=sys.stderr)
         return 3
-    result = run_lab(torchrun_args, args.nodes, args.rate, args.nproc_per_node, args.timeout, args.log_dir)
+    log_dir = Path(args.log_dir) if args.log_dir else Path(_temporary_dir())
     link = f"{args.rate} links" if args.rate else "unshaped links"
-    print(f"{args.nodes} nodes, {link}: {result.wall_seconds:.1f} s")
+    if names is None:
+        result, report = run_job(torchrun_args, args.nodes, args.rate, args.nproc_per_node, args.timeout, log_dir)
+        print(f"{args.nodes} nodes, {link}: {result.wall_seconds:.1f} s")
+        for node in result.node_results:
+            print(f"  node {node.node}: exit {node.returncode}, sent {node.bytes_sent:,} B, received "
+                  f"{node.bytes_received:,} B  (log: {node.log})")  # fmt: skip
+        if report is not None:
+            print(_describe(report))
+        _write_json(args.json, {"lab": asdict(result), "steps": asdict(report) if report else None})
+        return 0 if result.ok else 1
+    rows = []
+    print(f"{len(names)} strategies on {args.nodes} nodes, {link} (logs under {log_dir}):")
+    print(f"  {'strategy':<26}{'s/step':>9}{'MB/step (busiest node)':>24}{'wire s/step':>13}{'wire share':>12}")
+    for name in names:
+        result, report = run_job(
+            [*torchrun_args, f"strategy={name}"], args.nodes, args.rate, args.nproc_per_node, args.timeout,
+            log_dir / name,
+        )  # fmt: skip
+        rows.append({"strategy": name, "ok": result.ok, "steps": asdict(report) if report else None})
+        if report is None:
+            print(f"  {name:<26}{_failure(result) or 'did not train'} (logs: {log_dir / name})")
+            continue
+        wire = f"{report.wire_seconds:.3f}" if report.wire_seconds else "-"
+        share = f"{report.wire_share:.0%}" if report.wire_share is not None else "-"
+        busiest = max(report.bytes_per_step) / 1e6
+        print(f"  {name:<26}{report.seconds_per_step:>9.3f}{busiest:>24.2f}{wire:>13}{share:>12}")
+    _write_json(args.json, {"nodes": args.nodes, "rate": args.rate, "rows": rows})
+    return 0 if all(row["ok"] for row in rows) else 1
+
+
+def _strategy_names(option: str | None, torchrun_args: Sequence[str]) -> list[str] | None | str:
+    """The strategies `--strategies` names (None without it), or the one-line error about them."""
+    if option is None:
+        return None
+    if list(torchrun_args[:2]) != ["-m", "syncline"]:
+        return "error: --strategies needs a `-m syncline ...` command (it appends strategy=<name> to it)."
+    from syncline.strategies.registry import STRATEGIES
+
+    names = sorted(STRATEGIES) if option == "all" else [name.strip() for name in option.split(",") if name.strip()]
+    unknown = [name for name in names if name not in STRATEGIES]
+    if unknown:
+        return f"error: --strategies: unknown {', '.join(unknown)}; registered: {', '.join(sorted(STRATEGIES))}"
+    return names
+
+
+def _failure(result: LabResult) -> str | None:
+    """The first ``error:`` line a failed node's job printed (syncline's CLI prints one), shortened."""
     for node in result.node_results:
-        print(f"  node {node.node}: exit {node.returncode}, sent {node.bytes_sent:,} B, received "
-              f"{node.bytes_received:,} B  (log: {node.log})")  # fmt: skip
-    return 0 if result.ok else 1
+        if node.returncode != 0 and Path(node.log).is_file():
+            for line in Path(node.log).read_text(errors="replace").splitlines():
+                if line.startswith("error: "):
+                    return line if len(line) <= 100 else line[:97] + "..."
+            return f"node {node.node} exited with {node.returncode}"
+    return None
+
+
+def _describe(report: StepReport) -> str:
+    per_node = ", ".join(f"{size / 1e6:.2f}" for size in report.bytes_per_step)
+    line = f"  {report.steps} steps: {report.seconds_per_step:.3f} s per step"
+    line += f"; MB sent per node per step: {per_node}"
+    if report.wire_seconds:
+        line += (
+            f"; the busiest link needs {report.wire_seconds:.3f} s per step ({report.wire_share:.0%} of the step: "
+            + ("the link limits it)" if report.wire_share >= 0.5 else "compute or latency limits it)")
+        )
+    return line
+
+
+def _write_json(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")

@@ -19,9 +19,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, write_json
-from benchmarks.ddp_suite import ALL_IN_ONE_MB, DDPPlan, Variant, rank_timings, summarize_job
-from benchmarks.lab.cluster import (
+from ..common import RESULTS, write_json
+from ..ddp_suite import ALL_IN_ONE_MB, DDPPlan, Variant, rank_timings, summarize_job
+from .cluster import (
     add_worker_argument,
     lab_rate,
     parse_rate,

@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import QUIET_TRAINER, RESULTS, write_json
-from benchmarks.lab.cluster import add_worker_argument, run_worker_if_asked, run_worker_job, skipped_without_namespaces
-from benchmarks.lab.strategies import DEFAULT_MODEL
+from ..common import QUIET_TRAINER, RESULTS, write_json
+from .cluster import add_worker_argument, run_worker_if_asked, run_worker_job, skipped_without_namespaces
+from .strategies import DEFAULT_MODEL
 
 __all__ = ["HOLDS", "run_deferred"]
 

@@ -32,8 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, write_json
-from benchmarks.lab.cluster import build_nodes, namespaces_unavailable, skipped_without_namespaces, start_nodes
+from .. import MODULE
+from ..common import ROOT, write_json
+from .cluster import build_nodes, namespaces_unavailable, skipped_without_namespaces, start_nodes
 
 FAULTS = ("caller_killed", "partition", "stuck")
 STRATEGIES = ("bucketed_ddp", "async_model_average", "parameter_server", "tensor_fusion")
@@ -110,7 +111,7 @@ def _one(strategy: str, fault: str, spec: dict[str, Any]) -> dict[str, Any]:
     (work / "pids").mkdir()
     job = {"strategy": strategy, "fault": fault, "timeout": spec["timeout"], "dir": str(work)}
     (work / "job.json").write_text(json.dumps(job))
-    command = ["-m", "benchmarks", "lab", "faults", _TRAIN, str(work / "job.json")]
+    command = ["-m", MODULE, "lab", "faults", _TRAIN, str(work / "job.json")]
     agents, _ = start_nodes(2, 1, command, work, {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     record: dict[str, Any] = {"strategy": strategy, "fault": fault, "timeout_s": spec["timeout"]}
     try:
@@ -218,7 +219,7 @@ def run(strategies: Sequence[str], faults: Sequence[str], timeout: float, out: P
         "result": str(work / "result.json"),
     }
     lab = subprocess.Popen(
-        ["unshare", "-mn", sys.executable, "-m", "benchmarks", "lab", "faults", _INSIDE, json.dumps(spec)],
+        ["unshare", "-mn", sys.executable, "-m", MODULE, "lab", "faults", _INSIDE, json.dumps(spec)],
         cwd=ROOT,
         start_new_session=True,
     )

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import QUIET_TRAINER, RESULTS, write_json
-from benchmarks.lab.cluster import (
+from ..common import QUIET_TRAINER, RESULTS, write_json
+from .cluster import (
     add_worker_argument,
     lab_rate,
     link_bound,

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import QUIET_TRAINER, RESULTS, fill_marked_block
-from benchmarks.lab.cluster import (
+from ..common import QUIET_TRAINER, RESULTS, fill_marked_block
+from .cluster import (
     add_worker_argument,
     lab_rate,
     run_worker_if_asked,

@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import socket
 import sys
@@ -95,7 +96,8 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
     trainer.strategy.check_world_size(nprocs)
     timeout = float(getattr(trainer.strategy, "timeout", 1800.0))
     graceful = ["SIGINT"] + (["SIGTERM"] if stage == "fit" and signal.SIGTERM in trainer.preemption.signals else [])
-    with tempfile.TemporaryDirectory(prefix="syncline-launch-") as log_dir, _quiet_elastic():
+    _remove_stale_launch_dirs()
+    with tempfile.TemporaryDirectory(prefix=f"{_LAUNCH_DIR_PREFIX}{os.getpid()}-") as log_dir, _quiet_elastic():
         # The task travels in a file, not through the pipe that starts each worker: a worker that exits
         # while importing the user's script reads nothing, and a payload larger than the pipe's buffer
         # would block this process forever (the pipe's read end stays open here).
@@ -133,6 +135,23 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
     if outcome.get("preempted"):
         raise TrainingPreempted(outcome["preempted"])
     return outcome["return"]
+
+
+_LAUNCH_DIR_PREFIX = "syncline-launch-"
+
+
+def _remove_stale_launch_dirs() -> None:
+    """Remove the launch folders of callers that no longer run (killed with SIGKILL, they could not)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_LAUNCH_DIR_PREFIX}*-*"):
+        pid = path.name[len(_LAUNCH_DIR_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or not path.is_dir() or path.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)  # raises if no such process runs
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass  # it runs, under another user
 
 
 @contextlib.contextmanager

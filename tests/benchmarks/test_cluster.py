@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import textwrap
 from pathlib import Path
@@ -9,7 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.lab.cluster import link_bound, namespaces_unavailable, parse_rate, run_lab
+from benchmarks.lab.cluster import (
+    LabResult,
+    NodeResult,
+    _strategy_names,
+    link_bound,
+    namespaces_unavailable,
+    parse_rate,
+    run_lab,
+    step_report,
+    with_run_dir,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,6 +65,53 @@ def test_the_bound_is_compute_or_the_busiest_link():
     assert link_bound(0.5, [25e6, 12e6], 1e9) == 0.5
     with pytest.raises(ValueError):
         link_bound(0.1, [1.0], 0)
+
+
+def test_a_jobs_steps_are_read_off_rank_0s_timeline_and_the_links(tmp_path):
+    def forward(rank: int, step: int, start_s: float) -> dict:
+        return {
+            "ph": "X",
+            "name": "forward",
+            "pid": rank,
+            "tid": 0,
+            "ts": start_s * 1e6,
+            "dur": 1,
+            "args": {"step": step},
+        }
+
+    # Steps 0-4 of rank 0 start at 0, 1.0, 1.5, 2.0, 3.5 s (a validation between 3 and 4); rank 1 is ignored.
+    starts = [0.0, 1.0, 1.5, 2.0, 3.5]
+    events = [forward(0, step, start) for step, start in enumerate(starts)] + [forward(1, 2, 9.0)]
+    events.append(forward(0, 2, 1.6))  # a second micro-batch of step 2: the step starts at its first
+    trace = tmp_path / "timeline.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    nodes = [NodeResult(0, 0, 5_000_000, 0, ""), NodeResult(1, 0, 2_500_000, 0, "")]
+    report = step_report(LabResult(2, "100mbit", 100e6, 10.0, nodes), trace)
+    # From step 1 (1.0 s) to step 4 (3.5 s): 2.5 s over 3 steps; the first step (warm-up) is left out.
+    assert report.steps == 5 and report.seconds_per_step == pytest.approx(2.5 / 3)
+    assert report.bytes_per_step == [1_000_000, 500_000]
+    assert report.wire_seconds == pytest.approx(0.08) and report.wire_share == pytest.approx(0.08 / (2.5 / 3))
+    unshaped = step_report(LabResult(2, None, None, 10.0, nodes), trace)
+    assert unshaped.wire_seconds is None and unshaped.wire_share is None
+
+
+def test_a_syncline_command_gets_one_output_folder_for_every_node(tmp_path):
+    assert with_run_dir(["-m", "syncline", "task=x"], tmp_path) == [
+        "-m",
+        "syncline",
+        "task=x",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    assert with_run_dir(["-m", "syncline", "hydra.run.dir=mine"], tmp_path) == ["-m", "syncline", "hydra.run.dir=mine"]
+    assert with_run_dir(["train.py", "--lr", "1"], tmp_path) == ["train.py", "--lr", "1"]
+
+
+def test_strategies_are_for_syncline_commands_and_must_be_registered():
+    assert _strategy_names(None, ["train.py"]) is None
+    assert _strategy_names("powersgd, bytegrad", ["-m", "syncline"]) == ["powersgd", "bytegrad"]
+    assert "single" in _strategy_names("all", ["-m", "syncline"])
+    assert "needs a `-m syncline ...` command" in _strategy_names("all", ["train.py"])
+    assert "unknown powersdg" in _strategy_names("powersdg", ["-m", "syncline"])
 
 
 def _host_network() -> tuple[str, bool]:

@@ -486,3 +486,10 @@ def test_a_kept_gradient_survives_a_step_that_does_not_use_it() -> None:
             native = {n.removeprefix("task."): g for n, g in results[("native", as_view)].items()}
             for name, grad in results[("bucketed", as_view)].items():
                 torch.testing.assert_close(grad, native[name], atol=1e-6, rtol=0, msg=f"{as_view} {name}")
+
+
+def test_native_ddp_leaves_torchs_default_broadcast_buffers_out() -> None:
+    """broadcast_buffers=True (the Hydra config's value, torch's default) is not passed: torch deprecates the
+    argument and warned on every rank; False, a real choice, still reaches DistributedDataParallel."""
+    assert "broadcast_buffers" not in NativeDDP(broadcast_buffers=True).ddp_kwargs
+    assert NativeDDP(broadcast_buffers=False).ddp_kwargs == {"broadcast_buffers": False}

@@ -125,3 +125,18 @@ def test_script_without_main_guard_gets_one_message_saying_what_to_change(tmp_pa
     assert 'under `if __name__ == "__main__":`' in result.stderr
     assert "bootstrapping phase" not in result.stderr
     assert len(result.stderr.splitlines()) < 30, result.stderr
+
+
+def test_launch_folders_of_callers_that_no_longer_run_are_removed(tmp_path, monkeypatch):
+    from syncline.strategies.comm import launcher
+
+    monkeypatch.setattr(launcher.tempfile, "tempdir", str(tmp_path))
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = tmp_path / f"syncline-launch-{int(ended.stdout)}-abc"
+    mine = tmp_path / f"syncline-launch-{os.getpid()}-def"
+    other = tmp_path / "syncline-launch-xyz"  # not a launch folder of this version: left alone
+    for folder in (gone, mine, other):
+        (folder / "attempt_0").mkdir(parents=True)
+        (folder / "payload.pkl").write_bytes(b"x")
+    launcher._remove_stale_launch_dirs()
+    assert not gone.exists() and mine.exists() and other.exists()

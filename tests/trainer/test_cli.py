@@ -99,6 +99,12 @@ def test_unknown_strategy_lists_the_valid_ones(tmp_path):
     _assert_short_error(result, 2, "does_not_exist", *sorted(STRATEGIES))
 
 
+def test_the_documented_list_of_strategy_options_is_the_registry():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    line = next(line for line in docs.splitlines() if line.startswith("Valid strategy options: "))
+    assert line.removeprefix("Valid strategy options: ").split(", ") == sorted({*STRATEGIES, "auto"})
+
+
 def test_value_of_the_wrong_type_names_the_key(tmp_path):
     result = _cli("trainer.max_epochs=abc", cwd=tmp_path, timeout=60)
     _assert_short_error(result, 2, "trainer.max_epochs=abc", "Integer")

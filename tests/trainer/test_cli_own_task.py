@@ -1,14 +1,18 @@
 """A task of one's own from the command line: a user's config folder, or a class by its import path."""
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
-from syncline.trainer.cli import check_overrides, task_by_target
+from benchmarks.lab.cluster import namespaces_unavailable
+from syncline.trainer.cli import check_overrides, constructor_keys, task_by_target
 
 MYTASK = textwrap.dedent(
     """
@@ -206,3 +210,153 @@ def test_task_by_target_lets_data_target_add_a_datamodule():
 def test_check_overrides_names_a_bad_datamodule(project, args, expected):
     message = check_overrides(task_by_target(args))
     assert message is not None and expected in message, message
+
+
+# ------------------------------------------------ as a user installs it (issue 27)
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv with syncline installed from this checkout, not editable, as a user installs it; its
+    dependencies (torch, hydra, ...) come from the test run's own environment through a .pth file."""
+    venv = tmp_path_factory.mktemp("user") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    repo = Path(__file__).resolve().parents[2]
+    # The build takes setuptools from the index or the wheel cache, like a user's `pip install <checkout>`.
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", str(repo)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    deps = [path for path in sys.path if path.endswith("site-packages")]
+    (_site(python) / "test_deps.pth").write_text("\n".join(deps) + "\n")
+    return venv
+
+
+def _site(python: Path) -> Path:
+    return python.parent.parent / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def _user(venv: Path, cwd: Path, *command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(venv / "bin" / command[0]), *command[1:]],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+
+
+def test_the_installed_package_is_not_the_checkout(installed, project):
+    result = _user(installed, project, "python", "-c", "import syncline; print(syncline.__file__)")
+    assert result.returncode == 0, result.stderr
+    assert str(installed) in result.stdout and "site-packages" in result.stdout
+
+
+def test_a_users_task_gets_the_trainers_defaults_not_the_examples(installed, project):
+    out = project / "run"
+    result = _user(
+        installed, project, "python", "-m", "syncline", "task._target_=mytask.Classifier", "trainer.max_steps=2",
+        "trainer.enable_progress_bar=false", f"hydra.run.dir={out}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    trainer = OmegaConf.load(out / "config.yaml").trainer
+    # Lightning's Trainer defaults: every validation batch, validation once an epoch, no seed.
+    assert trainer.limit_val_batches is None and trainer.val_check_interval == 1.0 and trainer.seed is None
+    assert trainer.max_epochs is None and trainer.log_every_n_steps == 50
+    assert "settings other than the Trainer's defaults: max_steps=2, enable_progress_bar=False" in result.stdout
+
+
+def test_the_example_keeps_its_own_run_settings(installed, project):
+    result = _user(installed, project, "python", "-m", "syncline", "--cfg", "job")
+    assert result.returncode == 0, result.stderr
+    cfg = OmegaConf.create(result.stdout)
+    assert cfg.trainer.limit_val_batches == 20 and cfg.trainer.val_check_interval == 0.25 and cfg.seed == 1234
+
+
+def test_the_console_script_imports_a_task_from_the_working_directory(installed, project):
+    out = project / "run"
+    result = _user(
+        installed, project, "syncline", "--config-dir", "conf", "task=mytask", "task.hidden=32",
+        "trainer.max_steps=2", "trainer.enable_progress_bar=false", f"hydra.run.dir={out}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    # A constructor argument that the option's YAML does not list is set without Hydra's "+".
+    assert OmegaConf.load(out / "logs" / "version_0" / "hparams.yaml").hidden == 32
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["task._target_=mytask.Classifier", "task.hidden=abc"],
+            "task.hidden=abc: mytask.Classifier takes hidden: int",
+        ),
+        (["--config-dir", "conf", "task=mytask", "task.lr=fast"], "task.lr=fast: mytask.Classifier takes lr: float"),
+        (["--config-dir", "conf", "task=mytask", "data=blobs", "data.n=1.5"], "data.n=1.5: mydata.Blobs takes n: int"),
+    ],
+)
+def test_task_and_data_arguments_are_checked_against_their_annotations(installed, project, args, expected):
+    result = _user(installed, project, "syncline", *args)
+    assert result.returncode == 2
+    assert expected in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (project / "outputs").exists()  # refused before Hydra made a run folder
+
+
+def test_constructor_keys_lets_task_and_data_keys_be_added():
+    assert constructor_keys(["task.hidden=3", "+task.a=1", "data.n=2", "trainer.max_steps=1", "task=mine"]) == [
+        "++task.hidden=3",
+        "+task.a=1",
+        "++data.n=2",
+        "trainer.max_steps=1",
+        "task=mine",
+    ]
+
+
+@pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
+def test_the_lab_runs_a_users_cli_task_from_their_folder(installed, project):
+    """The installed lab, from the user's folder: 2 nodes at 100 Mbit/s, one output folder, a step report."""
+    result = _user(
+        installed, project, "python", "-m", "syncline.benchmarks", "lab", "cluster", "--nodes", "2", "--rate",
+        "100mbit", "--timeout", "240", "--log-dir", str(project / "lab"), "--json", str(project / "lab.json"), "--",
+        "-m", "syncline", "--config-dir", "conf", "task=mytask", "trainer.max_steps=6", "trainer.limit_val_batches=0",
+        "trainer.enable_progress_bar=false",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((project / "lab.json").read_text())
+    assert report["lab"]["nodes"] == 2 and all(node["returncode"] == 0 for node in report["lab"]["node_results"])
+    steps = report["steps"]
+    assert steps["steps"] == 6 and steps["seconds_per_step"] > 0 and min(steps["bytes_per_step"]) > 0
+    assert 0 < steps["wire_seconds"] < steps["seconds_per_step"]
+    assert "6 steps:" in result.stdout and "s per step" in result.stdout
+    (run,) = (project / "outputs").iterdir()  # one folder for both nodes, in the user's folder
+    assert (run / "config.yaml").is_file() and (run / "logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_the_documented_lab_example_trains(tmp_path):
+    """docs/strategies.md's worked example (snippets.py) trains from its own folder, as the lab runs it."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "strategies.md").read_text()
+    code = docs.split("```python\n# snippets.py\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "snippets.py").write_text(code)
+    result = subprocess.run(
+        [sys.executable, "-m", "syncline", "task._target_=snippets.Snippets", "trainer.max_steps=3",
+         "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = torch.load(tmp_path / "run" / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 3
+    assert checkpoint["state_dict"]["net.2.weight"].shape == (1024, 32 * 64)  # the 2.1 M parameters the docs name
+
+
+def test_the_documented_lab_table_is_the_committed_measurement():
+    root = Path(__file__).resolve().parents[2]
+    docs = (root / "docs" / "strategies.md").read_text().split("<!-- lab-user-task -->")[1].split("<!-- /lab")[0]
+    measured = json.loads((root / "benchmarks" / "results" / "lab_user_task.json").read_text())["strategies"]
+    rows = {line.split(" | ")[0].strip("| "): line for line in docs.splitlines() if line.startswith("| ")}
+    for name, runs in measured.items():
+        seconds = ", ".join(f"{run['seconds_per_step']:.3f}" for run in runs if "seconds_per_step" in run)
+        assert (seconds or "refused") in rows[name], (name, rows[name])
