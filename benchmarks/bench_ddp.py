@@ -23,8 +23,6 @@ Results go to a table on stdout and to `benchmarks/results/ddp.json`.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -36,7 +34,7 @@ from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.comm.process_group import init_process_group_from_env
 from syncline.strategies.native_ddp import NativeDDP
 
-from .common import cpu_model, run_world, write_json
+from .common import machine, ms, paired_block_ratio, run_world, slowest_rank, write_json
 from .workloads import LayerStack
 
 WIDTH, DEPTH, BATCH = 512, 12, 64
@@ -127,6 +125,17 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list | Non
     variants = build_variants()
     generator = torch.Generator().manual_seed(rank)
     batch = torch.randn(BATCH, WIDTH, generator=generator)
+    gathered = time_variants(variants, batch, args)
+    return gathered if rank == 0 else None
+
+
+def time_variants(variants: list, batch: torch.Tensor, args: argparse.Namespace) -> list[dict[str, dict[str, list]]]:
+    """Time every variant's steps on this rank; return every rank's timings (collective: call it on all).
+
+    Each repeat runs `args.warmup` untimed and `args.steps` timed steps of each variant, in an order rotated
+    by one every repeat, so that drift of the machine (thermal, other load) hits all. A variant's `step` may
+    return (backward seconds, exposed seconds or None), recorded beside the step's time.
+    """
     timings: dict[str, dict[str, list]] = {
         v.name: {"step": [], "backward": [], "exposed": [], "block": []} for v in variants
     }
@@ -135,36 +144,34 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list | Non
         for variant in variants[shift:] + variants[:shift]:
             for i in range(args.warmup):
                 variant.step(batch, i)
+            # Collective: every rank starts the timed block together.
             dist.barrier()
             block = []
             for i in range(args.steps):
                 start = time.perf_counter()
-                backward, exposed = variant.step(batch, i)
+                measured = variant.step(batch, i)
                 block.append(time.perf_counter() - start)
-                timings[variant.name]["backward"].append(backward)
-                if exposed is not None:
-                    timings[variant.name]["exposed"].append(exposed)
+                if measured is not None:
+                    backward, exposed = measured
+                    timings[variant.name]["backward"].append(backward)
+                    if exposed is not None:
+                        timings[variant.name]["exposed"].append(exposed)
             timings[variant.name]["step"].extend(block)
             timings[variant.name]["block"].append(statistics.median(block))
-    gathered = [None] * world_size
+    gathered: list = [None] * dist.get_world_size()
+    # Collective: rank 0 summarizes every rank's timings.
     dist.all_gather_object(gathered, timings)
-    return gathered if rank == 0 else None
+    return gathered
 
 
 def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
-    def ms(seconds: float) -> float:
-        return round(1e3 * seconds, 3)
-
     def quantiles(values: list[float]) -> dict[str, float]:
         q = statistics.quantiles(values, n=4)
         return {"median_ms": ms(statistics.median(values)), "p25_ms": ms(q[0]), "p75_ms": ms(q[2])}
 
     variants = {}
     for name in per_rank[0]:
-        # A synchronized step is as slow as its slowest rank.
-        step = [max(values) for values in zip(*(r[name]["step"] for r in per_rank))]
-        backward = [max(values) for values in zip(*(r[name]["backward"] for r in per_rank))]
-        blocks = [max(values) for values in zip(*(r[name]["block"] for r in per_rank))]
+        step, backward, blocks = (slowest_rank(per_rank, name, key) for key in ("step", "backward", "block"))
         entry = {
             "step": quantiles(step),
             "backward": quantiles(backward),
@@ -185,24 +192,8 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
     for name in ("naive_per_param_allreduce", "naive_flat_allreduce"):
         variants[name]["exposed_comm_ms"] = variants[name]["measured_exposed_comm_ms"]
     ratio = variants["bucketed_ddp"]["step"]["median_ms"] / variants["native_ddp"]["step"]["median_ms"]
-    # Paired per repeat: the two blocks of one repeat ran within a second of each other, so a slow
-    # spell of the machine (other jobs) cancels out of their ratio.
-    paired = [
-        max(ours) / max(native)
-        for ours, native in zip(
-            zip(*(r["bucketed_ddp"]["block"] for r in per_rank)),
-            zip(*(r["native_ddp"]["block"] for r in per_rank)),
-        )
-    ]
     return {
-        "machine": {
-            "cpu": cpu_model(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "backend": "gloo",
-            "threads_per_rank": 1,
-        },
+        "machine": {**machine(), "world_size": args.world_size},
         "setup": {
             "world_size": args.world_size,
             "model": f"{DEPTH} x (Linear({WIDTH}, {WIDTH}) + LayerNorm({WIDTH}))",
@@ -217,11 +208,7 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
         },
         "variants": variants,
         "ratio_bucketed_over_native": round(ratio, 4),
-        "paired_block_ratio_bucketed_over_native": {
-            "median": round(statistics.median(paired), 4),
-            "min": round(min(paired), 4),
-            "max": round(max(paired), 4),
-        },
+        "paired_block_ratio_bucketed_over_native": paired_block_ratio(per_rank, "bucketed_ddp", "native_ddp"),
     }
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -38,7 +37,8 @@ from syncline.strategies.comm.launcher import free_port
 from syncline.strategies.comm.process_group import init_process_group_from_env
 from syncline.strategies.native_ddp import NativeDDP
 
-from .common import cpu_model, run_world, write_json
+from .bench_ddp import time_variants
+from .common import machine, ms, paired_block_ratio, run_world, slowest_rank, write_json
 from .workloads import LayerStack
 
 WIDTH, BATCH = 16, 8
@@ -86,33 +86,14 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list | Non
     init_process_group_from_env(backend="gloo")
     variants = build_variants(args.depth)
     batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
-    timings: dict[str, dict[str, list[float]]] = {v.name: {"step": [], "block": []} for v in variants}
-    for repeat in range(args.repeats):
-        shift = repeat % len(variants)
-        for variant in variants[shift:] + variants[:shift]:
-            for i in range(args.warmup):
-                variant.step(batch, i)
-            dist.barrier()
-            block = []
-            for i in range(args.steps):
-                start = time.perf_counter()
-                variant.step(batch, i)
-                block.append(time.perf_counter() - start)
-            timings[variant.name]["step"].extend(block)
-            timings[variant.name]["block"].append(statistics.median(block))
-    gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, timings)
+    gathered = time_variants(variants, batch, args)
     return gathered if rank == 0 else None
 
 
 def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
-    def ms(seconds: float) -> float:
-        return round(1e3 * seconds, 3)
-
     variants = {}
     for name in per_rank[0]:
-        # A synchronized step is as slow as its slowest rank.
-        step = [max(values) for values in zip(*(r[name]["step"] for r in per_rank))]
+        step = slowest_rank(per_rank, name, "step")
         q = statistics.quantiles(step, n=4)
         variants[name] = {
             "median_ms": ms(statistics.median(step)),
@@ -122,28 +103,13 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
         }
     ratios = {}
     for label, (ours, native) in PAIRS.items():
-        paired = [
-            max(a) / max(b)
-            for a, b in zip(zip(*(r[ours]["block"] for r in per_rank)), zip(*(r[native]["block"] for r in per_rank)))
-        ]
         ratios[label] = {
             "ratio_of_medians": round(variants[ours]["median_ms"] / variants[native]["median_ms"], 4),
-            "paired_block_ratio": {
-                "median": round(statistics.median(paired), 4),
-                "min": round(min(paired), 4),
-                "max": round(max(paired), 4),
-            },
+            "paired_block_ratio": paired_block_ratio(per_rank, ours, native),
         }
     model = LayerStack(WIDTH, args.depth)
     return {
-        "machine": {
-            "cpu": cpu_model(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "backend": "gloo",
-            "threads_per_rank": 1,
-        },
+        "machine": {**machine(), "world_size": args.world_size},
         "setup": {
             "world_size": args.world_size,
             "model": f"{args.depth} x (Linear({WIDTH}, {WIDTH}) + LayerNorm({WIDTH}))",

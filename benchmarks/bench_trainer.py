@@ -28,25 +28,15 @@ from tqdm import tqdm
 from syncline.callbacks import Callback
 from syncline.trainer import Task, Trainer
 
+from .workloads import MLPSteps
 from .workloads import make_mlp as make_model
 from .workloads import mlp_loader as make_loader
 
 WARMUP = 200
 
 
-class MLPTask(Task):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = make_model()
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.mse_loss(self.model(x), y)
-        self.log("loss", loss, prog_bar=True)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
+class MLPTask(MLPSteps, Task):
+    """The MLP as a syncline Task."""
 
 
 class SteadyStateTimer(Callback):

@@ -2,6 +2,8 @@
 
 - `summary(values)`: median, quartiles, min and max of a list of seconds, in milliseconds.
 - `machine()`: CPU, cores, torch, python, backend, and the 1-minute load average.
+- `slowest_rank(per_rank, name, key)` and `paired_block_ratio(per_rank, a, b)`: a synchronized step's time from
+  every rank's timings, and two variants' ratio per repeat.
 - `run_world(fn, world_size, args, timeout)`: `fn(rank, world_size, *args)` on local ranks joined by gloo,
   through the runner the tests use (`strategies/comm/ranks.py`), with the load average around it.
 - `run_child(command, args, timeout)`: `python -m benchmarks <command> ...` in a fresh interpreter (its own
@@ -60,6 +62,21 @@ class BenchmarkError(RuntimeError):
 def ms(seconds: float) -> float:
     """Return `seconds` in milliseconds, rounded to a microsecond."""
     return round(seconds * 1e3, 3)
+
+
+def slowest_rank(per_rank: Sequence[dict[str, Any]], name: str, key: str) -> list[float]:
+    """Return each timed step (or block) of variant `name` as its slowest rank took it: a synchronized step's time."""
+    return [max(values) for values in zip(*(rank[name][key] for rank in per_rank))]
+
+
+def paired_block_ratio(per_rank: Sequence[dict[str, Any]], a: str, b: str) -> dict[str, float]:
+    """Return median, min and max over the repeats of variant `a`'s block time over `b`'s (slowest ranks).
+
+    The two blocks of one repeat ran within a second of each other, so a slow spell of the machine (other
+    jobs) cancels out of their ratio.
+    """
+    ratios = [x / y for x, y in zip(slowest_rank(per_rank, a, "block"), slowest_rank(per_rank, b, "block"))]
+    return {"median": round(statistics.median(ratios), 4), "min": round(min(ratios), 4), "max": round(max(ratios), 4)}
 
 
 def summary(seconds: Sequence[float]) -> dict[str, float]:

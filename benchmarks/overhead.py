@@ -113,25 +113,11 @@ def _trainer(steps: int, clock: _Clock, root: Path) -> None:
 def _lightning(steps: int, clock: _Clock, root: Path) -> None:
     import pytorch_lightning as pl
     import torch
-    from torch import nn
 
-    from .workloads import make_mlp, mlp_loader
+    from .workloads import MLPSteps, mlp_loader
 
-    class MLPModule(pl.LightningModule):
+    class MLPModule(MLPSteps, pl.LightningModule):
         """bench_trainer.py's MLPTask, as a LightningModule."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = make_mlp()
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = nn.functional.mse_loss(self.model(x), y)
-            self.log("loss", loss, prog_bar=True)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-3)
 
     class Timer(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

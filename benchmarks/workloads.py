@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["SIZES", "WORKLOADS", "LayerStack", "Workload", "build", "make_mlp", "mlp_loader"]
+__all__ = ["SIZES", "WORKLOADS", "LayerStack", "MLPSteps", "Workload", "build", "make_mlp", "mlp_loader"]
 
 
 # ------------------------------------------------------------------ CNN
@@ -126,6 +126,27 @@ def mlp_loader(steps: int) -> DataLoader:
     x = torch.randn(steps * 32, 32, generator=generator)
     y = torch.randn(steps * 32, 1, generator=generator)
     return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+
+
+class MLPSteps:
+    """bench_trainer.py's task: the MLP, MSE logged every step to the progress bar, Adam.
+
+    A mixin, so that the Trainer's `Task` and Lightning's `LightningModule` train the same code
+    (`class MLPTask(MLPSteps, Task)`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = make_mlp()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.model(x), y)
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
 class _MLPStep(nn.Module):
