@@ -48,12 +48,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpt2_study import GPT2_PLANS, GPT2Plan, run_gpt2_study
-
 from .analysis import headlines
 from .common import ROOT, load_average, machine
 from .ddp_suite import ALL_IN_ONE_MB, DDPPlan, run_ddp_workload, run_device_workload
 from .example_runs import run_example, summarize_runs
+from .gpt2_study import GPT2_PLANS, GPT2Plan, run_gpt2_study
 from .lab import LAB_PLANS, LabPlan, run_lab_section
 from .overhead import run_overhead
 from .plot import plot_all

@@ -77,3 +77,17 @@ def test_the_wheel_puts_only_syncline_at_the_top_level(tmp_path):
     assert not [n for n in names if n.startswith(("syncline/tests/", "syncline/benchmarks/results/", "syncline/docs/"))]
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "syncline = syncline.trainer.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_every_benchmark_module_imports_as_syncline_benchmarks_outside_the_checkout(tmp_path):
+    """The lab is part of the installed package: no module of the suite may import `benchmarks` absolutely."""
+    code = (
+        "import importlib, pkgutil, syncline.benchmarks as b, syncline.benchmarks.lab as lab\n"
+        "for package in (b, lab):\n"
+        "    for module in pkgutil.iter_modules(package.__path__):\n"
+        "        if module.name != '__main__':\n"
+        "            importlib.import_module(f'{package.__name__}.{module.name}')\n"
+        "import sys; assert 'benchmarks' not in sys.modules, 'the checkout was imported'\n"
+    )
+    result = _run("-c", code, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -70,12 +70,13 @@ def _worker(spec: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.gpt2_train import StudyRecorder, step_times
     from syncline.callbacks import Callback
     from syncline.examples.char_gpt import CharGPT
     from syncline.strategies import STRATEGIES as REGISTRY
     from syncline.trainer import Trainer
     from syncline.trainer.seed import seed_everything
+
+    from ..gpt2_train import StudyRecorder, step_times
 
     torch.set_num_threads(1)
     target = spec["target"]
