@@ -42,13 +42,13 @@ WIDTH, DEPTH, BATCH = 512, 12, 64
 
 # ---------------------------------------------------------------- variants
 class Variant:
-    """One way of training the model; `step` returns (backward seconds, exposed seconds or None)."""
+    """One way of training a `LayerStack`; `step` returns (backward seconds, exposed seconds or None)."""
 
-    def __init__(self, name: str, sync: bool = True) -> None:
+    def __init__(self, name: str, sync: bool = True, width: int = WIDTH, depth: int = DEPTH) -> None:
         self.name = name
         self.sync = sync
         torch.manual_seed(0)
-        self.model = LayerStack(WIDTH, DEPTH)
+        self.model = LayerStack(width, depth)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
 
     def step(self, batch: torch.Tensor, batch_idx: int) -> tuple[float, float | None]:
@@ -56,8 +56,10 @@ class Variant:
 
 
 class StrategyVariant(Variant):
-    def __init__(self, name: str, strategy, sync: bool = True) -> None:
-        super().__init__(name, sync)
+    """A strategy's own reducer: its backward, the optimizer step and its zero_grad (`many-params` uses it too)."""
+
+    def __init__(self, name: str, strategy, sync: bool = True, width: int = WIDTH, depth: int = DEPTH) -> None:
+        super().__init__(name, sync, width, depth)
         self.strategy = strategy
         strategy.setup(self.model)
 

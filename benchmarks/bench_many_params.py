@@ -37,7 +37,7 @@ from syncline.strategies.comm.launcher import free_port
 from syncline.strategies.comm.process_group import init_process_group_from_env
 from syncline.strategies.native_ddp import NativeDDP
 
-from .bench_ddp import time_variants
+from .bench_ddp import StrategyVariant, time_variants
 from .common import machine, ms, paired_block_ratio, run_world, slowest_rank, write_json
 from .workloads import LayerStack
 
@@ -51,35 +51,18 @@ PAIRS = {
 }
 
 
-class Variant:
-    """One strategy training its own copy of the model."""
-
-    def __init__(self, name: str, strategy, depth: int) -> None:
-        self.name = name
-        self.strategy = strategy
-        torch.manual_seed(0)
-        self.model = LayerStack(WIDTH, depth)
-        strategy.setup(self.model)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
-
-    def step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        strategy = self.strategy
-        loss = strategy.training_step(self.model, batch, batch_idx)
-        strategy.backward(loss, sync=True)
-        self.optimizer.step()
-        strategy.zero_grad(self.optimizer)
-
-
-def build_variants(depth: int) -> list[Variant]:
-    # Each pair stays adjacent under rotation, except when the rotation splits it.
-    return [
-        Variant("native_ddp", NativeDDP(), depth),
-        Variant("bucketed_ddp", BucketedDDP(), depth),
-        Variant("native_ddp_unused", NativeDDP(find_unused_parameters=True), depth),
-        Variant("bucketed_ddp_unused", BucketedDDP(find_unused_parameters=True), depth),
-        Variant("native_ddp_static", NativeDDP(static_graph=True), depth),
-        Variant("bucketed_ddp_static", BucketedDDP(static_graph=True), depth),
-    ]
+def build_variants(depth: int) -> list[StrategyVariant]:
+    """The strategies, each training its own copy of the model; each pair stays adjacent under rotation, except
+    when the rotation splits it."""
+    strategies = {
+        "native_ddp": NativeDDP(),
+        "bucketed_ddp": BucketedDDP(),
+        "native_ddp_unused": NativeDDP(find_unused_parameters=True),
+        "bucketed_ddp_unused": BucketedDDP(find_unused_parameters=True),
+        "native_ddp_static": NativeDDP(static_graph=True),
+        "bucketed_ddp_static": BucketedDDP(static_graph=True),
+    }
+    return [StrategyVariant(name, strategy, width=WIDTH, depth=depth) for name, strategy in strategies.items()]
 
 
 def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list | None:

@@ -109,20 +109,7 @@ def with_batch_indices(loader: Any) -> Any:
         return loader
     if isinstance(loader.batch_sampler, BatchIndexRecorder):
         return loader
-    return DataLoader(
-        loader.dataset,
-        batch_sampler=BatchIndexRecorder(loader.batch_sampler),
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
-        persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device,
-    )
+    return DataLoader(loader.dataset, batch_sampler=BatchIndexRecorder(loader.batch_sampler), **_settings(loader))
 
 
 def _can_shard(loader: Any, sampler_kwargs: dict[str, int] | None) -> bool:
@@ -147,21 +134,24 @@ def _can_shard(loader: Any, sampler_kwargs: dict[str, int] | None) -> bool:
 def _with_sampler(loader: DataLoader, sampler: Sampler[int]) -> DataLoader:
     """Return a DataLoader like `loader` in every setting but its sampler."""
     return DataLoader(
-        loader.dataset,
-        batch_size=loader.batch_size,
-        sampler=sampler,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
-        persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device,
+        loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last, **_settings(loader)
     )
+
+
+def _settings(loader: DataLoader) -> dict[str, Any]:
+    """`loader`'s settings other than its dataset and how it samples and batches, to build a copy with."""
+    return {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "prefetch_factor": loader.prefetch_factor if loader.num_workers > 0 else None,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+    }
 
 
 def limit_batches(loader: Iterable[Any], limit: int | float | None, name: str) -> int | float:
