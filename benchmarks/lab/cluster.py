@@ -401,10 +401,6 @@ def _temporary_dir() -> str:
 
 
 # ------------------------------------------------------------------ a user's job
-#: The environment variable that makes every `fit` of the job record its steps (syncline.trainer.arguments).
-TIMELINE_ENV = "SYNCLINE_TIMELINE"
-
-
 @dataclass
 class StepReport:
     """How a job's training steps went on the lab's links: read off rank 0's timeline and the links' counters."""
@@ -461,6 +457,8 @@ def run_job(
     command: Sequence[str], nodes: int, rate: str | None, procs_per_node: int, timeout: float, log_dir: Path
 ) -> tuple[LabResult, StepReport | None]:
     """Run a user's `command` on the lab (from the working directory) and report its steps, if it trained."""
+    from syncline.trainer.arguments import TIMELINE_ENV  # here: the lab's own process need not import torch
+
     log_dir.mkdir(parents=True, exist_ok=True)
     trace = log_dir / "timeline.json"
     trace.unlink(missing_ok=True)

@@ -321,7 +321,7 @@ def test_the_lab_runs_a_users_cli_task_from_their_folder(installed, project):
     """The installed lab, from the user's folder: 2 nodes at 100 Mbit/s, one output folder, a step report."""
     result = _user(
         installed, project, "python", "-m", "syncline.benchmarks", "lab", "cluster", "--nodes", "2", "--rate",
-        "100mbit", "--timeout", "240", "--log-dir", str(project / "lab"), "--json", str(project / "lab.json"), "--",
+        "100mbit", "--timeout", "100", "--log-dir", str(project / "lab"), "--json", str(project / "lab.json"), "--",
         "-m", "syncline", "--config-dir", "conf", "task=mytask", "trainer.max_steps=6", "trainer.limit_val_batches=0",
         "trainer.enable_progress_bar=false",
     )  # fmt: skip
