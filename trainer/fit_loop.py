@@ -464,15 +464,7 @@ class FitLoop:
         if any(grad is not None and not torch.isfinite(grad).all() for grad in grads):
             # The window's non-finite loss came before the checkpoint: its verdict must survive the resume.
             self.nonfinite.observe(torch.tensor(float("nan")))
-        with torch.no_grad():
-            for param, grad in zip(self.parameters, grads):
-                if grad is None:
-                    continue
-                if param.grad is None:
-                    param.grad = grad.to(param.device)
-                else:
-                    # In place: a strategy's gradients may be views into its communication buffers.
-                    param.grad.copy_(grad)
+        self.trainer.strategy.restore_gradients(self.parameters, grads)
 
 
 _END = object()

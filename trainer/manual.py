@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["TrainerOptimizer", "check_optimization_mode", "manual_outputs", "take_step", "train_batch_manually"]
 
 #: The exact strategies, named in the refusal of the others.
-_EXACT = "bucketed_ddp, native_ddp, tensor_fusion or parameter_server"
+_EXACT = "bucketed_ddp, native_ddp, tensor_fusion, parameter_server or sharded_parameter_server"
 
 
 def check_optimization_mode(trainer: Trainer, task: Task) -> None:

@@ -181,7 +181,7 @@ def test_lightning_errors():
 REFUSED = [name for name, cls in STRATEGIES.items() if cls().manual_optimization_refused]
 
 
-def test_the_refused_strategies_are_the_relaxed_ones_and_the_parameter_servers():
+def test_the_refused_strategies_are_the_relaxed_ones():
     assert sorted(REFUSED) == sorted(
         [
             "bytegrad",
@@ -190,7 +190,6 @@ def test_the_refused_strategies_are_the_relaxed_ones_and_the_parameter_servers()
             "local_sgd",
             "decentralized",
             "async_model_average",
-            "sharded_parameter_server",
         ]
     )
 
