@@ -15,7 +15,19 @@ if TYPE_CHECKING:
 
     from syncline.trainer.trainer import Trainer
 
-__all__ = ["DataHooks", "ModelHooks"]
+__all__ = ["TRANSFER_HOOKS", "DataHooks", "ModelHooks", "overrides"]
+
+#: The batch-transfer hooks, in the order they run for every batch (`data.move_batch`).
+TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def overrides(obj: object, base: type, name: str) -> bool:
+    """Whether `obj` replaces `base`'s method `name`, in its class or on the instance.
+
+    The loop asks once per fit, and calls a hook left at its default straight to what the default does, so a
+    step pays for no dispatch it does not need.
+    """
+    return name in getattr(obj, "__dict__", ()) or getattr(type(obj), name, None) is not getattr(base, name)
 
 
 class DataHooks:
