@@ -218,7 +218,8 @@ class FitLoop:
         assert self.optim is not None
         if self.manual:
             return
-        self.optim.step_schedulers(interval, count, self.trainer.callback_metrics, plateau=plateau)
+        task = self.trainer.task
+        self.optim.step_schedulers(interval, count, self.trainer.callback_metrics, plateau, task.lr_scheduler_step)
 
     # -------------------------------------------------------------- validation
     def validation_due(self, batch_idx: int, is_last: bool) -> bool:

@@ -108,6 +108,14 @@ class ModelHooks:
         through the Trainer (loss scaling, ``on_before_optimizer_step``, `configure_gradient_clipping`)."""
         optimizer.step(closure=optimizer_closure)
 
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Step `scheduler` when the Trainer's schedule says it is due (automatic optimization): `metric` is the
+        monitored value for a ReduceLROnPlateau, else None. Override it for a scheduler of another API."""
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
+
     def configure_gradient_clipping(
         self,
         optimizer: torch.optim.Optimizer,

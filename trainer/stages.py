@@ -47,7 +47,8 @@ def fit_stage(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ck
     # The default hook is `loss.backward()`, which the strategy runs itself without the call through the task.
     strategy.backward_hook = task.backward if overrides(task, ModelHooks, "backward") else None
     manual = not task.automatic_optimization
-    trainer.optim = parse_optimizers(task.configure_optimizers(), type(task).__name__, manual=manual)
+    own_step = overrides(task, ModelHooks, "lr_scheduler_step")
+    trainer.optim = parse_optimizers(task.configure_optimizers(), type(task).__name__, manual, own_step)
     for optimizer in trainer.optim.optimizers:
         strategy.setup_optimizer(optimizer)
     trainer.fit_loop.setup(trainer.optim)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -16,6 +16,7 @@ from syncline.trainer.hparams import AttributeDict, HyperparametersMixin, build_
 if TYPE_CHECKING:
     from torchmetrics import Metric
 
+    from syncline.callbacks.callback import Callback
     from syncline.trainer.trainer import Trainer
 
 __all__ = ["AttributeDict", "Task"]
@@ -333,6 +334,12 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
             f"{type(self).__name__} must override `configure_optimizers()` and return an optimizer "
             "(or a dict with 'optimizer' and 'lr_scheduler')."
         )
+
+    def configure_callbacks(self) -> Sequence[Callback] | Callback:
+        """Return callbacks this task needs (a list, or one): at the start of every stage they join the Trainer's,
+        each replacing the Trainer's callbacks of exactly its type, and ModelCheckpoints run last (Lightning's
+        rule)."""
+        return []
 
     # ----------------------------------------------------------- task hooks
     # prepare_data, setup, teardown and the *_dataloader methods are `DataHooks`'.
