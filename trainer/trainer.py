@@ -33,7 +33,7 @@ from syncline.trainer.precision import Precision
 from syncline.trainer.preemption import PreemptionWatch, TrainingPreempted
 from syncline.trainer.results import ResultCollection
 from syncline.trainer.seed import seed_everything, set_deterministic
-from syncline.trainer.stages import evaluation_stage, evaluation_target, fit_stage
+from syncline.trainer.stages import evaluation_stage, evaluation_target, fit_stage, release_device
 from syncline.trainer.state import TrainerState
 from syncline.trainer.task import Task
 
@@ -416,6 +416,7 @@ class Trainer:
             finally:
                 self.strategy.teardown()
                 self.state.stage = ""
+                release_device(task, self.optimizers, self.strategy.root_device)
 
     # ----------------------------------------------------------------- logging
     def log_metrics(self, metrics: dict[str, Tensor | float], step: int | None = None) -> None:

@@ -51,7 +51,7 @@ def test_cli_resume_recipe_is_bit_exact_stopped_at_an_epoch_end_and_mid_epoch(tm
 
 
 def test_cli_resume_recipe_is_bit_exact_on_two_processes(tmp_path):
-    options = ["trainer.devices=2", "strategy=bucketed_ddp"]
+    options = ["trainer.devices=2", "trainer.accelerator=cpu", "strategy=bucketed_ddp"]
     _run(tmp_path / "straight", "trainer.max_epochs=2", *options)
     _run(tmp_path / "split", "trainer.max_epochs=1", *options)
     _run(tmp_path / "split", "trainer.max_epochs=2", "ckpt_path=last", "seed=5", *options)

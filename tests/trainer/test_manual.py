@@ -198,14 +198,14 @@ def test_the_refused_strategies_are_the_relaxed_ones_and_the_parameter_servers()
 @pytest.mark.parametrize("name", REFUSED)
 def test_a_strategy_that_cannot_follow_manual_optimization_is_refused_before_any_process_starts(name):
     """One message naming the strategy, why, and the fix; raised in the calling process (no worker launched)."""
-    trainer = Trainer(**quiet(max_epochs=1, strategy=name, devices=2))
+    trainer = Trainer(**quiet(max_epochs=1, strategy=name, accelerator="cpu", devices=2))
     with pytest.raises(OptionError, match=rf"strategy='{name}' cannot train ToyGAN, which uses manual .*Use an exact"):
         trainer.fit(ToyGAN(), gan_loader())
 
 
 @pytest.mark.parametrize("strategy", [BucketedDDP(static_graph=True), NativeDDP(static_graph=True)])
 def test_an_exact_strategy_promising_a_static_graph_is_refused(strategy):
-    trainer = Trainer(**quiet(max_epochs=1, strategy=strategy, devices=2))
+    trainer = Trainer(**quiet(max_epochs=1, strategy=strategy, accelerator="cpu", devices=2))
     with pytest.raises(OptionError, match=r"static_graph=True promises .* drop static_graph"):
         trainer.fit(ToyGAN(), gan_loader())
 
