@@ -208,6 +208,11 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
     def load_algorithm_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `algorithm_state_dict` returned."""
 
+    def held_buckets(self) -> int | None:
+        """For deferred optimizer updates: how many buckets the coming synchronized backward keeps back to its end,
+        returning without waiting for any (None, the default: the backward waits for every bucket)."""
+        return None
+
     def _bucket_cap_at_setup(self) -> float:
         """The cap the buckets are laid out with at setup."""
         return float(self.bucket_cap_mb)
@@ -287,9 +292,10 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         averages = self._backward_syncs(sync) and self.syncs_gradients()
         start = time.perf_counter()
         walk = self.find_unused_parameters or self.static_graph
-        reducer.prepare_for_backward(sync=averages, loss=loss if walk else None)
+        held = self.held_buckets() if averages else None
+        reducer.prepare_for_backward(sync=averages, loss=loss if walk else None, hold=held or 0)
         self._autograd_backward(loss, retain_graph)
-        reducer.finalize_backward()
+        reducer.finalize_backward(wait=held is None)
         if averages:
             self._sync_started = start
             self._buffers_stale = True

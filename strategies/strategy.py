@@ -182,6 +182,16 @@ class Strategy(ABC):
         step()
         self.comm_counter.close_step()
 
+    def apply_pending_updates(self) -> None:
+        """Finish an optimizer step still in flight: the parameters and optimizer state become every step's.
+
+        The loop calls it before validation, before a checkpoint and at the end of a fit. Only a strategy that
+        defers its updates into the next forward (`BucketedDDP(deferred_update=True)`) has anything to do.
+        """
+
+    def check_fit_options(self, *, gradient_clip_val: float | None, precision: str) -> None:
+        """Raise `OptionError` if the Trainer's options cannot follow this strategy's step (before any launch)."""
+
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Reset gradients after an optimizer step."""
         optimizer.zero_grad(set_to_none=True)

@@ -118,6 +118,8 @@ class BucketedDDPConf:
     # A list of MiB (the constructor's default is a tuple; BucketedDDP checks every value).
     autotune_caps_mb: Any = (1.0, 5.0, 25.0, 100.0)
     autotune_steps: int = 2
+    deferred_update: bool = False
+    deferred_hold: float = 0.5
 
 
 @dataclass
