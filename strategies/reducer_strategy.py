@@ -53,7 +53,7 @@ _STATIC_GRAPH_IN_MANUAL_STEPS = (
     "static_graph=True promises that every backward reaches the same parameters, which the backwards of a manual "
     "step (one per optimizer) need not; drop static_graph"
 )
-_BLOCKING = "its hook compresses each bucket and blocks until it is averaged: there is no overlap to tune"
+_BLOCKING = "its hook compresses whole buckets, so the layout is part of what it sends: there is no cap to tune"
 
 
 class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):

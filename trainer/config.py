@@ -145,6 +145,7 @@ class ByteGradConf:
     bucket_cap_mb: float = 25.0
     error_feedback: bool = True
     find_unused_parameters: bool = False
+    comm_thread: bool = True
     backend: str | None = None
     timeout: float = 300.0
 
