@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from syncline.options import OptionError, check_int, check_number
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.bucket_autotune import AUTO, DEFAULT_CAPS_MB, BucketAutotune, distinct_caps
 from syncline.strategies.comm.deferred_update import DeferredUpdates
 from syncline.strategies.comm.hooks import CommHook
@@ -188,6 +189,12 @@ class BucketedDDP(ReducerStrategy):
         if self.deferred is None or not self.reducer.has_rebuilt_buckets:
             return None  # the first synchronized backward observes the gradient order, and waits as usual
         return round(self.deferred_hold * len(self.reducer.buckets))
+
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """With `deferred_update`, the wire may run behind the whole step (forward, backward and optimizer step)."""
+        if self.deferred_update:
+            return (WirePhase(1.0, "all", "updates land per layer in the next forward (ByteScheduler)"),)
+        return super().wire_phases()
 
     def apply_pending_updates(self) -> None:
         """Take the optimizer step on every bucket the next forward would have stepped."""

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from syncline.options import check_number
 from syncline.strategies.comm.autograd_graph import grad_accumulators, parameters_reached
 from syncline.strategies.comm.backward_sync import BackwardSyncControl
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.join import Joinable
 from syncline.strategies.comm.process_group import ProcessGroupStrategy
 from syncline.strategies.strategy import call_training_step
@@ -107,6 +108,10 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
                 "of a manual step (one per optimizer) need not; drop static_graph"
             )
         return ""
+
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """torch's reducer: gradient buckets behind the backward."""
+        return (WirePhase(1.0, "backward", "torch's buckets launch as the backward produces them"),)
 
     @property
     def ddp(self) -> DistributedDataParallel:

@@ -34,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from syncline.options import OptionError, check_number
 from syncline.strategies.comm.backward_sync import BackwardSyncControl
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.bucket_autotune import AUTO
 from syncline.strategies.comm.events import CommEvents
 from syncline.strategies.comm.hooks import COMM_HOOKS, CommHook
@@ -212,6 +213,10 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         """For deferred optimizer updates: how many buckets the coming synchronized backward keeps back to its end,
         returning without waiting for any (None, the default: the backward waits for every bucket)."""
         return None
+
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """The reducer's: gradient buckets on the wire during the backward."""
+        return (WirePhase(1.0, "backward", "buckets launch as the backward produces them; the step needs every one"),)
 
     def _bucket_cap_at_setup(self) -> float:
         """The cap the buckets are laid out with at setup."""
