@@ -95,6 +95,10 @@ DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("tensor_fusion", "tensor_fusion", {}),
     ("parameter_server", "parameter_server", {}),
     ("sharded_parameter_server", "sharded_parameter_server", {}),
+    # torch's relaxations at the settings of the rows they are compared with (powersgd, local_sgd above).
+    ("torch powersgd", "native_ddp", {"comm_hook": "powersgd", "start_iter": 2}),
+    ("torch post-local sgd", "native_ddp", {"comm_hook": "post_local_sgd"}),
+    ("bucketed_ddp deferred", "bucketed_ddp", {"bucket_cap_mb": 1, "first_bucket_mb": 1, "deferred_update": True}),
     ("local (end)", "local_sgd", {"period": 1_000_000}),
 ]
 
