@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import OptionError, check_int
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.counter import CommCounter, count_bytes
 from syncline.strategies.comm.hooks import GradBucket
 from syncline.strategies.comm.process_group import broadcast_coalesced
@@ -128,6 +129,14 @@ class ParameterServer(ReducerStrategy):
     def is_server(self) -> bool:
         """Whether this rank holds the optimizer state and steps."""
         return self.global_rank == self.server_rank
+
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """Gradients in behind the backward; parameters out behind the next forward, were it to wait per layer. The
+        server's link carries (W-1) copies each way, in opposite directions: each phase takes the whole wire time."""
+        return (
+            WirePhase(1.0, "backward", "gradient buckets reach the server during the backward"),
+            WirePhase(1.0, "forward", "the server's new parameters could reach each layer before the forward does"),
+        )
 
     def check_world_size(self, world_size: int) -> None:
         """Check the server is a rank of a job of `world_size` processes."""

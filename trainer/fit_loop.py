@@ -104,6 +104,8 @@ class FitLoop:
             self.end_epoch()
         while not self._done():
             self.run_epoch()
+        # A deferred optimizer step lands before anyone reads the trained weights.
+        self.trainer.strategy.apply_pending_updates()
         self.trainer.preemption.finish()
         self.fire(Callback.on_train_end)
 
@@ -217,6 +219,7 @@ class FitLoop:
         """Validate after training batch `batch_idx`; a checkpoint saved by validation's hooks says so."""
         self.state.validated_after = batch_idx
         trainer = self.trainer
+        trainer.strategy.apply_pending_updates()  # validate the weights of every step taken
         # Validating (how often, on how many batches, or not at all) never moves the training run's RNG.
         with isolated_rng():
             trainer.evaluation.run("validate", trainer.val_dataloaders, trainer.num_val_batches)

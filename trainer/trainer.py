@@ -360,6 +360,7 @@ class Trainer:
         data = kwargs.get("dataloaders")
         if stage == "fit" and isinstance(task, Task):
             check_optimization_mode(self, task)  # Lightning's rules for manual optimization, before any launch
+            self.strategy.check_fit_options(gradient_clip_val=self.gradient_clip_val, precision=self.precision_name)
         if self.devices > 1 and not launched_by_torchrun():
             # The launcher checks the options against the world size before it looks at the task.
             return launch(self, stage, task, dict(kwargs, datamodule=self.datamodule, ckpt_path=ckpt_path, **options))

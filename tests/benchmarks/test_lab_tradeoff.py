@@ -54,3 +54,18 @@ def test_the_lab_section_skips_in_one_line_without_namespaces(monkeypatch):
         "skipped": "the network lab needs private network namespaces"
     }
     assert said == ["lab: skipped: the network lab needs private network namespaces"]
+
+
+def test_torchs_rows_count_their_failures_and_compare_with_synclines_counterpart():
+    rows = [
+        _row("bucketed_ddp", 2, "100mbit", 60.0),
+        _row("powersgd", 2, "100mbit", 20.0),
+        _row("torch powersgd", 2, "100mbit", 30.0),
+        {**_row("torch powersgd", 2, "100mbit", 0.0, reached=False), "failed": True, "error": "size mismatch"},
+        _row("torch powersgd", 2, "100mbit", 25.0),
+    ]
+    text = grid_tables({"target": 1.95, "rows": rows})
+    # The median of the two runs that did not fail (the lower: 25 s), one failure in three, 1.25x syncline's 20 s.
+    assert "| torch powersgd | 25.0 (100), 25.0-30.0, 1/3 failed; powersgd 1.25x sooner | 2.40x |" in text
+    failed = [{**_row("torch powersgd", 4, "1gbit", 0.0, reached=False), "failed": True, "error": "died"}]
+    assert "| torch powersgd | failed, 1/1 failed | - |" in grid_tables({"target": 1.95, "rows": failed})
