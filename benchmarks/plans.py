@@ -54,6 +54,8 @@ GPT2_MODEL = {
     "sample_chars": 0,
 }
 TINY_GPT2 = {**TINY_GPT, "lr": 3e-3, "warmup_steps": 2}
+#: The quick and smoke modes' bucket sweep: per-parameter buckets and one bucket, with overlap off at the first.
+FEW_CAPS = {"caps_mb": (0.0, ALL_IN_ONE_MB), "no_overlap_caps_mb": (0.0,)}
 #: The lab's strategies and trade-off in the quick mode: a few strategies that differ in what they send.
 QUICK_LAB = ("bucketed_ddp", "powersgd", "local_sgd")
 
@@ -151,13 +153,7 @@ PLANS: dict[str, dict[str, Plan]] = {
         _FULL,
         "full",
         300.0,
-        ddp={
-            "caps_mb": (0.0, ALL_IN_ONE_MB),
-            "no_overlap_caps_mb": (0.0,),
-            "sync_every": (1, 4),
-            "repeats": 2,
-            "skip_microbatches": 4,
-        },
+        ddp={**FEW_CAPS, "sync_every": (1, 4), "repeats": 2, "skip_microbatches": 4},
         ddp_mlp={"repeats": 2, "steps": 20},
         device={"repeats": 2},
         device_mlp={"repeats": 2, "steps": 20},
@@ -175,13 +171,7 @@ PLANS: dict[str, dict[str, Plan]] = {
         _FULL,
         "tiny",
         120.0,
-        ddp={
-            "caps_mb": (0.0, ALL_IN_ONE_MB),
-            "no_overlap_caps_mb": (0.0,),
-            "sync_every": (1, 2),
-            "repeats": 1,
-            "skip_microbatches": 2,
-        },
+        ddp={**FEW_CAPS, "sync_every": (1, 2), "repeats": 1, "skip_microbatches": 2},
         ddp_mlp={"repeats": 1, "steps": 2, "warmup": 1},
         device={"repeats": 1},
         device_mlp={"repeats": 1, "steps": 2, "warmup": 1},

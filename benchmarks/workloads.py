@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -256,15 +257,11 @@ def build(name: str, size: str = "full", **config: int) -> Workload:
         )
     if name == "layers":
         width, depth = cfg["width"], cfg["depth"]
-
-        def make_batch(g: torch.Generator):
-            return torch.randn(batch, width, generator=g)
-
         return Workload(
             name,
             size,
-            lambda: LayerStack(width, depth),
-            make_batch,
+            partial(LayerStack, width, depth),
+            lambda g: torch.randn(batch, width, generator=g),
             f"{depth} x (Linear({width}, {width}) + LayerNorm({width})), mean square, batch {batch} per rank",
             cfg,
             momentum=0.0,
