@@ -262,7 +262,14 @@ class _Runner:
 
 
 def rank_timings(
-    rank: int, world_size: int, workload_name: str, size: str, variants, plan: Plan, timeout: float, device: str
+    rank: int,
+    world_size: int,
+    workload_name: str,
+    size: str,
+    variants: list[Variant],
+    plan: Plan,
+    timeout: float,
+    device: str,
 ) -> dict[str, list[list[tuple]]]:
     """Time every variant on this rank: per variant, a block per repeat of (forward, backward, optimizer,
     exposed) per micro-batch, in seconds. Joins the process group; call it on every rank."""
