@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks import lab
 from benchmarks.lab.tradeoff import fill_page, grid_tables, speedups
+from benchmarks.plans import PLANS
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "lab_tradeoff.json"
@@ -50,7 +51,7 @@ def test_performance_page_quotes_the_committed_tradeoff_run():
 def test_the_lab_section_skips_in_one_line_without_namespaces(monkeypatch):
     said = []
     monkeypatch.setattr(lab, "namespaces_unavailable", lambda: "the network lab needs private network namespaces")
-    assert lab.run_lab_section(lab.LAB_PLANS["smoke"], said.append) == {
+    assert lab.run_lab_section(PLANS["smoke"], said.append) == {
         "skipped": "the network lab needs private network namespaces"
     }
     assert said == ["lab: skipped: the network lab needs private network namespaces"]
