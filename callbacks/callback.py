@@ -196,10 +196,18 @@ _TASK_FIRST = frozenset({"on_load_checkpoint"})
 class _Listeners:
     """Who listens to one hook: the task's override (if any) and the callbacks', in firing order."""
 
-    __slots__ = ("callbacks", "monitoring", "name", "ordered", "others", "task")
+    __slots__ = ("callbacks", "monitoring", "name", "ordered", "others", "reads_parameters", "task")
 
-    def __init__(self, name: str, task: list[Listener], callbacks: list[Listener], monitoring: list[bool]) -> None:
+    def __init__(
+        self,
+        name: str,
+        task: list[Listener],
+        callbacks: list[Listener],
+        monitoring: list[bool],
+        reads_parameters: bool = True,
+    ) -> None:
         self.name = name
+        self.reads_parameters = reads_parameters
         self.task = task
         self.callbacks = callbacks
         self.others = [c for c, monitors in zip(callbacks, monitoring) if not monitors]
@@ -248,6 +256,8 @@ class CallbackDispatcher:
             task_listeners,
             [getattr(callback, name) for callback in listening],
             [isinstance(callback, (ModelCheckpoint, EarlyStopping)) for callback in listening],
+            # A task's own hook may read anything.
+            bool(task_listeners) or any(callback.reads_parameters for callback in listening),
         )
 
     def _listeners_of(self, hook: Hook) -> _Listeners:
@@ -255,6 +265,10 @@ class CallbackDispatcher:
         if listeners is None:
             listeners = self._listeners[hook] = self._resolve(hook)
         return listeners
+
+    def reads_parameters(self, hook: Hook) -> bool:
+        """Whether the task or a callback listening to `hook` may read the parameters (`Callback.reads_parameters`)."""
+        return self._listeners_of(hook).reads_parameters
 
     def fire(
         self,

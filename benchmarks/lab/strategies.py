@@ -157,6 +157,8 @@ def _worker(spec: dict[str, Any]) -> None:
     class LinkRecorder(Callback):
         """After each optimizer step: the time, the link's counters, `comm/bytes` and the machine's busy CPU."""
 
+        reads_parameters = False  # a step in flight stays in flight
+
         def __init__(self) -> None:
             self.marks: list[tuple[float, int, int, float, float]] = []
 
