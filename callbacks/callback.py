@@ -24,6 +24,12 @@ class Callback:
     the Trainer, then the task's hook of the same name (see `CallbackDispatcher` for the exceptions).
     """
 
+    #: Whether this callback's hooks after an optimizer step (`on_train_batch_end`, `on_train_epoch_end`) may read
+    #: the task's parameters. A strategy may still have the step in flight there (a parameter server's prefetched
+    #: broadcasts, deferred updates): the loop lands it first when any listener says True. A callback that only
+    #: counts, times or logs says False, and the step stays overlapped with the next forward.
+    reads_parameters: bool = True
+
     @property
     def state_key(self) -> str:
         """Key under which this callback's state is stored in a checkpoint."""
