@@ -246,6 +246,7 @@ class ParameterServerConf:
     find_unused_parameters: bool = False
     backend: str | None = None
     timeout: float = 300.0
+    prefetch: bool = False
 
 
 @dataclass
@@ -257,6 +258,7 @@ class ShardedParameterServerConf:
     find_unused_parameters: bool = False
     backend: str | None = None
     timeout: float = 300.0
+    prefetch: bool = False
 
 
 @dataclass
