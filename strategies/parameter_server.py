@@ -197,7 +197,6 @@ class ParameterServer(PrefetchedParameters, ReducerStrategy):
                 "ParameterServer reduces every backward of a manual optimization step: leave out "
                 "strategy.no_sync() (accumulating by stepping every N batches needs no local accumulation)."
             )
-        self.apply_pending_updates()  # a parameter the forward did not use, before its gradient is written
         if self.manual_optimization and self.is_server:
             for bucket in self.reducer.buckets:
                 bucket.buffer.mul_(self.world_size)

@@ -286,11 +286,6 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
             grad.mul_(scale)
         return total
 
-    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
-        """Land the all-gathers in flight (a parameter the forward did not use), then back-propagate as the core."""
-        self.apply_pending_updates()
-        super().backward(loss, sync=sync, retain_graph=retain_graph)
-
     def apply_update(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
         """Step this rank's slices; with `prefetch`, bucket by bucket, each all-gathered as soon as it is stepped."""
         self.setup_optimizer(optimizer)

@@ -76,9 +76,10 @@ class DeferredUpdates(LayerWaits):
         self.land_parameters(params)
 
     # --------------------------------------------------------------- internals
-    def bucket_of(self, param: Tensor) -> int | None:
+    def buckets_of(self, param: Tensor) -> tuple[int, ...]:
         """The reducer's bucket of `param`."""
-        return self.reducer.bucket_of(param)
+        index = self.reducer.bucket_of(param)
+        return () if index is None else (index,)
 
     def ready(self) -> bool:
         """Only once the optimizer step was taken."""

@@ -41,8 +41,8 @@ class LayerWaits(ABC):
                 self._handles.append(module.register_forward_pre_hook(self._before_forward))
 
     @abstractmethod
-    def bucket_of(self, param: Tensor) -> int | None:
-        """The bucket holding `param` (None: none of this machinery's)."""
+    def buckets_of(self, param: Tensor) -> tuple[int, ...]:
+        """The buckets holding (parts of) `param`; none when it is not this machinery's."""
 
     @abstractmethod
     def land(self, index: int) -> None:
@@ -62,9 +62,9 @@ class LayerWaits(ABC):
         if not (self.pending and self.ready()):
             return
         for param in params:
-            index = self.bucket_of(param)
-            if index is not None and index in self.pending:
-                self.land(index)
+            for index in self.buckets_of(param):
+                if index in self.pending:
+                    self.land(index)
 
     def remove_hooks(self) -> None:
         """Detach the forward pre-hooks."""

@@ -104,15 +104,20 @@ class ParameterExchange(LayerWaits):
 
     def __init__(self, task: nn.Module) -> None:
         super().__init__(task)
-        self._bucket_of: dict[int, int] = {}
+        self._buckets_of: dict[int, tuple[int, ...]] = {}
         self._works: dict[int, tuple[list[dist.Work], Callable[[], None]]] = {}
         #: Transfers no forward waits for (a server's sends of values its parameters hold already).
         self._sends: list[dist.Work] = []
 
     def set_layout(self, buckets: Sequence[Iterable[Tensor]]) -> None:
-        """Say which parameters each bucket index writes (before launching; the layout may change between steps)."""
+        """Say which parameters each bucket index writes (before launching; the layout may change between steps).
+        A parameter may be in several buckets (a segment of a flat tensor may end inside it)."""
         self.land_all()
-        self._bucket_of = {id(param): index for index, params in enumerate(buckets) for param in params}
+        owners: dict[int, list[int]] = {}
+        for index, params in enumerate(buckets):
+            for param in params:
+                owners.setdefault(id(param), []).append(index)
+        self._buckets_of = {key: tuple(indices) for key, indices in owners.items()}
 
     def launch(self, index: int, works: list[dist.Work], finish: Callable[[], None] | None) -> None:
         """Remember bucket `index`'s transfer: `finish` writes its result once `works` are complete; None when
@@ -138,9 +143,9 @@ class ParameterExchange(LayerWaits):
         """The transfers not yet landed nor waited for (this rank's receives and sends)."""
         return len(self.pending) + len(self._sends)
 
-    def bucket_of(self, param: Tensor) -> int | None:
-        """The bucket whose transfer writes `param`."""
-        return self._bucket_of.get(id(param))
+    def buckets_of(self, param: Tensor) -> tuple[int, ...]:
+        """The buckets whose transfers write `param`."""
+        return self._buckets_of.get(id(param), ())
 
     @torch.no_grad()
     def land(self, index: int) -> None:
@@ -164,7 +169,8 @@ class PrefetchedParameters:
 
     Before anything reads the parameters outside a forward (`apply_pending_updates`, which the loop calls before
     validation, checkpoints, callbacks that read the weights and the end of the fit), before `training_step` for
-    the task's own parameters, and at teardown; a failed stage forgets them.
+    the task's own parameters, before the backward (so before the next step), and at teardown; a failed stage
+    forgets them.
     """
 
     #: The transfers in flight; None without prefetching.
@@ -174,6 +180,11 @@ class PrefetchedParameters:
         """Land every parameter transfer in flight."""
         if self.exchange is not None:
             self.exchange.land_all()
+
+    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
+        """Land what the forward did not (unused parameters) before the backward, and so before the next step."""
+        self.apply_pending_updates()
+        super().backward(loss, sync=sync, retain_graph=retain_graph)  # type: ignore[misc]
 
     def training_step(self, task: Any, batch: Any, batch_idx: int) -> Any:
         """Land the task's own parameters first (`training_step` may read them outside a forward), then the forward."""
