@@ -207,6 +207,7 @@ class DecentralizedConf:
     peers: str = "shift_one"
     period: int = 1
     compression: str | None = None
+    prefetch: bool = False
     backend: str | None = None
     timeout: float = 300.0
 

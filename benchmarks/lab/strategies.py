@@ -91,6 +91,7 @@ DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("local_sgd", "local_sgd", {"period": 4}),
     ("decentralized", "decentralized", {}),
     ("decentralized all uint8", "decentralized", {"peers": "all", "compression": "uint8"}),
+    ("decentralized all uint8 prefetch", "decentralized", {"peers": "all", "compression": "uint8", "prefetch": True}),
     ("async_model_average", "async_model_average", {}),
     ("tensor_fusion", "tensor_fusion", {}),
     ("parameter_server", "parameter_server", {}),
