@@ -100,7 +100,9 @@ DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("torch powersgd", "native_ddp", {"comm_hook": "powersgd", "start_iter": 2}),
     ("torch post-local sgd", "native_ddp", {"comm_hook": "post_local_sgd"}),
     ("bucketed_ddp deferred", "bucketed_ddp", {"bucket_cap_mb": 1, "first_bucket_mb": 1, "deferred_update": True}),
-    # 1 MiB buckets, so the next forward can start on the first layers' parameters.
+    # 1 MiB buckets, so the next forward can start on the first layers' parameters (blocking at the same cap beside).
+    ("parameter_server cap=1", "parameter_server", {"bucket_cap_mb": 1}),
+    ("sharded_parameter_server cap=1", "sharded_parameter_server", {"bucket_cap_mb": 1}),
     ("parameter_server prefetch", "parameter_server", {"bucket_cap_mb": 1, "prefetch": True}),
     ("sharded_parameter_server prefetch", "sharded_parameter_server", {"bucket_cap_mb": 1, "prefetch": True}),
     ("local (end)", "local_sgd", {"period": 1_000_000}),
