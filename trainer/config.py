@@ -207,6 +207,7 @@ class DecentralizedConf:
     peers: str = "shift_one"
     period: int = 1
     compression: str | None = None
+    prefetch: bool = False
     backend: str | None = None
     timeout: float = 300.0
 
@@ -246,6 +247,7 @@ class ParameterServerConf:
     find_unused_parameters: bool = False
     backend: str | None = None
     timeout: float = 300.0
+    prefetch: bool = False
 
 
 @dataclass
@@ -257,6 +259,7 @@ class ShardedParameterServerConf:
     find_unused_parameters: bool = False
     backend: str | None = None
     timeout: float = 300.0
+    prefetch: bool = False
 
 
 @dataclass

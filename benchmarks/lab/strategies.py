@@ -91,6 +91,7 @@ DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("local_sgd", "local_sgd", {"period": 4}),
     ("decentralized", "decentralized", {}),
     ("decentralized all uint8", "decentralized", {"peers": "all", "compression": "uint8"}),
+    ("decentralized all uint8 prefetch", "decentralized", {"peers": "all", "compression": "uint8", "prefetch": True}),
     ("async_model_average", "async_model_average", {}),
     ("tensor_fusion", "tensor_fusion", {}),
     ("parameter_server", "parameter_server", {}),
@@ -99,6 +100,11 @@ DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("torch powersgd", "native_ddp", {"comm_hook": "powersgd", "start_iter": 2}),
     ("torch post-local sgd", "native_ddp", {"comm_hook": "post_local_sgd"}),
     ("bucketed_ddp deferred", "bucketed_ddp", {"bucket_cap_mb": 1, "first_bucket_mb": 1, "deferred_update": True}),
+    # 1 MiB buckets, so the next forward can start on the first layers' parameters (blocking at the same cap beside).
+    ("parameter_server cap=1", "parameter_server", {"bucket_cap_mb": 1}),
+    ("sharded_parameter_server cap=1", "sharded_parameter_server", {"bucket_cap_mb": 1}),
+    ("parameter_server prefetch", "parameter_server", {"bucket_cap_mb": 1, "prefetch": True}),
+    ("sharded_parameter_server prefetch", "sharded_parameter_server", {"bucket_cap_mb": 1, "prefetch": True}),
     ("local (end)", "local_sgd", {"period": 1_000_000}),
 ]
 
@@ -156,6 +162,8 @@ def _worker(spec: dict[str, Any]) -> None:
 
     class LinkRecorder(Callback):
         """After each optimizer step: the time, the link's counters, `comm/bytes` and the machine's busy CPU."""
+
+        reads_parameters = False  # a step in flight stays in flight
 
         def __init__(self) -> None:
             self.marks: list[tuple[float, int, int, float, float]] = []

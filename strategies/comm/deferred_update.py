@@ -21,18 +21,19 @@ reading gradients in ``on_before_optimizer_step``) cannot follow; `BucketedDDP` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
+from syncline.strategies.comm.layer_waits import LayerWaits
 from syncline.strategies.comm.reducer import Reducer
 
-__all__ = ["DeferredUpdates"]
+__all__ = ["DeferredUpdates", "step_subset"]
 
 
-class DeferredUpdates:
+class DeferredUpdates(LayerWaits):
     """The buckets a deferred optimizer step still owes, applied module by module in the next forward.
 
     Args:
@@ -41,18 +42,13 @@ class DeferredUpdates:
     """
 
     def __init__(self, reducer: Reducer, task: nn.Module) -> None:
+        super().__init__(task)
         self.reducer = reducer
         self.optimizer: torch.optim.Optimizer | None = None
         #: Each parameter group's hyperparameters at the deferred step (the schedulers step before they are applied).
         self.hyper: list[dict[str, Any]] = []
-        #: Buckets launched by the last backward whose update is not applied yet.
-        self.pending: set[int] = set()
         #: Whether the optimizer step of the pending buckets was taken (before it, the forward must not apply them).
         self.stepped = False
-        self._handles: list[RemovableHandle] = []
-        for module in task.modules():
-            if next(module.parameters(recurse=False), None) is not None:
-                self._handles.append(module.register_forward_pre_hook(self._before_forward))
 
     # ---------------------------------------------------------------- the step
     def defer(self, buckets: list[int]) -> None:
@@ -73,30 +69,24 @@ class DeferredUpdates:
 
         Buckets whose step was never taken (a window dropped for a non-finite loss) are only waited for.
         """
-        for index in sorted(self.pending):
-            self._apply(index)
+        self.land_all()
 
     def apply_parameters(self, params: Any) -> None:
         """Apply the pending buckets that hold any of `params` (e.g. the task's own, read outside a forward)."""
-        if not (self.pending and self.stepped):
-            return
-        for param in params:
-            index = self.reducer.bucket_of(param)
-            if index is not None and index in self.pending:
-                self._apply(index)
-
-    def remove_hooks(self) -> None:
-        """Detach the forward pre-hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self.land_parameters(params)
 
     # --------------------------------------------------------------- internals
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        self.apply_parameters(module.parameters(recurse=False))
+    def buckets_of(self, param: Tensor) -> tuple[int, ...]:
+        """The reducer's bucket of `param`."""
+        index = self.reducer.bucket_of(param)
+        return () if index is None else (index,)
+
+    def ready(self) -> bool:
+        """Only once the optimizer step was taken."""
+        return self.stepped
 
     @torch.no_grad()
-    def _apply(self, index: int) -> None:
+    def land(self, index: int) -> None:
         """Wait for bucket `index`'s average and step the optimizer on its parameters alone."""
         # Collective wait: the bucket's all-reduce, launched in the last backward.
         self.reducer.wait_bucket(index)
@@ -105,16 +95,31 @@ class DeferredUpdates:
         if not self.stepped or optimizer is None:
             return
         mine = {id(param) for param in self.reducer.bucket_parameters(index)}
-        saved = [dict(group) for group in optimizer.param_groups]
-        try:
-            for group, hyper in zip(optimizer.param_groups, self.hyper):
-                group.update(hyper)
-                group["params"] = [p for p in group["params"] if id(p) in mine]
-            optimizer.step()
-        finally:
-            for group, original in zip(optimizer.param_groups, saved):
-                group.clear()
-                group.update(original)
+        step_subset(optimizer, mine, optimizer.step, self.hyper)
+
+
+def step_subset(
+    optimizer: torch.optim.Optimizer,
+    ids: set[int],
+    step: Callable[[], Any],
+    hyper: list[dict[str, Any]] | None = None,
+) -> None:
+    """Run `step` (the optimizer's own) with every param group restricted to the parameters whose id is in `ids`.
+
+    Exact for a per-parameter optimizer (every `torch.optim` one but LBFGS): a subset is updated as within the
+    whole. `hyper`, one dict per group, replaces the groups' hyperparameters for this step (a deferred step's).
+    """
+    saved = [dict(group) for group in optimizer.param_groups]
+    try:
+        for index, group in enumerate(optimizer.param_groups):
+            if hyper is not None:
+                group.update(hyper[index])
+            group["params"] = [p for p in group["params"] if id(p) in ids]
+        step()
+    finally:
+        for group, original in zip(optimizer.param_groups, saved):
+            group.clear()
+            group.update(original)
 
 
 def _copy(value: Any) -> Any:
