@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .ddp_suite import variant_name
+from .ddp import variant_name
 
 __all__ = ["headlines", "paired_ratio", "sweep"]
 

@@ -84,6 +84,8 @@ class TorchPostLocalSGD(NativeDDP):
 class BytesRecorder(Callback):
     """Sum, on rank 0, the strategy's `comm/bytes` of every optimizer step."""
 
+    reads_parameters = False  # times and counts only: a step in flight stays in flight
+
     def __init__(self) -> None:
         self.bytes: list[float] = []
 

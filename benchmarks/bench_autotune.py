@@ -3,7 +3,7 @@
     python -m benchmarks autotune                            # world size 2 on this machine, gloo
     python -m benchmarks lab cluster --nodes 2 --rate 100mbit -- -m benchmarks autotune --repeats 3
 
-Every variant trains its own copy of the same model (default: bench_ddp.py's 12 x (Linear(512, 512) +
+Every variant trains its own copy of the same model (default: the `ddp` command's 12 x (Linear(512, 512) +
 LayerNorm(512)), 12.7 MB of gradients; SGD, batch 64 per rank) in the same processes: BucketedDDP with
 each fixed cap of the sweep (`--caps`, the autotuner's default candidates 1, 5, 25, 100 MiB) and with
 `bucket_cap_mb="auto"` over the same caps. Each repeat builds every variant anew, so "auto" tunes again in

@@ -5,8 +5,8 @@
 The model is `DEPTH` x (Linear(WIDTH, WIDTH) + LayerNorm(WIDTH)) with a small width, so that a step's
 compute is small and the reducer's per-parameter bookkeeping (one Python hook per gradient, the
 unused-parameter walk) is what differs between the two reducers: torch's hooks are C++. Variants run
-in the same two processes, interleaved in a rotated order per repeat (as in `bench_ddp.py`); a step is
-forward + backward + SGD step + the strategy's zero_grad, timed as the slower rank's. Reported: the
+in the same two processes, interleaved in a rotated order per repeat (the DDP harness, `benchmarks/ddp.py`);
+a step is forward + backward + SGD step + the strategy's zero_grad, timed as the slower rank's. Reported: the
 median step over all timed steps (p25-p75), and the BucketedDDP/NativeDDP ratio of medians and of
 per-repeat paired block medians, for the default options, `find_unused_parameters=True`, and
 BucketedDDP's `static_graph=True` against torch's.
@@ -37,8 +37,9 @@ from syncline.strategies.comm.launcher import free_port
 from syncline.strategies.comm.process_group import init_process_group_from_env
 from syncline.strategies.native_ddp import NativeDDP
 
-from .bench_ddp import StrategyVariant, time_variants
 from .common import machine, ms, paired_block_ratio, run_world, slowest_rank, write_json
+from .ddp import Variant, per_step, rank_timings
+from .plans import Plan
 from .workloads import LayerStack
 
 WIDTH, BATCH = 16, 8
@@ -51,29 +52,35 @@ PAIRS = {
 }
 
 
-def build_variants(depth: int) -> list[StrategyVariant]:
+def build_variants() -> list[Variant]:
     """The strategies, each training its own copy of the model; each pair stays adjacent under rotation, except
     when the rotation splits it."""
-    strategies = {
-        "native_ddp": NativeDDP(),
-        "bucketed_ddp": BucketedDDP(),
-        "native_ddp_unused": NativeDDP(find_unused_parameters=True),
-        "bucketed_ddp_unused": BucketedDDP(find_unused_parameters=True),
-        "native_ddp_static": NativeDDP(static_graph=True),
-        "bucketed_ddp_static": BucketedDDP(static_graph=True),
-    }
-    return [StrategyVariant(name, strategy, width=WIDTH, depth=depth) for name, strategy in strategies.items()]
+    return [
+        Variant("native_ddp", "native"),
+        Variant("bucketed_ddp", "bucketed"),
+        Variant("native_ddp_unused", "native", find_unused_parameters=True),
+        Variant("bucketed_ddp_unused", "bucketed", find_unused_parameters=True),
+        Variant("native_ddp_static", "native", static_graph=True),
+        Variant("bucketed_ddp_static", "bucketed", static_graph=True),
+    ]
 
 
-def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> list | None:
-    init_process_group_from_env(backend="gloo")
-    variants = build_variants(args.depth)
-    batch = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
-    gathered = time_variants(variants, batch, args)
-    return gathered if rank == 0 else None
+def _plan(args: argparse.Namespace) -> Plan:
+    """The layer stack at WIDTH and `--depth`, with the command's repeats and steps."""
+    model = {"width": WIDTH, "depth": args.depth, "batch": BATCH}
+    return Plan(
+        workloads=("layers",),
+        model=model,
+        repeats=args.repeats,
+        steps=args.steps,
+        warmup=args.warmup,
+        timeout_s=3600.0,
+    )
 
 
 def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
+    """Median step per variant (its slowest rank's) and each pair's ratios, from every rank's `rank_timings`."""
+    per_rank = per_step(per_rank)
     variants = {}
     for name in per_rank[0]:
         step = slowest_rank(per_rank, name, "step")
@@ -215,8 +222,9 @@ def command(args: argparse.Namespace) -> None:
         print(f"\nwrote {out}")
         return
     args.out = args.out or results_dir / "many_params.json"
-
-    (per_rank, *_), load = run_world(run_rank, args.world_size, (args,))
+    plan = _plan(args)
+    job = ("layers", plan.size, build_variants(), plan, plan.timeout_s, "cpu")
+    per_rank, load = run_world(rank_timings, args.world_size, job, plan.timeout_s)
     summary = summarize(per_rank, args)
     summary["machine"]["load_average_1min"] = load
     print_table(summary)

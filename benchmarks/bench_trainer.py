@@ -42,6 +42,8 @@ class MLPTask(MLPSteps, Task):
 class SteadyStateTimer(Callback):
     """Record the time at the end of the warm-up and at the end of training."""
 
+    reads_parameters = False  # times and counts only: a step in flight stays in flight
+
     def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):
         if batch_idx == WARMUP - 1:
             self.start = time.perf_counter()

@@ -27,7 +27,7 @@ COMMANDS: dict[str, str] = {
     "report": ".report",
     "plot": ".plot",
     "plot-timeline": ".plot_timeline",
-    "ddp": ".bench_ddp",
+    "ddp": ".ddp",
     "autotune": ".bench_autotune",
     "many-params": ".bench_many_params",
     "tensor-fusion": ".bench_tensor_fusion",

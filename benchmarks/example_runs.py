@@ -34,6 +34,8 @@ __all__ = ["StepRecorder", "run_example"]
 class StepRecorder(Callback):
     """Record, on rank 0, the time and loss of every training micro-batch and the epoch's start."""
 
+    reads_parameters = False  # times and counts only: a step in flight stays in flight
+
     def __init__(self) -> None:
         self.start = 0.0
         self.ends: list[float] = []

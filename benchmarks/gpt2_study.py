@@ -21,7 +21,7 @@ per process:
 Each run is a fresh process (`benchmarks/gpt2_train.py`) that trains the same global batch for the same
 steps, validating every `val_every` steps on a fixed subset; repeats are interleaved, the order rotated
 by one per repeat. Per config: samples per second (the global batch over the median step, the first
-`skip_steps` steps and the validations left out; also over the 25th-percentile step, the steps that
+`warmup` steps and the validations left out; also over the 25th-percentile step, the steps that
 other jobs on a shared machine disturbed least), each rank's peak bytes of parameters, gradients and
 optimizer state and its peak RSS, bytes per step (`comm/bytes`, rank 0), and the steps and training
 seconds until the validation loss first reaches `target_loss`. The sharded server's optimizer state
@@ -37,13 +37,14 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from .common import ROOT, fill_marked_block, run_child
+from .plans import Plan
 
-__all__ = ["CONFIGS", "GPT2_PLANS", "GPT2Plan", "fill_page", "gpt2_table", "run_gpt2_study", "summarize"]
+__all__ = ["CONFIGS", "fill_page", "gpt2_table", "run_gpt2_study", "summarize"]
 
 #: label -> (strategy, processes, precision).
 CONFIGS: dict[str, tuple[str, int, str]] = {
@@ -61,73 +62,15 @@ SHARDED_STATE_LIMIT = 0.6
 RESULTS = ROOT / "benchmarks" / "results" / "gpt2_study.json"
 MARKER = "gpt2-study"
 
-#: GPT-2's layout at a size where one rank's step takes about half a second on one core: 4.8 M parameters.
-GPT2_MODEL = {
-    "n_layer": 6,
-    "n_head": 8,
-    "n_embd": 256,
-    "block_size": 128,
-    "lr": 1e-3,
-    "warmup_steps": 20,
-    "max_chars": 1_000_000,
-    "sample_chars": 0,
-}
-TINY_MODEL = {
-    "n_layer": 1,
-    "n_head": 2,
-    "n_embd": 16,
-    "block_size": 16,
-    "lr": 3e-3,
-    "warmup_steps": 2,
-    "max_chars": 20_000,
-    "sample_chars": 0,
-}
 
-
-@dataclass(frozen=True)
-class GPT2Plan:
-    """The study's model, batch, steps, validation and repeats."""
-
-    model: dict = field(default_factory=lambda: dict(GPT2_MODEL))
-    global_batch: int = 16
-    steps: int = 100
-    val_every: int = 10
-    #: Validation batches per rank: the first `val_batches * global_batch` windows of the validation text.
-    val_batches: int = 4
-    repeats: int = 3
-    #: Steps left out of the steady-state step time (first allocations, torch's bucket rebuild, warm caches).
-    skip_steps: int = 5
-    #: The validation loss every config is timed to (chosen from a pilot so that all reach it).
-    target_loss: float = 2.45
-    configs: tuple[str, ...] = tuple(CONFIGS)
-    timeout_s: float = 900.0
-
-
-GPT2_PLANS = {
-    "full": GPT2Plan(),
-    "quick": GPT2Plan(steps=40, repeats=1, target_loss=3.0, timeout_s=300.0),
-    "smoke": GPT2Plan(
-        model=dict(TINY_MODEL),
-        global_batch=8,
-        steps=2,
-        val_every=1,
-        val_batches=1,
-        repeats=1,
-        skip_steps=0,
-        target_loss=10.0,
-        configs=("single", "sharded_ps bf16"),
-        timeout_s=120.0,
-    ),
-}
-
-
-def run_gpt2_study(plan: GPT2Plan, log: Any = print) -> dict[str, Any]:
-    """Train every config of `plan`, repeats interleaved; return the runs and their summary."""
-    unknown = [c for c in plan.configs if c not in CONFIGS]
+def run_gpt2_study(plan: Plan, log: Any = print) -> dict[str, Any]:
+    """Train every config of `plan` (its `labels`; all where none are given), repeats interleaved; return the runs
+    and their summary (the plan's fields it reads: `benchmarks/plans.py`)."""
+    order = list(plan.labels or CONFIGS)
+    unknown = [c for c in order if c not in CONFIGS]
     if unknown:
         raise ValueError(f"Unknown GPT-2 study config(s) {unknown}; valid: {', '.join(CONFIGS)}.")
-    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in plan.configs}
-    order = list(plan.configs)
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in order}
     for repeat in range(plan.repeats):
         shift = repeat % len(order)
         for label in order[shift:] + order[:shift]:
@@ -135,18 +78,18 @@ def run_gpt2_study(plan: GPT2Plan, log: Any = print) -> dict[str, Any]:
             runs[label].append(run_child("gpt2-train", ["--config", json.dumps(_config(plan, label))], plan.timeout_s))
     return {
         "plan": asdict(plan),
-        "configs": {label: list(CONFIGS[label]) for label in plan.configs},
+        "configs": {label: list(CONFIGS[label]) for label in order},
         **summarize(plan, runs),
     }
 
 
-def _config(plan: GPT2Plan, label: str) -> dict[str, Any]:
+def _config(plan: Plan, label: str) -> dict[str, Any]:
     strategy, devices, precision = CONFIGS[label]
     return {
         "strategy": strategy,
         "devices": devices,
         "precision": precision,
-        "global_batch": plan.global_batch,
+        "global_batch": plan.batch,
         "steps": plan.steps,
         "val_every": plan.val_every,
         "val_batches": plan.val_batches,
@@ -158,17 +101,18 @@ def _config(plan: GPT2Plan, label: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ summary
-def summarize(plan: GPT2Plan, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def summarize(plan: Plan, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Medians over repeats per config, the time to the target loss, and the sharded-state check."""
     results = {label: _summarize_config(plan, items) for label, items in runs.items()}
     return {"results": results, "sharded_state_check": _sharded_check(results), "runs": runs}
 
 
-def _summarize_config(plan: GPT2Plan, items: list[dict[str, Any]]) -> dict[str, Any]:
-    steady = [r["step_s"][plan.skip_steps :] for r in items]
-    per_repeat = [plan.global_batch / statistics.median(steps) for steps in steady]
+def _summarize_config(plan: Plan, items: list[dict[str, Any]]) -> dict[str, Any]:
+    # The first `warmup` steps are left out: first allocations, torch's bucket rebuild, warm caches.
+    steady = [r["step_s"][plan.warmup :] for r in items]
+    per_repeat = [plan.batch / statistics.median(steps) for steps in steady]
     # The fastest quarter of the steps: those that other jobs on a shared machine disturbed least.
-    fast = [plan.global_batch / _quartile(steps) for steps in steady]
+    fast = [plan.batch / _quartile(steps) for steps in steady]
     curve = [[v["step"], v["val_loss"]] for v in items[0]["validations"]]
     reached = [_first_reaching(r["validations"], plan.target_loss) for r in items]
     first = items[0]
@@ -178,7 +122,7 @@ def _summarize_config(plan: GPT2Plan, items: list[dict[str, Any]]) -> dict[str, 
         "parameters": first["parameters"],
         "samples_per_s": _spread(per_repeat, 2),
         "samples_per_s_fast_quartile": _spread(fast, 2),
-        "step_ms_median": round(statistics.median(1e3 * plan.global_batch / x for x in per_repeat), 1),
+        "step_ms_median": round(statistics.median(1e3 * plan.batch / x for x in per_repeat), 1),
         # Tensor bytes do not vary between repeats; RSS may, and its largest is kept.
         "memory_per_rank": [
             {**rank, "peak_rss_bytes": max(r["memory_per_rank"][i]["peak_rss_bytes"] for r in items)}

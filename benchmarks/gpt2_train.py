@@ -82,6 +82,8 @@ class MemoryProbe(Callback):
 class StudyRecorder(Callback):
     """Record, on rank 0, step end times, validation times and losses, and the communication counters."""
 
+    reads_parameters = False  # times and counts only: a step in flight stays in flight
+
     def __init__(self) -> None:
         self.start = 0.0
         self.step_ends: list[float] = []

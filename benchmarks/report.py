@@ -21,7 +21,7 @@ from typing import Any
 
 from .analysis import paired_ratio, sweep
 from .common import ROOT
-from .ddp_suite import variant_name
+from .ddp import variant_name
 from .plot import breakdown_parts
 
 __all__ = ["BLOCKS", "blocks", "fill", "add_arguments", "command", "tables"]

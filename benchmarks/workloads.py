@@ -1,4 +1,5 @@
-"""The suite's models: a ResNet-style CNN, a BERT-style encoder and the tiny MLP of `bench_trainer.py`.
+"""The benchmarks' models: a ResNet-style CNN, a BERT-style encoder, the tiny MLP of `bench_trainer.py` and a
+stack of linear layers.
 
 The paper measures ResNet50 and BERT on GPUs. At CPU scale we keep their character, not their size:
 the CNN is a ResNet-18 layout (BasicBlocks with BatchNorm, so buffers are broadcast every step) at
@@ -7,15 +8,17 @@ self-attention blocks, a masked-language-model head tied to the embedding) with 
 count than the CNN, as BERT is larger than ResNet50. Every model has a `training_step(batch, batch_idx)`
 returning the loss, which is what the strategies call.
 
-`build(name, size)` returns a `Workload`: the model factory, a function that makes one rank's batch,
-and its description. `size` is "full" (a step of 50-300 ms per rank on one thread) or "tiny" (for the
-smoke test).
+`build(name, size, **config)` returns a `Workload`: the model factory, a function that makes one rank's
+batch, its description and the momentum of the SGD that trains it. `size` is "full" (a step of 50-300 ms
+per rank on one thread) or "tiny" (for the smoke test); `config` overrides the size's settings (the
+layer stack's width, depth and batch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -100,8 +103,8 @@ class BertEncoder(nn.Module):
 class LayerStack(nn.Module):
     """`depth` x (Linear(width, width) + LayerNorm(width)): four parameter tensors per block, loss the mean square.
 
-    The model of the reducer benchmarks (`bench_ddp`, `bench_autotune`, `bench_many_params`): its width sets
-    the bytes per parameter tensor, its depth the number of tensors.
+    The model of the reducer benchmarks (`ddp`, `bench_autotune`, `bench_many_params`): its width sets the
+    bytes per parameter tensor, its depth the number of tensors.
     """
 
     def __init__(self, width: int, depth: int) -> None:
@@ -170,6 +173,7 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
         "tiny": {"vocab": 64, "seq": 16, "dim": 16, "layers": 1, "heads": 2, "batch": 2},
     },
     "mlp": {"full": {"batch": 32}, "tiny": {"batch": 32}},
+    "layers": {"full": {"width": 512, "depth": 12, "batch": 64}, "tiny": {"width": 16, "depth": 2, "batch": 8}},
 }
 
 
@@ -183,6 +187,8 @@ class Workload:
     make_batch: Callable[[torch.Generator], Any]
     description: str
     config: dict[str, int]
+    #: The momentum of the SGD (lr 1e-3) that trains it in the DDP jobs.
+    momentum: float = 0.9
 
     def describe(self) -> dict[str, Any]:
         """Return the JSON description: name, config, parameters and gradient megabytes."""
@@ -199,9 +205,10 @@ class Workload:
         }
 
 
-def build(name: str, size: str = "full") -> Workload:
-    """Return workload `name` ("cnn", "bert" or "mlp") at `size` ("full" or "tiny")."""
-    cfg = dict(SIZES[name][size])
+def build(name: str, size: str = "full", **config: int) -> Workload:
+    """Return workload `name` ("cnn", "bert", "mlp" or "layers") at `size` ("full" or "tiny"), `config` overriding
+    the size's settings."""
+    cfg = {**SIZES[name][size], **config}
     batch = cfg["batch"]
     if name == "cnn":
 
@@ -248,7 +255,18 @@ def build(name: str, size: str = "full") -> Workload:
             f"bench_trainer.py's MLP 32-64-64-1, batch {batch}",
             cfg,
         )
+    if name == "layers":
+        width, depth = cfg["width"], cfg["depth"]
+        return Workload(
+            name,
+            size,
+            partial(LayerStack, width, depth),
+            lambda g: torch.randn(batch, width, generator=g),
+            f"{depth} x (Linear({width}, {width}) + LayerNorm({width})), mean square, batch {batch} per rank",
+            cfg,
+            momentum=0.0,
+        )
     raise ValueError(f"Unknown workload {name!r}. Valid: {', '.join(WORKLOADS)}.")
 
 
-WORKLOADS = ("cnn", "bert", "mlp")
+WORKLOADS = ("cnn", "bert", "mlp", "layers")

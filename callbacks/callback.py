@@ -24,6 +24,12 @@ class Callback:
     the Trainer, then the task's hook of the same name (see `CallbackDispatcher` for the exceptions).
     """
 
+    #: Whether this callback's hooks after an optimizer step (`on_train_batch_end`, `on_train_epoch_end`) may read
+    #: the task's parameters. A strategy may still have the step in flight there (a parameter server's prefetched
+    #: broadcasts, deferred updates): the loop lands it first when any listener says True. A callback that only
+    #: counts, times or logs says False, and the step stays overlapped with the next forward.
+    reads_parameters: bool = True
+
     @property
     def state_key(self) -> str:
         """Key under which this callback's state is stored in a checkpoint."""
@@ -196,10 +202,18 @@ _TASK_FIRST = frozenset({"on_load_checkpoint"})
 class _Listeners:
     """Who listens to one hook: the task's override (if any) and the callbacks', in firing order."""
 
-    __slots__ = ("callbacks", "monitoring", "name", "ordered", "others", "task")
+    __slots__ = ("callbacks", "monitoring", "name", "ordered", "others", "reads_parameters", "task")
 
-    def __init__(self, name: str, task: list[Listener], callbacks: list[Listener], monitoring: list[bool]) -> None:
+    def __init__(
+        self,
+        name: str,
+        task: list[Listener],
+        callbacks: list[Listener],
+        monitoring: list[bool],
+        reads_parameters: bool = True,
+    ) -> None:
         self.name = name
+        self.reads_parameters = reads_parameters
         self.task = task
         self.callbacks = callbacks
         self.others = [c for c, monitors in zip(callbacks, monitoring) if not monitors]
@@ -250,6 +264,8 @@ class CallbackDispatcher:
             task_listeners,
             [getattr(callback, name) for callback in listening],
             [isinstance(callback, (ModelCheckpoint, EarlyStopping)) for callback in listening],
+            # A task's own hook may read anything.
+            bool(task_listeners) or any(callback.reads_parameters for callback in listening),
         )
 
     def _listeners_of(self, hook: Hook) -> _Listeners:
@@ -257,6 +273,10 @@ class CallbackDispatcher:
         if listeners is None:
             listeners = self._listeners[hook] = self._resolve(hook)
         return listeners
+
+    def reads_parameters(self, hook: Hook) -> bool:
+        """Whether the task or a callback listening to `hook` may read the parameters (`Callback.reads_parameters`)."""
+        return self._listeners_of(hook).reads_parameters
 
     def fire(
         self,

@@ -82,6 +82,9 @@ class ModelCheckpoint(Callback):
         last_model_path: the last ``last.ckpt`` written ("" if none).
     """
 
+    #: Saving lands a step in flight itself (`checkpoint_state`); nothing else here reads the weights.
+    reads_parameters = False
+
     CHECKPOINT_NAME_LAST = "last"
     FILE_EXTENSION = ".ckpt"
 

@@ -66,6 +66,9 @@ class EarlyStopping(Callback):
         divergence_threshold: stop as soon as `monitor` is worse than this (above it in "min" mode).
     """
 
+    #: Reads metrics, never the weights.
+    reads_parameters = False
+
     def __init__(
         self,
         monitor: str,

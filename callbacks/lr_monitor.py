@@ -39,6 +39,9 @@ class LearningRateMonitor(Callback):
         log_weight_decay: also log the weight decay of every parameter group.
     """
 
+    #: Counts, times or logs; never reads the weights.
+    reads_parameters = False
+
     def __init__(
         self, logging_interval: str | None = None, log_momentum: bool = False, log_weight_decay: bool = False
     ) -> None:

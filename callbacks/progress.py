@@ -44,6 +44,9 @@ class ProgressBar(Callback):
             `LINES_PER_EPOCH` lines per epoch (every `UNKNOWN_LENGTH_EVERY` when the length is unknown).
     """
 
+    #: Counts, times or logs; never reads the weights.
+    reads_parameters = False
+
     def __init__(self, refresh_rate: int = 1, print_every_n_steps: int | None = None) -> None:
         check_int("ProgressBar", "refresh_rate", refresh_rate, 0, meaning="0 disables all output")
         check_int("ProgressBar", "print_every_n_steps", print_every_n_steps, 1, none_ok=True)

@@ -53,6 +53,9 @@ class CommunicationTimeline(Callback):
         num_steps: optimizer steps recorded from `start_step`; None records to the end of fit.
     """
 
+    #: Counts, times or logs; never reads the weights.
+    reads_parameters = False
+
     def __init__(
         self, path: str | os.PathLike[str] | None = None, start_step: int = 0, num_steps: int | None = 100
     ) -> None:

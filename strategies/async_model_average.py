@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from syncline.options import check_number
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.flat import flatten, flatten_by_dtype, unflatten_into
 from syncline.strategies.model_averaging import ModelAveraging
 from syncline.trainer.rank_zero import rank_zero_warn
@@ -91,6 +92,10 @@ class AsyncModelAverage(ModelAveraging):
         self._failed = False
 
     # --------------------------------------------------------------- lifecycle
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """Behind the whole step: a background thread averages while the main thread trains."""
+        return (WirePhase(1.0, "all", "a background thread averages while training goes on"),)
+
     def after_setup(self, task: Task) -> None:
         """Make the averaging thread's own gloo process group."""
         super().after_setup(task)

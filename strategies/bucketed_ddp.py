@@ -15,8 +15,9 @@ loop drives it through the `Strategy` interface:
     strategy.teardown()
 
 Everything above is the core's (`reducer_strategy.py`): BucketedDDP is the core with the default comm hook
-and every option of the reducer, plus the one thing only it does, bucket autotuning
-(`bucket_cap_mb="auto"`, `comm/bucket_autotune.py`).
+and every option of the reducer, plus the two things only it does: bucket autotuning
+(`bucket_cap_mb="auto"`, `comm/bucket_autotune.py`) and deferred optimizer updates (`deferred_update=True`,
+`comm/deferred_update.py`: each bucket's step runs in the next forward, just before the layer that uses it).
 """
 
 from __future__ import annotations
@@ -28,15 +29,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from syncline.options import OptionError, check_int, check_number
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.bucket_autotune import AUTO, DEFAULT_CAPS_MB, BucketAutotune, distinct_caps
+from syncline.strategies.comm.deferred_update import DeferredUpdates
 from syncline.strategies.comm.hooks import CommHook
+from syncline.strategies.comm.sparse_gradients import sparse_gradient_parameters
 from syncline.strategies.reducer_strategy import CAP_MEANING, ReducerStrategy
 from syncline.trainer.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from syncline.trainer.task import Task
 
 __all__ = ["BucketedDDP"]
+
+_DEFERRED_NEEDS = (
+    "each bucket's optimizer step runs in the next forward, so nothing may need every averaged gradient before the step"
+)
 
 
 class BucketedDDP(ReducerStrategy):
@@ -66,6 +76,14 @@ class BucketedDDP(ReducerStrategy):
         autotune_caps_mb: the caps that `bucket_cap_mb="auto"` tries; those that cannot change the
             layout (at or above the model's gradient bytes) are tried once, as the smallest of them.
         autotune_steps: timed synchronized steps per cap tried, each cap after one untimed warm-up step.
+        deferred_update: do not wait for the buckets at the end of the backward; step the optimizer on each
+            bucket's parameters in the next forward, just before the first module that uses them
+            (`comm/deferred_update.py`). Bit-identical weights; refuses what needs every averaged gradient
+            before the step (gradient clipping, fp16's loss scaler, manual optimization, uneven inputs by join)
+            and the options whose bookkeeping needs every bucket at the backward's end.
+        deferred_hold: with `deferred_update`, the fraction of the buckets (the front layers, ready last)
+            launched only when the backward ends, front-most first, so the next forward's first layers get
+            their averages first.
     """
 
     name = "bucketed_ddp"
@@ -85,9 +103,22 @@ class BucketedDDP(ReducerStrategy):
         static_graph: bool = False,
         autotune_caps_mb: Sequence[float] = DEFAULT_CAPS_MB,
         autotune_steps: int = 2,
+        deferred_update: bool = False,
+        deferred_hold: float = 0.5,
     ) -> None:
         if bucket_cap_mb == AUTO:
             self._check_autotune(autotune_caps_mb, autotune_steps)
+        check_number("BucketedDDP", "deferred_hold", deferred_hold, minimum=0, meaning="a fraction of the buckets")
+        if deferred_hold > 1:
+            raise OptionError(f"BucketedDDP(deferred_hold={deferred_hold}): give a fraction of the buckets, 0 to 1.")
+        if deferred_update:
+            _check_deferrable(
+                bucket_cap_mb=bucket_cap_mb,
+                find_unused_parameters=find_unused_parameters,
+                static_graph=static_graph,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                overlap=overlap,
+            )
         super().__init__(
             bucket_cap_mb,
             first_bucket_mb,
@@ -106,6 +137,10 @@ class BucketedDDP(ReducerStrategy):
         #: The autotuner of `bucket_cap_mb="auto"` (its trials and the agreed cap); None for a fixed cap.
         self.autotune: BucketAutotune | None = None
         self._synced_cap_mb: float | None = None  # the cap of the last synchronized step, while autotuning
+        self.deferred_update = deferred_update
+        self.deferred_hold = deferred_hold
+        #: With `deferred_update`, the buckets whose optimizer step the next forward owes (after setup).
+        self.deferred: DeferredUpdates | None = None
 
     def _check_bucket_cap(self, bucket_cap_mb: Any) -> None:
         # 0 is meaningful, as in torch's DDP: every parameter gets its own bucket.
@@ -120,6 +155,101 @@ class BucketedDDP(ReducerStrategy):
             check_number("BucketedDDP", "autotune_caps_mb", cap, minimum=0, meaning="each cap tried, in MiB")
         check_int("BucketedDDP", "autotune_steps", steps, 1, meaning="timed steps per cap tried")
 
+    # ------------------------------------------------------- deferred updates
+    @property
+    def manual_optimization_refused(self) -> str:  # type: ignore[override]
+        """Why these options cannot follow manual optimization ("" when they can)."""
+        if self.deferred_update:
+            return f"deferred_update=True: {_DEFERRED_NEEDS} (the task steps its own optimizers); drop deferred_update"
+        return super().manual_optimization_refused
+
+    @property
+    def supports_join(self) -> bool:
+        """Not with deferred updates: a joined rank's shadow step waits for every bucket."""
+        return not self.deferred_update and super().supports_join
+
+    def check_fit_options(self, *, gradient_clip_val: float | None, precision: str) -> None:
+        """With `deferred_update`, refuse gradient clipping and fp16's loss scaler, which need every averaged
+        gradient before the step."""
+        if not self.deferred_update:
+            return
+        refused = []
+        if gradient_clip_val:
+            refused.append(f"gradient_clip_val={gradient_clip_val} (clipping needs every bucket's gradients)")
+        if precision in ("16-mixed", "16"):
+            refused.append(f"precision={precision!r} (the loss scaler checks every gradient for inf before the step)")
+        if refused:
+            raise OptionError(
+                f"BucketedDDP(deferred_update=True) cannot run with {' and '.join(refused)}: {_DEFERRED_NEEDS}. "
+                "Drop deferred_update, or those options (bf16-mixed needs no scaler)."
+            )
+
+    def held_buckets(self) -> int | None:
+        """With `deferred_update`, once the buckets follow the observed order: the buckets held to the end."""
+        if self.deferred is None or not self.reducer.has_rebuilt_buckets:
+            return None  # the first synchronized backward observes the gradient order, and waits as usual
+        return round(self.deferred_hold * len(self.reducer.buckets))
+
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """With `deferred_update`, the wire may run behind the whole step (forward, backward and optimizer step)."""
+        if self.deferred_update:
+            return (WirePhase(1.0, "all", "updates land per layer in the next forward (ByteScheduler)"),)
+        return super().wire_phases()
+
+    def apply_pending_updates(self) -> None:
+        """Take the optimizer step on every bucket the next forward would have stepped."""
+        if self.deferred is not None:
+            self.deferred.apply_all()
+
+    def training_step(self, task: Task, batch: Any, batch_idx: int) -> Any:
+        """Step the task's own parameters first (`training_step` may read them outside a forward), then the forward."""
+        if self.deferred is not None:
+            self.deferred.apply_parameters(task.parameters(recurse=False))
+        return super().training_step(task, batch, batch_idx)
+
+    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
+        """As the core's; with `deferred_update`, what is still pending is applied first, and a synchronized
+        backward returns with its buckets in flight."""
+        deferred = self.deferred
+        if deferred is not None:
+            deferred.apply_all()  # before autograd writes into the buckets again
+        super().backward(loss, sync=sync, retain_graph=retain_graph)
+        if deferred is not None:
+            deferred.defer(self.reducer.launched_buckets)
+
+    def apply_update(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
+        """Take the step, or, with buckets in flight, record it for the next forward."""
+        if self.deferred is not None and self.deferred.pending:
+            self.deferred.step(optimizer)
+        else:
+            step()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply whatever the forward left pending, then reset the gradients as the core does."""
+        if self.deferred is not None:
+            self.deferred.apply_all()
+        super().zero_grad(optimizer)
+
+    def clip_gradients(self, parameters: list[Tensor], max_norm: float, algorithm: str = "norm") -> Tensor:
+        """Refuse with deferred updates (a task's own `configure_gradient_clipping` gets here too)."""
+        if self.deferred_update:
+            raise OptionError(f"BucketedDDP(deferred_update=True) cannot clip gradients: {_DEFERRED_NEEDS}.")
+        return super().clip_gradients(parameters, max_norm, algorithm)
+
+    def on_stage_failure(self) -> None:
+        """Forget pending updates: their collectives may never complete."""
+        if self.deferred is not None:
+            self.deferred.pending.clear()
+        super().on_stage_failure()
+
+    def teardown(self) -> None:
+        """Apply what is pending (a fit that ended without the loop's final flush), then remove every hook."""
+        if self.deferred is not None:
+            self.deferred.apply_all()
+            self.deferred.remove_hooks()
+            self.deferred = None
+        super().teardown()
+
     # ---------------------------------------------------------------- autotune
     def _bucket_cap_at_setup(self) -> float:
         # Tuning starts with the smallest cap: the first step runs it.
@@ -129,6 +259,13 @@ class BucketedDDP(ReducerStrategy):
         """With `bucket_cap_mb="auto"`, start the trials (the caps that can change the layout)."""
         self.autotune = None
         self._synced_cap_mb = None
+        if self.deferred_update:
+            if sparse_gradient_parameters(task):
+                raise OptionError(
+                    "BucketedDDP(deferred_update=True) cannot defer sparse gradients (nn.Embedding(sparse=True)), "
+                    "which are averaged after every bucket; drop deferred_update or sparse=True."
+                )
+            self.deferred = DeferredUpdates(self.reducer, task)
         if self.bucket_cap_mb == AUTO:
             caps = distinct_caps(self.autotune_caps_mb, self.reducer.gradient_group_bytes())
             self.autotune = BucketAutotune(caps, self.autotune_steps)
@@ -181,5 +318,21 @@ class BucketedDDP(ReducerStrategy):
             f"BucketedDDP(bucket_cap_mb={self.bucket_cap_mb}, first_bucket_mb={self.first_bucket_mb}, "
             f"find_unused_parameters={self.find_unused_parameters}, "
             f"gradient_as_bucket_view={self.gradient_as_bucket_view}, overlap={self.overlap}, "
-            f"static_graph={self.static_graph})"
+            f"static_graph={self.static_graph}"
+            + (f", deferred_update=True, deferred_hold={self.deferred_hold}" if self.deferred_update else "")
+            + ")"
         )
+
+
+def _check_deferrable(**options: Any) -> None:
+    """Refuse, in one message, the options that `deferred_update=True` cannot combine with."""
+    reasons = {
+        "bucket_cap_mb": ("auto", "autotuning times each synchronized step at the backward's end"),
+        "find_unused_parameters": (True, "unused gradients are settled once every bucket is averaged"),
+        "static_graph": (True, "its used-parameter map is settled once every bucket is averaged"),
+        "gradient_as_bucket_view": (False, "the averages are copied back once every bucket is averaged"),
+        "overlap": (False, "without overlap there is nothing to defer to; drop deferred_update"),
+    }
+    refused = [f"{name}={value!r} ({why})" for name, (value, why) in reasons.items() if options[name] == value]
+    if refused:
+        raise OptionError(f"BucketedDDP(deferred_update=True) cannot combine with {'; '.join(refused)}.")

@@ -11,25 +11,36 @@ For each bucket of gradients, on every one of the `W` ranks:
 
 Steps 2-6 are `comm.compression.compressed_average`, which QAdam uses for its momentum too. A rank hands
 about ``(W-1)/W + 1/W = 1`` byte per gradient value to collectives, against 4 for a float32 all-reduce.
-The hook plugs into the core's reducer, so buckets, overlap with the backward, accumulation without
-communication and `find_unused_parameters` are the reducer's; `ByteGrad` only fixes the bucket layout
-(chunking depends on it, and a resumed run must chunk as the original did).
+The hook plugs into the core's reducer, so buckets, accumulation without communication and
+`find_unused_parameters` are the reducer's; `ByteGrad` only fixes the bucket layout (chunking depends on
+it, and a resumed run must chunk as the original did).
+
+Steps 1-6 are a chain of blocking exchanges. Run inside the autograd hook they would hold the backward
+until the bucket is averaged; the hook hands them to a communication thread instead (`comm/comm_thread.py`,
+on a process group of its own, one bucket after another in launch order, as BAGUA's backend does), so
+autograd computes the next buckets' gradients while this one is on the wire. Same operations, same order:
+the result is the blocking hook's to the bit (`comm_thread=False` runs it inside the hook, to compare).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from syncline.strategies.comm.bound import WirePhase
+from syncline.strategies.comm.comm_thread import CommThread
 from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
 from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.hooks import GradBucket
 from syncline.strategies.reducer_strategy import ReducerStrategy
+
+if TYPE_CHECKING:
+    from syncline.trainer.task import Task
 
 __all__ = ["ByteGrad", "ByteGradState", "bytegrad_hook"]
 
@@ -42,19 +53,32 @@ class ByteGradState:
         process_group: the group to average over; None means the default group.
         error_feedback: the memory of what compression dropped, per parameter name; None sends without.
         counter: where the bytes handed to collectives are counted (set by the reducer).
+        comm_thread: where the exchange runs, on the thread's own group; None runs it inside the hook.
     """
 
     process_group: dist.ProcessGroup | None = None
     error_feedback: ErrorFeedback | None = None
     counter: CommCounter | None = None
+    comm_thread: CommThread | None = None
 
 
 def bytegrad_hook(state: ByteGradState, bucket: GradBucket) -> Future[Tensor]:
     """Average the bucket across the group, communicating it as 8-bit chunks (BAGUA's ByteGrad).
 
     Returns:
-        A completed future whose value is `bucket.buffer`, holding the average.
+        A future whose value is `bucket.buffer`, holding the average: completed by the communication thread
+        (`state.comm_thread`), or already completed when the exchange ran inside the hook.
     """
+    if state.comm_thread is not None:
+        # Collectives (on the thread, its own group): the exchange below, after the earlier buckets'.
+        return state.comm_thread.submit(_average_bucket, state, bucket, state.comm_thread.group)
+    future: Future[Tensor] = Future()
+    future.set_result(_average_bucket(state, bucket, state.process_group))
+    return future
+
+
+def _average_bucket(state: ByteGradState, bucket: GradBucket, group: dist.ProcessGroup | None) -> Tensor:
+    """Steps 1-6 for one bucket over `group`; return `bucket.buffer`, holding the average."""
     buffer = bucket.buffer
     feedback = state.error_feedback
     if feedback is None:
@@ -62,14 +86,13 @@ def bytegrad_hook(state: ByteGradState, bucket: GradBucket) -> Future[Tensor]:
     else:
         # Error feedback keyed by parameter name: each gradient plus what its last compression dropped.
         corrected = torch.cat([feedback.compensate(name, buffer[start:end]) for name, start, end in bucket.spans()])
-    average, sent = compressed_average(corrected, state.process_group, state.counter)
+    # Collectives (inside, blocking this thread): 8-bit all-to-all and all-gather of the bucket.
+    average, sent = compressed_average(corrected, group, state.counter)
     if feedback is not None:
         for name, start, end in bucket.spans():
             feedback.remember(name, corrected[start:end], sent[start:end])
     buffer.copy_(average)
-    future: Future[Tensor] = Future()
-    future.set_result(buffer)
-    return future
+    return buffer
 
 
 class ByteGrad(ReducerStrategy):
@@ -79,6 +102,8 @@ class ByteGrad(ReducerStrategy):
         bucket_cap_mb: the most MiB of gradients per bucket (one compressed scatter-reduce each).
         error_feedback: carry what quantization drops into the next step, per rank and parameter.
         find_unused_parameters: as in `BucketedDDP`.
+        comm_thread: run each bucket's exchange on a communication thread, so the backward goes on while it is
+            on the wire; False runs it inside the autograd hook, blocking the backward (the same result).
         backend: "gloo", "nccl", ...; None picks NCCL with CUDA, else gloo.
         timeout: seconds a collective may take before it fails with an error.
 
@@ -91,6 +116,8 @@ class ByteGrad(ReducerStrategy):
         "its error feedback carries each bucket's quantization error from one synchronized backward per "
         "optimizer step to the next"
     )
+    # Every bucket gets the cap, a joined rank's zero bucket would still carry its error feedback: the core's
+    # settings for a hook that compresses whole buckets.
     blocking_hook = True
     # Chunks follow the bucket layout: keep the layout of construction so a resumed run chunks alike.
     fixed_layout = True
@@ -100,6 +127,7 @@ class ByteGrad(ReducerStrategy):
         bucket_cap_mb: float = 25,
         error_feedback: bool = True,
         find_unused_parameters: bool = False,
+        comm_thread: bool = True,
         backend: str | None = None,
         timeout: float = 300.0,
     ) -> None:
@@ -113,6 +141,25 @@ class ByteGrad(ReducerStrategy):
             timeout=timeout,
         )
         self.error_feedback = error_feedback
+        self.comm_thread = comm_thread
+
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """Behind the backward on the communication thread; inside the hook, serialized with it."""
+        if self.comm_thread:
+            return super().wire_phases()
+        return (WirePhase(1.0, "none", "each bucket's exchange blocks the backward inside the autograd hook"),)
+
+    def after_setup(self, task: Task) -> None:
+        """Start the communication thread and its group (with `comm_thread`, on several processes)."""
+        if self.comm_thread and self.world_size > 1 and self.comm_state.comm_thread is None:
+            self.comm_state.comm_thread = CommThread("syncline-bytegrad", self.timeout)
+
+    def teardown(self) -> None:
+        """Stop the communication thread (idle: the last backward waited for every bucket), then the core's."""
+        thread, self.comm_state.comm_thread = self.comm_state.comm_thread, None
+        if thread is not None:
+            thread.close()
+        super().teardown()
 
     def algorithm_state_dict(self) -> dict[str, Any]:
         """Return this rank's error-feedback memory."""
@@ -125,4 +172,7 @@ class ByteGrad(ReducerStrategy):
             self.comm_state.error_feedback.load_state_dict(state["error_feedback"])
 
     def __repr__(self) -> str:
-        return f"ByteGrad(bucket_cap_mb={self.bucket_cap_mb}, error_feedback={self.error_feedback})"
+        return (
+            f"ByteGrad(bucket_cap_mb={self.bucket_cap_mb}, error_feedback={self.error_feedback}, "
+            f"comm_thread={self.comm_thread})"
+        )

@@ -19,6 +19,12 @@ it exchanges with, which both ends update with the same decoded difference, so t
 Without quantization error this is exactly the update above; with it, the error is not lost but sent
 again in the next difference. With shift_one a rank holds two estimates per peer (what it believes of
 the peer, what the peer believes of it): 2 (w-1) copies of the model; with all, w copies.
+
+With uint8 and ``prefetch=True`` the averaging overlaps the next forward (`comm/parameter_exchange.py`): the
+differences are quantized right after the step, as before, and sent in segments of whole 4096-value chunks, each
+on the wire at once; the next forward waits, layer by layer, for the segments that hold its parameters and applies
+their update there. Every chunk keeps its minimum and step, and every other operation is elementwise, so the
+weights, the estimates and the bytes equal the blocking exchange's to the bit.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ import torch
 from torch import Tensor
 
 from syncline.options import OptionError, check_int
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.compression import minmax_dequantize, minmax_quantize, pack_flat, unpack_flat
 from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
-from syncline.strategies.comm.transfers import all_gather_in_pieces, exchange
+from syncline.strategies.comm.parameter_exchange import ParameterExchange, PrefetchedParameters
+from syncline.strategies.comm.transfers import all_gather_in_pieces, all_to_all_in_pieces, exchange
 from syncline.strategies.model_averaging import ModelAveraging, average_parameters
 
 if TYPE_CHECKING:
@@ -44,6 +52,8 @@ PEERS = ("shift_one", "all")
 _COMPRESSIONS = (None, "uint8")
 #: Values per quantization chunk: each chunk has its own minimum and step (its header).
 _CHUNK = 4096
+#: Chunks per segment sent on its own with `prefetch` (about 256 Ki values, 256 KiB on the wire).
+SEGMENT_CHUNKS = 64
 
 
 def shift_one_partner(rank: int, world_size: int, round_: int) -> int | None:
@@ -67,21 +77,33 @@ def shift_one_partner(rank: int, world_size: int, round_: int) -> int | None:
     return None if partner >= world_size else partner
 
 
-class Decentralized(ModelAveraging):
+class Decentralized(PrefetchedParameters, ModelAveraging):
     """Local steps, then averaging with peers only (no global gradient all-reduce).
 
     Args:
         peers: "shift_one" (one peer per averaging, rotating) or "all" (every rank: an all-reduce).
         period: optimizer steps between two averagings.
         compression: None (send parameters) or "uint8" (send MinMax-quantized differences).
+        prefetch: with "uint8", send the differences in segments without waiting, and let the next forward wait
+            for each layer's segments (bit-identical to the blocking exchange).
         kwargs: passed to the core (`backend`, `timeout`, ...).
     """
 
     name = "decentralized"
 
     def __init__(
-        self, peers: str = "shift_one", period: int = 1, compression: str | None = None, **kwargs: Any
+        self,
+        peers: str = "shift_one",
+        period: int = 1,
+        compression: str | None = None,
+        prefetch: bool = False,
+        **kwargs: Any,
     ) -> None:
+        if prefetch and compression != "uint8":
+            raise OptionError(
+                f"Decentralized(prefetch=True, compression={compression!r}): prefetch overlaps the uint8 exchange "
+                "with the next forward; use compression='uint8', or drop prefetch."
+            )
         if peers not in PEERS:
             raise OptionError(f"Decentralized(peers={peers!r}): peers must be one of {', '.join(map(repr, PEERS))}.")
         if compression not in _COMPRESSIONS:
@@ -93,6 +115,10 @@ class Decentralized(ModelAveraging):
         self.compression = compression
         #: uint8 only: estimates of models, by key ("mine@<peer>", "<peer>"; "<rank>" for peers="all").
         self.estimates: dict[str, list[Tensor]] = {}
+        self.prefetch = prefetch
+        #: With `prefetch`, per segment: (dtype group, first value, end, chunks); and the exchanges in flight.
+        self._segments: list[tuple[int, int, int, int]] = []
+        self.exchange: ParameterExchange | None = None
 
     @property
     def rounds(self) -> int:
@@ -119,6 +145,16 @@ class Decentralized(ModelAveraging):
                 else [key for peer in range(world) if peer != rank for key in (f"mine@{peer}", str(peer))]
             )
             self.estimates = {key: [flat.clone() for _, flat in flatten_by_dtype(self._params)] for key in keys}
+        if self.prefetch:
+            self._lay_out_segments()
+            self.exchange = ParameterExchange(task)
+            self.exchange.set_layout([self._segment_params(index) for index in range(len(self._segments))])
+
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """With `prefetch`, the exchange runs behind the next forward; else serialized (`ModelAveraging`)."""
+        if self.exchange is not None or self.prefetch:
+            return (WirePhase(1.0, "forward", "the averaged differences land per layer in the next forward"),)
+        return super().wire_phases()
 
     # --------------------------------------------------------------- averaging
     def average_after_step(self, local_step: int) -> None:
@@ -126,7 +162,11 @@ class Decentralized(ModelAveraging):
         if local_step % self.period:
             return
         round_ = self.rounds - 1  # averagings before this one: how far the peers have rotated
-        if self.peers == "all" and self.compression is None:
+        if self.exchange is not None:
+            self._launch_segments(
+                None if self.peers == "all" else shift_one_partner(self.global_rank, self.world_size, round_)
+            )
+        elif self.peers == "all" and self.compression is None:
             # Collective: one coalesced all-reduce of the parameters.
             average_parameters(self._params, counter=self.comm_counter)
         elif self.peers == "all":
@@ -173,6 +213,96 @@ class Decentralized(ModelAveraging):
             mean = torch.stack([self.estimates[str(peer)][index] for peer in range(world)]).mean(dim=0)
             unflatten_into(tensors, flat + mean - self.estimates[str(rank)][index])
 
+    # ---------------------------------------------------------- prefetching
+    def _lay_out_segments(self) -> None:
+        """Cut every dtype's flat parameters into segments of whole quantization chunks (`SEGMENT_CHUNKS` each).
+
+        `minmax_quantize(flat, chunks=n)` cuts as `torch.tensor_split`: the first ``N % n`` chunks hold one value
+        more. A run of those chunks is again cut so by `tensor_split` (its longer chunks come first), so each
+        segment, quantized on its own, has the chunks, minima and steps the whole had.
+        """
+        self._segments = []
+        for group, (_, flat) in enumerate(flatten_by_dtype(self._params)):
+            numel, chunks = flat.numel(), _chunks(flat)
+            small, longer = divmod(numel, chunks)
+            sizes = [small + 1] * longer + [small] * (chunks - longer)
+            start = 0
+            for first in range(0, chunks, SEGMENT_CHUNKS):
+                count = min(SEGMENT_CHUNKS, chunks - first)
+                end = start + sum(sizes[first : first + count])
+                self._segments.append((group, start, end, count))
+                start = end
+
+    def _segment_params(self, index: int) -> list[Tensor]:
+        """The parameters with values in segment `index`."""
+        group, start, end, _ = self._segments[index]
+        tensors, offset, found = flatten_by_dtype(self._params)[group][0], 0, []
+        for tensor in tensors:
+            if offset < end and offset + tensor.numel() > start:
+                found.append(tensor)
+            offset += tensor.numel()
+        return found
+
+    def _launch_segments(self, partner: int | None) -> None:
+        """Quantize this step's differences and send every segment without waiting (`partner` None: peers="all").
+
+        What the blocking exchange computes, cut at chunk boundaries: the own estimate moves now, the received
+        differences move the others' and the parameters when the segment lands.
+        """
+        assert self.exchange is not None
+        if partner is None and self.peers != "all":
+            return  # this rank sits the round out
+        rank, world = self.global_rank, self.world_size
+        groups = flatten_by_dtype(self._params)
+        for index, (group, start, end, chunks) in enumerate(self._segments):
+            tensors, flat = groups[group]
+            values = flat[start:end]
+            mine_key = str(rank) if partner is None else f"mine@{partner}"
+            quantized = minmax_quantize(values - self.estimates[mine_key][group][start:end], chunks=chunks)
+            payload = pack_flat(quantized)
+            self.comm_counter.add(payload.numel())
+            if partner is None:
+                # Collective (asynchronous): every rank's quantized difference of this segment.
+                gathered, works = all_gather_in_pieces(payload, world, async_op=True)
+            else:
+                self.estimates[mine_key][group][start:end] += minmax_dequantize(quantized, flat.dtype)
+                gathered = torch.empty_like(payload)
+                sends: list[Tensor | None] = [payload if peer == partner else None for peer in range(world)]
+                receives: list[Tensor | None] = [gathered if peer == partner else None for peer in range(world)]
+                # Collective (point to point, asynchronous): this segment's differences, both ways.
+                works = all_to_all_in_pieces(sends, receives, async_op=True)
+            finish = self._landing(tensors, group, start, end, values, quantized.sizes, gathered, partner)
+            self.exchange.launch(index, works, finish)
+
+    def _landing(
+        self,
+        tensors: list[Tensor],
+        group: int,
+        start: int,
+        end: int,
+        values: Tensor,
+        sizes: list[int],
+        received: Tensor,
+        partner: int | None,
+    ) -> Any:
+        """Return what lands a segment once `received` holds the peer's (peers="all": every rank's) payload."""
+        dtype = values.dtype
+
+        def land() -> None:
+            if partner is None:
+                estimates = [self.estimates[str(peer)][group] for peer in range(self.world_size)]
+                for estimate, payload in zip(estimates, received.split(received.numel() // self.world_size)):
+                    estimate[start:end] += minmax_dequantize(unpack_flat(payload, sizes), dtype)
+                mean = torch.stack([estimate[start:end] for estimate in estimates]).mean(dim=0)
+                new = values + mean - self.estimates[str(self.global_rank)][group][start:end]
+            else:
+                theirs, mine = self.estimates[str(partner)][group], self.estimates[f"mine@{partner}"][group]
+                theirs[start:end] += minmax_dequantize(unpack_flat(received, sizes), dtype)
+                new = values + (theirs[start:end] - mine[start:end]) / 2
+            _write_range(tensors, start, end, new)
+
+        return land
+
     # ------------------------------------------------------------- checkpoints
     def algorithm_state_dict(self) -> dict[str, Any]:
         """This rank's estimates (they differ per rank), and the averagings so far (`rounds`, from `steps`)."""
@@ -189,8 +319,20 @@ class Decentralized(ModelAveraging):
         self.estimates = {key: [t.to(device) for t in flats] for key, flats in state["estimates"].items()}
 
     def __repr__(self) -> str:
-        return f"Decentralized(peers={self.peers!r}, period={self.period}, compression={self.compression!r})"
+        prefetch = ", prefetch=True" if self.prefetch else ""
+        return f"Decentralized(peers={self.peers!r}, period={self.period}, compression={self.compression!r}{prefetch})"
 
 
 def _chunks(flat: Tensor) -> int:
     return max(1, -(-flat.numel() // _CHUNK))
+
+
+@torch.no_grad()
+def _write_range(tensors: list[Tensor], start: int, end: int, values: Tensor) -> None:
+    """Write `values` into elements [start, end) of the flat concatenation of `tensors`."""
+    offset = 0
+    for tensor in tensors:
+        first, last = max(start, offset), min(end, offset + tensor.numel())
+        if first < last:
+            tensor.view(-1)[first - offset : last - offset].copy_(values[first - start : last - start])
+        offset += tensor.numel()

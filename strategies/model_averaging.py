@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from syncline.options import check_int
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.events import collective_span
 from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
@@ -102,6 +103,11 @@ class ModelAveraging(ReducerStrategy):
         if self.steps > self.warmup_steps:
             with collective_span(self.comm_events, "model averaging"):
                 self.average_after_step(self.steps - self.warmup_steps)
+
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """After the warm-up: serialized with compute. Averaging follows the optimizer step, and the next forward
+        needs the averaged parameters (the lab's wire time is already per step, a period's bytes over its steps)."""
+        return (WirePhase(1.0, "none", "averaging follows the step; the next forward needs its result"),)
 
     def average_after_step(self, local_step: int) -> None:
         """Average parameters after local step number `local_step` (1, 2, ...) as the algorithm says."""

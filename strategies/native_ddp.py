@@ -28,6 +28,9 @@ highest rank with data), and a rank whose data ran out launches the matching col
 collectives (the batch agreement, the non-finite-loss check) between the forward and the backward, where
 `Join.__exit__`'s tight loop would not. Unlike torch's `Join`, the joined rank also keeps the averaged
 gradients and steps on them, so every replica stays equal without a final broadcast.
+
+`comm_hook="powersgd"` and `comm_hook="post_local_sgd"` run torch's own relaxations at syncline's settings
+(`comm/torch_relaxations.py`): the references `powersgd` and `local_sgd` are measured against.
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel import DistributedDataParallel
 
-from syncline.options import check_number
+from syncline.options import OptionError, check_int, check_number
 from syncline.strategies.comm.autograd_graph import grad_accumulators, parameters_reached
 from syncline.strategies.comm.backward_sync import BackwardSyncControl
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.join import Joinable
 from syncline.strategies.comm.process_group import ProcessGroupStrategy
+from syncline.strategies.comm.torch_relaxations import TORCH_HOOKS, TorchRelaxation
 from syncline.strategies.strategy import call_training_step
 
 if TYPE_CHECKING:
@@ -73,14 +78,45 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
     Args:
         backend: "gloo", "nccl", ...; None picks NCCL with CUDA, else gloo.
         timeout: seconds a collective may take before it fails with an error.
+        comm_hook: None (torch's all-reduce), or one of torch's relaxations: "powersgd" (its PowerSGD hook) or
+            "post_local_sgd" (its post-local SGD hook and `PeriodicModelAverager`).
+        powersgd_rank: the matrix approximation rank of "powersgd" (syncline's `PowerSGD` default, 4).
+        start_iter: iterations of plain all-reduce first; None is syncline's default for the same algorithm
+            (`PowerSGD(start_iter=10)`, `LocalSGD(warmup_steps=0)`).
+        averaging_period: optimizer steps between "post_local_sgd"'s averagings (`LocalSGD(period=4)`).
         **ddp_kwargs: passed to `DistributedDataParallel` (`bucket_cap_mb`, `find_unused_parameters`,
             `gradient_as_bucket_view`, `broadcast_buffers`, ...).
     """
 
     name = "native_ddp"
 
-    def __init__(self, backend: str | None = None, timeout: float = 300.0, **ddp_kwargs: Any) -> None:
+    def __init__(
+        self,
+        backend: str | None = None,
+        timeout: float = 300.0,
+        comm_hook: str | None = None,
+        powersgd_rank: int = 4,
+        start_iter: int | None = None,
+        averaging_period: int = 4,
+        **ddp_kwargs: Any,
+    ) -> None:
         super().__init__(backend=backend, timeout=timeout)
+        if comm_hook is not None and comm_hook not in TORCH_HOOKS:
+            raise OptionError(f"NativeDDP(comm_hook={comm_hook!r}): one of None, {', '.join(map(repr, TORCH_HOOKS))}.")
+        check_int("NativeDDP", "powersgd_rank", powersgd_rank, 1, meaning="PowerSGD's matrix approximation rank")
+        check_int("NativeDDP", "averaging_period", averaging_period, 1, meaning="optimizer steps between averagings")
+        if start_iter is None:
+            start_iter = 10 if comm_hook == "powersgd" else 0
+        # torch refuses error feedback and warm start with fewer: its DDP rebuilds buckets after the first iteration.
+        minimum = 2 if comm_hook == "powersgd" else 0
+        check_int("NativeDDP", "start_iter", start_iter, minimum, meaning="iterations of plain all-reduce first")
+        self.comm_hook = comm_hook
+        self.powersgd_rank = powersgd_rank
+        self.start_iter = start_iter
+        self.averaging_period = averaging_period
+        #: Post-local SGD's replicas differ between averagings: checkpoints keep every rank's weights.
+        self.replicas_differ = comm_hook == "post_local_sgd"
+        self._relaxation: TorchRelaxation | None = None
         if "bucket_cap_mb" in ddp_kwargs:
             check_number("NativeDDP", "bucket_cap_mb", ddp_kwargs["bucket_cap_mb"], minimum=0, meaning="MiB per bucket")
         if ddp_kwargs.get("broadcast_buffers") is True:
@@ -101,12 +137,22 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
     @property
     def manual_optimization_refused(self) -> str:  # type: ignore[override]
         """Why these options cannot follow manual optimization ("" when they can)."""
+        if self.comm_hook is not None:
+            return f"comm_hook={self.comm_hook!r} relaxes one optimizer step per synchronized backward"
         if self.ddp_kwargs.get("static_graph"):
             return (
                 "static_graph=True promises that every backward reaches the same parameters, which the backwards "
                 "of a manual step (one per optimizer) need not; drop static_graph"
             )
         return ""
+
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """torch's reducer: gradient buckets behind the backward; its relaxations as syncline's own."""
+        if self.comm_hook == "powersgd":
+            return (WirePhase(1.0, "none", "torch's PowerSGD hook: P then Q all-reduce per bucket"),)
+        if self.comm_hook == "post_local_sgd":
+            return (WirePhase(1.0, "none", "torch's averager follows the step; the next forward needs its result"),)
+        return (WirePhase(1.0, "backward", "torch's buckets launch as the backward produces them"),)
 
     @property
     def ddp(self) -> DistributedDataParallel:
@@ -122,6 +168,12 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         device_ids = [self.root_device] if self.root_device.type == "cuda" else None
         # Collective: torch's DDP broadcasts rank 0's parameters and buffers as it is built.
         self._ddp = DistributedDataParallel(_TrainingStepModule(task), device_ids=device_ids, **self.ddp_kwargs)
+        self._relaxation = None
+        if self.comm_hook is not None:
+            self._relaxation = TorchRelaxation(
+                self.comm_hook, self.comm_counter, self.powersgd_rank, self.start_iter, self.averaging_period
+            )
+            self._relaxation.register(self._ddp)
         if self.manual_optimization and not self._finds_unused():
             self._trainable = [(name, p) for name, p in task.named_parameters() if p.requires_grad]
             self._accumulators = grad_accumulators([p for _, p in self._trainable])
@@ -210,9 +262,10 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
     def _count_synchronized_backward(self) -> None:
         """Count what torch's reducer handed to its all-reduces in this backward (it keeps no counter)."""
         params = [p for p in self.ddp.parameters() if p.requires_grad]
-        # Collective (inside torch's reducer): every dense gradient, bucket by bucket.
-        dense = [p for p in params if p.grad is None or not p.grad.is_sparse]
-        self.comm_counter.add(sum(p.numel() * p.element_size() for p in dense))
+        if self._relaxation is None:  # torch's relaxations count in their hooks
+            # Collective (inside torch's reducer): every dense gradient, bucket by bucket.
+            dense = [p for p in params if p.grad is None or not p.grad.is_sparse]
+            self.comm_counter.add(sum(p.numel() * p.element_size() for p in dense))
         first = self._synced_backwards == 0
         self._synced_backwards += 1
         static = self.ddp_kwargs.get("static_graph", False)
@@ -227,6 +280,11 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         Raises:
             ValueError: `static_graph=True`, whose first-iteration bookkeeping a joined rank cannot shadow.
         """
+        if self.comm_hook is not None:
+            raise ValueError(
+                f"NativeDDP(comm_hook={self.comm_hook!r}) cannot run with uneven_inputs='join' (a joined rank would "
+                "run torch's hook on zeros); use uneven_inputs='check' with even data."
+            )
         if self.ddp_kwargs.get("static_graph"):
             raise ValueError(
                 "NativeDDP(static_graph=True) cannot run with uneven_inputs='join' (torch's DDP join does not "
@@ -283,6 +341,22 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
                 offset += count
         self._count_synchronized_backward()
 
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
+        """Take the step; with post-local SGD, let torch's averager average the parameters when due."""
+        step()
+        if self._relaxation is not None:
+            self._relaxation.after_step([p for p in self.ddp.parameters() if p.requires_grad])
+        self.comm_counter.close_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """With torch's relaxations: their iteration counters (else nothing)."""
+        return {} if self._relaxation is None else {"torch_hook": self._relaxation.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        if self._relaxation is not None and "torch_hook" in state:
+            self._relaxation.load_state_dict(state["torch_hook"])
+
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Set gradients to None, as a single process does.
 
@@ -293,5 +367,6 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         optimizer.zero_grad(set_to_none=True)
 
     def __repr__(self) -> str:
-        kwargs = ", ".join(f"{key}={value!r}" for key, value in self.ddp_kwargs.items())
+        hook = {} if self.comm_hook is None else {"comm_hook": self.comm_hook, "start_iter": self.start_iter}
+        kwargs = ", ".join(f"{key}={value!r}" for key, value in {**hook, **self.ddp_kwargs}.items())
         return f"NativeDDP({kwargs})"

@@ -16,6 +16,10 @@ With a loss scaler (``precision="16-mixed"``) every rank must skip the same step
 alone holds the reduced gradients, tells the others after the backward whether any of them is inf or
 NaN, and the workers' (otherwise meaningless) gradients are set to NaN or zero accordingly, so that each
 rank's scaler finds what the server's finds.
+
+With ``prefetch=True`` (BytePS's schedule, `comm/parameter_exchange.py`) the server steps the buckets one at a
+time, front layers first, and broadcasts each as soon as it is stepped; the workers' next forward waits for each
+layer's bucket alone. The weights, the optimizer state and the bytes equal the blocking broadcast's to the bit.
 """
 
 from __future__ import annotations
@@ -29,8 +33,17 @@ from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import OptionError, check_int
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.counter import CommCounter, count_bytes
+from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
 from syncline.strategies.comm.hooks import GradBucket
+from syncline.strategies.comm.parameter_exchange import (
+    ParameterExchange,
+    PrefetchedParameters,
+    front_first,
+    step_in_buckets,
+    steps_per_parameter,
+)
 from syncline.strategies.comm.process_group import broadcast_coalesced
 from syncline.strategies.comm.transfers import all_to_all_in_pieces, future_of
 from syncline.strategies.reducer_strategy import ReducerStrategy
@@ -82,7 +95,7 @@ def reduce_to_server_hook(state: ReduceToServerState, bucket: GradBucket) -> Fut
     return future_of(works).then(add)
 
 
-class ParameterServer(ReducerStrategy):
+class ParameterServer(PrefetchedParameters, ReducerStrategy):
     """Reduce gradients to one server rank, step there alone, broadcast the parameters back.
 
     Args:
@@ -91,6 +104,10 @@ class ParameterServer(ReducerStrategy):
         find_unused_parameters: as in `BucketedDDP`.
         backend: "gloo", "nccl", ...; None picks NCCL with CUDA, else gloo.
         timeout: seconds a collective may take before it fails with an error.
+        prefetch: broadcast each bucket's parameters as soon as the server has stepped it, and let the next
+            forward wait per layer (`comm/parameter_exchange.py`); bit-identical to the blocking broadcast. With a
+            per-parameter optimizer (`steps_per_parameter`) the server steps bucket by bucket; with another, it
+            takes the whole step first. Manual optimization broadcasts blocking, as without it.
 
     Raises:
         ValueError: at setup, when `server_rank` is not a rank of the job.
@@ -109,6 +126,7 @@ class ParameterServer(ReducerStrategy):
         find_unused_parameters: bool = False,
         backend: str | None = None,
         timeout: float = 300.0,
+        prefetch: bool = False,
     ) -> None:
         check_int("ParameterServer", "server_rank", server_rank, 0, meaning="the rank that steps the optimizer")
         super().__init__(
@@ -122,12 +140,30 @@ class ParameterServer(ReducerStrategy):
             timeout=timeout,
         )
         self.server_rank = server_rank
+        self.prefetch = prefetch
         self._params: list[Tensor] = []
+        self._task: Task | None = None
+        #: With `prefetch`, the broadcasts in flight (after setup).
+        self.exchange: ParameterExchange | None = None
+        self._sent: set[int] = set()
+        self._groups: list[list[Tensor]] = []
+        self._order: list[int] = []
 
     @property
     def is_server(self) -> bool:
         """Whether this rank holds the optimizer state and steps."""
         return self.global_rank == self.server_rank
+
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """Gradients in behind the backward; parameters out behind the next forward with `prefetch`, else after the
+        step. The server's link carries (W-1) copies each way, in opposite directions: each phase takes the whole
+        wire time."""
+        return (
+            WirePhase(1.0, "backward", "gradient buckets reach the server during the backward"),
+            WirePhase(1.0, "forward", "the server's new parameters reach each layer before the forward does")
+            if self.prefetch
+            else WirePhase(1.0, "none", "the workers wait for the whole broadcast before the forward"),
+        )
 
     def check_world_size(self, world_size: int) -> None:
         """Check the server is a rank of a job of `world_size` processes."""
@@ -138,8 +174,11 @@ class ParameterServer(ReducerStrategy):
             )
 
     def after_setup(self, task: Task) -> None:
-        """Remember the parameters the server broadcasts."""
+        """Remember the parameters the server broadcasts; with `prefetch`, hook the forward to wait per layer."""
         self._params = [p for p in task.parameters() if p.requires_grad]
+        self._task = task
+        if self.prefetch:
+            self.exchange = ParameterExchange(task)
 
     # -------------------------------------------------------------- train step
     def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
@@ -174,8 +213,12 @@ class ParameterServer(ReducerStrategy):
         return torch.zeros((), device=self.root_device)
 
     def apply_update(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
-        """Step on the server alone."""
-        if self.is_server:
+        """Step on the server alone; with `prefetch`, bucket by bucket, each broadcast as soon as it is stepped."""
+        prefetching = self._start_prefetch()
+        if self.is_server and prefetching and steps_per_parameter(optimizer):
+            buckets = [(index, self._groups[index]) for index in self._order]
+            step_in_buckets(optimizer, step, buckets, self._send)
+        elif self.is_server:
             step()
         else:
             # The loss scaler (if any) has read the gradients already; with none left, the optimizer
@@ -189,10 +232,51 @@ class ParameterServer(ReducerStrategy):
                 param.grad = grad
 
     def after_optimizer_step(self) -> None:
-        """Broadcast the server's updated parameters to every rank."""
-        # Collective: the server's updated parameters to every rank, one broadcast per dtype.
-        broadcast_coalesced(self._params, src=self.server_rank)
+        """Broadcast the server's updated parameters to every rank (with `prefetch`, the buckets not yet sent,
+        without waiting)."""
+        if self.exchange is None or self.manual_optimization:
+            # Collective: the server's updated parameters to every rank, one broadcast per dtype.
+            broadcast_coalesced(self._params, src=self.server_rank)
+        else:
+            # A worker's buckets, and the server's when its step was skipped (fp16) or taken whole.
+            for index in self._order:
+                if index not in self._sent:
+                    self._send(index)
         self.comm_counter.add_tensors(*self._params)
+
+    def _start_prefetch(self) -> bool:
+        """Before a step with `prefetch`: lay out the broadcasts as the buckets are now; False without prefetch."""
+        self._sent = set()
+        if self.exchange is None or self.manual_optimization:
+            return False
+        wanted = {id(p) for p in self._params}
+        reducer = self.reducer
+        groups = [[p for p in reducer.bucket_parameters(i) if id(p) in wanted] for i in range(len(reducer.buckets))]
+        placed = {id(p) for group in groups for p in group}
+        # Parameters outside the buckets (sparse gradients) go in one more broadcast.
+        groups.append([p for p in self._params if id(p) not in placed])
+        self._groups = [group for group in groups if group]
+        assert self._task is not None
+        self._order = front_first(self._groups, self._task)
+        self.exchange.set_layout(self._groups)
+        return True
+
+    def _send(self, index: int) -> None:
+        """Launch the broadcast of bucket `index`'s parameters (the server's values, as they are now)."""
+        assert self.exchange is not None
+        self._sent.add(index)
+        flats = flatten_by_dtype(self._groups[index])
+        # Collective (asynchronous): this bucket's parameters from the server, one broadcast per dtype.
+        works = [dist.broadcast(flat, src=self.server_rank, async_op=True) for _, flat in flats]
+        if self.is_server:
+            self.exchange.launch(index, works, None)  # its parameters hold the values already
+            return
+
+        def write() -> None:
+            for tensors, flat in flats:
+                unflatten_into(tensors, flat)
+
+        self.exchange.launch(index, works, write)
 
     def _agree_on_finiteness(self) -> None:
         """Make every rank's gradients inf/NaN-free exactly when the server's reduced ones are."""
@@ -224,4 +308,5 @@ class ParameterServer(ReducerStrategy):
         optimizer.load_state_dict(state if self.is_server else {"state": {}, "param_groups": state["param_groups"]})
 
     def __repr__(self) -> str:
-        return f"ParameterServer(server_rank={self.server_rank}, bucket_cap_mb={self.bucket_cap_mb})"
+        prefetch = ", prefetch=True" if self.prefetch else ""
+        return f"ParameterServer(server_rank={self.server_rank}, bucket_cap_mb={self.bucket_cap_mb}{prefetch})"

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from syncline.options import check_int
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
 from syncline.strategies.comm.events import collective_span
 from syncline.strategies.reducer_strategy import ReducerStrategy
@@ -76,6 +77,11 @@ class QAdam(ReducerStrategy):
     def warming_up(self) -> bool:
         """Whether the next optimizer step is a warm-up step (exact gradients, torch's Adam)."""
         return self.steps < self.warmup_steps
+
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """After the warm-up: serialized with compute. The flat momentum is quantized in one chunk per rank, and rank
+        0's chunk (the front layers) is complete only when the backward ends; the update needs the average."""
+        return (WirePhase(1.0, "none", "the momentum's per-rank chunks need the whole backward; the step needs them"),)
 
     def stage(self) -> int:
         """0 during the warm-up, then 1 (frozen variance, compressed momentum)."""

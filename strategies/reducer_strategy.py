@@ -34,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from syncline.options import OptionError, check_number
 from syncline.strategies.comm.backward_sync import BackwardSyncControl
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.bucket_autotune import AUTO
 from syncline.strategies.comm.events import CommEvents
 from syncline.strategies.comm.hooks import COMM_HOOKS, CommHook
@@ -53,7 +54,7 @@ _STATIC_GRAPH_IN_MANUAL_STEPS = (
     "static_graph=True promises that every backward reaches the same parameters, which the backwards of a manual "
     "step (one per optimizer) need not; drop static_graph"
 )
-_BLOCKING = "its hook compresses each bucket and blocks until it is averaged: there is no overlap to tune"
+_BLOCKING = "its hook compresses whole buckets, so the layout is part of what it sends: there is no cap to tune"
 
 
 class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
@@ -208,6 +209,15 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
     def load_algorithm_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `algorithm_state_dict` returned."""
 
+    def held_buckets(self) -> int | None:
+        """For deferred optimizer updates: how many buckets the coming synchronized backward keeps back to its end,
+        returning without waiting for any (None, the default: the backward waits for every bucket)."""
+        return None
+
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """The reducer's: gradient buckets on the wire during the backward."""
+        return (WirePhase(1.0, "backward", "buckets launch as the backward produces them; the step needs every one"),)
+
     def _bucket_cap_at_setup(self) -> float:
         """The cap the buckets are laid out with at setup."""
         return float(self.bucket_cap_mb)
@@ -287,9 +297,10 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         averages = self._backward_syncs(sync) and self.syncs_gradients()
         start = time.perf_counter()
         walk = self.find_unused_parameters or self.static_graph
-        reducer.prepare_for_backward(sync=averages, loss=loss if walk else None)
+        held = self.held_buckets() if averages else None
+        reducer.prepare_for_backward(sync=averages, loss=loss if walk else None, hold=held or 0)
         self._autograd_backward(loss, retain_graph)
-        reducer.finalize_backward()
+        reducer.finalize_backward(wait=held is None)
         if averages:
             self._sync_started = start
             self._buffers_stale = True

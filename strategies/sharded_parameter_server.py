@@ -32,6 +32,12 @@ parameters. A backward may add to gradients an earlier one reduced: after each b
 chunks they do not serve, and before the next one each rank multiplies its buckets by W, which the
 reduce-scatter's division undoes (``(W * avg_r + sum of the ranks' new gradients) / W`` in chunk r). With a
 loss scaler the ranks then agree per parameter, so that an optimizer whose gradients are finite steps.
+
+With ``prefetch=True`` (ZeRO's prefetch, `comm/parameter_exchange.py`) every rank steps its slices bucket by
+bucket, front layers first, and launches each bucket's all-gather as soon as its slices are stepped; the next
+forward waits for each layer's bucket alone. The weights, the optimizer state and the bytes equal the blocking
+all-gather's to the bit. It is for automatic optimization: a manual step runs other forwards, reads and steps
+between an `opt.step()` and the next forward, so the Trainer refuses it there at setup.
 """
 
 from __future__ import annotations
@@ -46,8 +52,15 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.counter import CommCounter, count_bytes
 from syncline.strategies.comm.hooks import GradBucket
+from syncline.strategies.comm.parameter_exchange import (
+    ParameterExchange,
+    PrefetchedParameters,
+    front_first,
+    step_in_buckets,
+)
 from syncline.strategies.comm.transfers import all_gather_in_pieces, all_to_all_in_pieces, future_of
 from syncline.strategies.reducer_strategy import ReducerStrategy
 
@@ -55,6 +68,13 @@ if TYPE_CHECKING:
     from syncline.trainer.task import Task
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ReduceScatterState", "ShardedParameterServer", "reduce_scatter_hook"]
+
+#: Why `prefetch` cannot follow manual optimization.
+_PREFETCH_NEEDS = (
+    "prefetch=True leaves each bucket's all-gather in flight until the next forward needs it, but a manual step may "
+    "read the parameters, or step another optimizer over the same buckets, before that forward (a late all-gather "
+    "would then overwrite the newer values); drop prefetch"
+)
 
 #: Optimizers whose update of an element depends on that element alone, so a slice can be stepped alone.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -128,7 +148,7 @@ class Slice:
     grad: Tensor
 
 
-class ShardedParameterServer(ReducerStrategy):
+class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
     """Reduce-scatter gradients, step each rank's slice of the parameters, all-gather them back.
 
     Args:
@@ -136,6 +156,9 @@ class ShardedParameterServer(ReducerStrategy):
         find_unused_parameters: as in `BucketedDDP`.
         backend: "gloo", "nccl", ...; None picks NCCL with CUDA, else gloo.
         timeout: seconds a collective may take before it fails with an error.
+        prefetch: all-gather each bucket as soon as this rank's slices of it are stepped, and let the next forward
+            wait per layer (`comm/parameter_exchange.py`); bit-identical to the blocking all-gather. Automatic
+            optimization only: a task that steps its own optimizers is refused at setup (`manual_optimization_refused`).
 
     Raises:
         TypeError: when the task's optimizer is not one whose update is elementwise (`ELEMENTWISE_OPTIMIZERS`).
@@ -147,12 +170,20 @@ class ShardedParameterServer(ReducerStrategy):
     fixed_layout = True
     fixed_cap_because = "each rank serves fixed slices of fixed buckets: another layout would move its optimizer state"
 
+    @property
+    def manual_optimization_refused(self) -> str:  # type: ignore[override]
+        """Why these options cannot follow manual optimization ("" when they can)."""
+        if self.prefetch:
+            return _PREFETCH_NEEDS
+        return super().manual_optimization_refused
+
     def __init__(
         self,
         bucket_cap_mb: float = 25,
         find_unused_parameters: bool = False,
         backend: str | None = None,
         timeout: float = 300.0,
+        prefetch: bool = False,
     ) -> None:
         super().__init__(
             bucket_cap_mb,
@@ -174,8 +205,26 @@ class ShardedParameterServer(ReducerStrategy):
         self._chunks: list[tuple[int, int]] = []
         #: Every parameter of the buckets (by id), numbered alike on every rank: per-parameter verdicts.
         self._param_index: dict[int, int] = {}
+        self.prefetch = prefetch
+        #: With `prefetch`, the all-gathers in flight (after setup).
+        self.exchange: ParameterExchange | None = None
+        #: The buckets in the order their all-gathers are launched (front layers first with `prefetch`).
+        self._order: list[int] = []
+        self._sent: set[int] = set()
+        #: This rank's slices (what the optimizer steps) in each bucket.
+        self._bucket_slices: list[list[Tensor]] = []
 
     # --------------------------------------------------------------- lifecycle
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """The reduce-scatter behind the backward; the all-gather behind the next forward with `prefetch`, else after
+        the step. Each sends (W-1)/W of the gradients from every node: half the step's wire time each."""
+        return (
+            WirePhase(0.5, "backward", "the reduce-scatter runs bucket by bucket during the backward"),
+            WirePhase(0.5, "forward", "the updated chunks reach each layer before the forward does")
+            if self.prefetch
+            else WirePhase(0.5, "none", "every rank waits for the whole all-gather before the forward"),
+        )
+
     def after_setup(self, task: Task) -> None:
         """Find this rank's slice of every bucket."""
         self._group_params, self._buckets_of, self._stepped = {}, {}, []
@@ -183,7 +232,9 @@ class ShardedParameterServer(ReducerStrategy):
         slices: dict[int, list[Slice]] = {}
         self._chunks = [shard_range(bucket.buffer.numel(), rank, world_size) for bucket in self.reducer.buckets]
         self._param_index = {id(p): i for i, p in enumerate(p for b in self.reducer.buckets for p in b.parameters)}
+        self._bucket_slices = []
         for bucket, (start, stop) in zip(self.reducer.buckets, self._chunks):
+            self._bucket_slices.append([])
             for param, offset in zip(bucket.parameters, bucket.offsets):
                 if not param.is_contiguous():
                     raise ValueError(
@@ -195,7 +246,15 @@ class ShardedParameterServer(ReducerStrategy):
                     flat = param.detach().view(-1)
                     grad = bucket.buffer[offset + first : offset + last]
                     slices.setdefault(id(param), []).append(Slice(param, first, last, flat[first:last], grad))
+                    self._bucket_slices[-1].append(slices[id(param)][-1].value)
         self._slices = slices
+        buckets = [bucket.parameters for bucket in self.reducer.buckets]
+        self._order = list(range(len(buckets)))
+        if self.prefetch:
+            # The layout is fixed: the same buckets, in the same order, every step.
+            self._order = front_first(buckets, task)
+            self.exchange = ParameterExchange(task)
+            self.exchange.set_layout(buckets)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Make `optimizer` step this rank's slices: each param group keeps its hyperparameters.
@@ -293,13 +352,27 @@ class ShardedParameterServer(ReducerStrategy):
         return total
 
     def apply_update(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
-        """Step this rank's slices of `optimizer`'s parameters."""
+        """Step this rank's slices of `optimizer`'s parameters; with `prefetch`, bucket by bucket, each all-gathered as
+        soon as it is stepped."""
         self.setup_optimizer(optimizer)
-        self._stepped = self._buckets_of[id(optimizer)]
-        step()
+        self._sent = set()
+        # A manual step changes only this optimizer's buckets; an automatic one (one optimizer) gathers them all.
+        self._stepped = self._buckets_of[id(optimizer)] if self.manual_optimization else self._order
+        if self.exchange is None:
+            step()
+            return
+        buckets = [(index, self._bucket_slices[index]) for index in self._order]
+        # The optimizer is elementwise (setup_optimizer checked it), so a bucket's slices step as in the whole.
+        step_in_buckets(optimizer, step, buckets, self._launch_gather)
 
     def after_optimizer_step(self) -> None:
-        """All-gather the updated slices of the buckets holding the stepped optimizer's parameters."""
+        """All-gather the stepped buckets' updated slices into the parameters (with `prefetch`, launch those not yet
+        launched, a skipped fp16 step's, and return)."""
+        if self.exchange is not None:
+            for index in self._order:
+                if index not in self._sent:
+                    self._launch_gather(index)
+            return
         self._gather_parameters(self._stepped)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
@@ -354,30 +427,45 @@ class ShardedParameterServer(ReducerStrategy):
     @torch.no_grad()
     def _gather_parameters(self, indices: list[int]) -> None:
         """All-gather the chunks of updated parameter values of the buckets `indices`, into the parameters."""
-        world_size, rank = self.world_size, self.global_rank
-        pending = []
-        buckets = self.reducer.buckets
-        for bucket in (buckets[index] for index in indices):
-            numel = bucket.buffer.numel()
-            chunk = math.ceil(numel / world_size)
-            start, stop = shard_range(numel, rank, world_size)
-            pieces = [
-                param.detach().view(-1)[max(start, offset) - offset : min(stop, offset + param.numel()) - offset]
-                for param, offset in zip(bucket.parameters, bucket.offsets)
-                if max(start, offset) < min(stop, offset + param.numel())
-            ]
-            mine = bucket.buffer.new_zeros(chunk, dtype=bucket.parameters[0].dtype)
-            if pieces:
-                torch.cat(pieces, out=mine[: stop - start])
-            self.comm_counter.add_tensors(mine)
-            # Collective: asynchronous all-gather of every rank's updated chunk of this bucket.
-            gathered, works = all_gather_in_pieces(mine, world_size, async_op=True)
-            pending.append((bucket, gathered, works))
-        for bucket, gathered, works in pending:
+        pending = [(index, *self._start_gather(index)) for index in indices]
+        for index, gathered, works in pending:
             for work in works:
                 work.wait()
-            for param, offset in zip(bucket.parameters, bucket.offsets):
-                param.view(-1).copy_(gathered[offset : offset + param.numel()])
+            self._write_gathered(index, gathered)
+
+    def _launch_gather(self, index: int) -> None:
+        """Launch bucket `index`'s all-gather, landed by the forward that needs its parameters (`prefetch`)."""
+        assert self.exchange is not None
+        self._sent.add(index)
+        gathered, works = self._start_gather(index)
+        self.exchange.launch(index, works, lambda: self._write_gathered(index, gathered))
+
+    @torch.no_grad()
+    def _start_gather(self, index: int) -> tuple[Tensor, list[Any]]:
+        """Start the all-gather of this rank's chunk of bucket `index`'s updated values; return where it lands."""
+        bucket = self.reducer.buckets[index]
+        world_size, rank = self.world_size, self.global_rank
+        numel = bucket.buffer.numel()
+        chunk = math.ceil(numel / world_size)
+        start, stop = shard_range(numel, rank, world_size)
+        pieces = [
+            param.detach().view(-1)[max(start, offset) - offset : min(stop, offset + param.numel()) - offset]
+            for param, offset in zip(bucket.parameters, bucket.offsets)
+            if max(start, offset) < min(stop, offset + param.numel())
+        ]
+        mine = bucket.buffer.new_zeros(chunk, dtype=bucket.parameters[0].dtype)
+        if pieces:
+            torch.cat(pieces, out=mine[: stop - start])
+        self.comm_counter.add_tensors(mine)
+        # Collective: asynchronous all-gather of every rank's updated chunk of this bucket.
+        return all_gather_in_pieces(mine, world_size, async_op=True)
+
+    @torch.no_grad()
+    def _write_gathered(self, index: int, gathered: Tensor) -> None:
+        """Copy bucket `index`'s gathered values into its parameters."""
+        bucket = self.reducer.buckets[index]
+        for param, offset in zip(bucket.parameters, bucket.offsets):
+            param.view(-1).copy_(gathered[offset : offset + param.numel()])
 
     # ------------------------------------------------------------ checkpoints
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -433,7 +521,8 @@ class ShardedParameterServer(ReducerStrategy):
                     optimizer.state[s.value] = {k: _slice_of(k, v, param, s) for k, v in entry.items()}
 
     def __repr__(self) -> str:
-        return f"ShardedParameterServer(bucket_cap_mb={self.bucket_cap_mb})"
+        prefetch = ", prefetch=True" if self.prefetch else ""
+        return f"ShardedParameterServer(bucket_cap_mb={self.bucket_cap_mb}{prefetch})"
 
 
 def _join_slices(optimizer: str, param: Tensor, pieces: list[tuple[int, int, dict[str, Any]]]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.events import CommEvents
 
@@ -187,6 +188,16 @@ class Strategy(ABC):
         step()
         self.comm_counter.close_step()
 
+    def apply_pending_updates(self) -> None:
+        """Finish an optimizer step still in flight: the parameters and optimizer state become every step's.
+
+        The loop calls it before validation, before a checkpoint and at the end of a fit. Only a strategy that
+        defers its updates into the next forward (`BucketedDDP(deferred_update=True)`) has anything to do.
+        """
+
+    def check_fit_options(self, *, gradient_clip_val: float | None, precision: str) -> None:
+        """Raise `OptionError` if the Trainer's options cannot follow this strategy's step (before any launch)."""
+
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Reset gradients after an optimizer step."""
         optimizer.zero_grad(set_to_none=True)
@@ -293,6 +304,11 @@ class Strategy(ABC):
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Restore the whole optimizer state that `optimizer_state_dict` returned (each rank keeps its part)."""
         optimizer.load_state_dict(state)
+
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """What the algorithm's communication may overlap, once past any warm-up (`comm/bound.py`): the lab's
+        algorithmic bound. None here: one process sends nothing."""
+        return ()
 
     def communication_stats(self) -> dict[str, float]:
         """Counters of the last optimizer step: at least `comm/bytes` and `comm/total_bytes`."""

@@ -53,6 +53,7 @@ from torch.utils.hooks import RemovableHandle
 
 from syncline.options import check_number
 from syncline.strategies.comm.backward_sync import BackwardSyncControl
+from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.flat import flatten, unflatten
 from syncline.strategies.comm.process_group import ProcessGroupStrategy, broadcast_coalesced
 
@@ -196,6 +197,10 @@ class TensorFusion(BackwardSyncControl, ProcessGroupStrategy):
         self._init_runtime()
 
     # --------------------------------------------------------------- lifecycle
+    def wire_phases(self) -> tuple[WirePhase, ...]:
+        """Fused all-reduces of what is ready, behind the backward."""
+        return (WirePhase(1.0, "backward", "gradients are fused and reduced as the backward produces them"),)
+
     def setup(self, task: Task) -> None:
         """Copy rank 0's weights, hook every trainable parameter, make the thread's group and start it."""
         task.to(self.root_device)

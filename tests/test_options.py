@@ -78,7 +78,14 @@ def test_good_values_pass():
     ],
 )
 def test_cli_bad_strategy_option_is_one_line_before_any_process_starts(tmp_path, override, expected):
-    args = [f"hydra.run.dir={tmp_path / 'run'}", "strategy=bucketed_ddp", "trainer.devices=2", override, *SMALL]
+    args = [
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "strategy=bucketed_ddp",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        override,
+        *SMALL,
+    ]
     result = _cli(*args, cwd=tmp_path, timeout=60)
     _assert_short_error(result, 2, expected)
 

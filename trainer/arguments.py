@@ -118,6 +118,13 @@ def device_type(accelerator: str, devices: int) -> str | None:
     if accelerator not in ACCELERATORS:
         raise OptionError(f"Unknown accelerator {accelerator!r}. Valid values: {', '.join(ACCELERATORS)}.")
     kind = ACCELERATORS[accelerator]
+    if kind is None and devices > 1 and 0 < torch.cuda.device_count() < devices:
+        # As Lightning: "auto" means the GPUs on a GPU machine, and there are too few for one per process.
+        raise OptionError(
+            f"devices={devices} with accelerator='auto' needs {devices} GPUs, and {torch.cuda.device_count()} "
+            f"is visible: pass accelerator='cpu' to run {devices} processes on the CPU, or devices<="
+            f"{torch.cuda.device_count()}."
+        )
     if kind == "cuda":
         available = torch.cuda.device_count()
         if available == 0:

@@ -87,24 +87,16 @@ def task_by_target(args: Sequence[str]) -> list[str]:
     """Let ``task._target_=module.Class`` replace the default task, arguments and all.
 
     Without a ``task=<option>`` choice, the default task's YAML would stay merged in and its arguments
-    (``n_layer``, ...) would reach the user's class. The override is rewritten to Hydra's own spelling for
-    "drop the group, add a new node" (``~task +task._target_=...``), and every ``task.<key>=<value>`` next to
-    it to ``++task.<key>=<value>``, so the class's own defaults apply to whatever is not given.
-    The same holds for ``data._target_=module.Class`` (the `DataModule`), whose group has no default to drop.
+    (``n_layer``, ...) would reach the user's class. The default group is dropped (Hydra's ``~task``, put
+    before the first ``task.`` override), so the class's own defaults apply to whatever is not given;
+    `constructor_keys` then adds the new node's keys. ``data._target_=...`` needs nothing: the `data`
+    group has no default.
     """
-    rewritten = list(args)
-    for group, default in (("task", ["~task"]), ("data", [])):
-        keys = [arg.partition("=")[0].lstrip("+") for arg in rewritten]
-        if f"{group}._target_" not in keys or group in (key.lstrip("~") for key in keys):
-            continue
-        first = next(i for i, key in enumerate(keys) if key.startswith(f"{group}."))
-        # Where the group's first override stands: after Hydra's flags, among the overrides.
-        rewritten = [
-            "++" + arg.lstrip("+") if key.startswith(f"{group}.") and "=" in arg else arg
-            for arg, key in zip(rewritten, keys)
-        ]
-        rewritten[first:first] = default
-    return rewritten
+    keys = [arg.partition("=")[0].lstrip("+") for arg in args]
+    if "task._target_" not in keys or "task" in (key.lstrip("~") for key in keys):
+        return list(args)
+    first = next(i for i, key in enumerate(keys) if key.startswith("task."))
+    return [*args[:first], "~task", *args[first:]]
 
 
 def constructor_keys(args: Sequence[str]) -> list[str]:

@@ -19,6 +19,7 @@ from syncline.strategies.registry import STRATEGIES
 
 __all__ = [
     "STRATEGY_CONFS",
+    "VARIANT_CONFS",
     "AsyncModelAverageConf",
     "AutoStrategyConf",
     "BucketedDDPConf",
@@ -26,6 +27,8 @@ __all__ = [
     "DecentralizedConf",
     "LocalSGDConf",
     "NativeDDPConf",
+    "NativeDDPPostLocalSGDConf",
+    "NativeDDPPowerSGDConf",
     "ParameterServerConf",
     "PowerSGDConf",
     "QAdamConf",
@@ -118,6 +121,8 @@ class BucketedDDPConf:
     # A list of MiB (the constructor's default is a tuple; BucketedDDP checks every value).
     autotune_caps_mb: Any = (1.0, 5.0, 25.0, 100.0)
     autotune_steps: int = 2
+    deferred_update: bool = False
+    deferred_hold: float = 0.5
 
 
 @dataclass
@@ -127,6 +132,11 @@ class NativeDDPConf:
     _target_: str = "syncline.strategies.native_ddp.NativeDDP"
     backend: str | None = None
     timeout: float = 300.0
+    # torch's relaxations: None, "powersgd" or "post_local_sgd" (strategy=native_ddp_powersgd, ...).
+    comm_hook: str | None = None
+    powersgd_rank: int = 4
+    start_iter: int | None = None
+    averaging_period: int = 4
     # Passed through to DistributedDataParallel, with torch's defaults.
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
@@ -143,6 +153,7 @@ class ByteGradConf:
     bucket_cap_mb: float = 25.0
     error_feedback: bool = True
     find_unused_parameters: bool = False
+    comm_thread: bool = True
     backend: str | None = None
     timeout: float = 300.0
 
@@ -196,6 +207,7 @@ class DecentralizedConf:
     peers: str = "shift_one"
     period: int = 1
     compression: str | None = None
+    prefetch: bool = False
     backend: str | None = None
     timeout: float = 300.0
 
@@ -235,6 +247,7 @@ class ParameterServerConf:
     find_unused_parameters: bool = False
     backend: str | None = None
     timeout: float = 300.0
+    prefetch: bool = False
 
 
 @dataclass
@@ -246,7 +259,28 @@ class ShardedParameterServerConf:
     find_unused_parameters: bool = False
     backend: str | None = None
     timeout: float = 300.0
+    prefetch: bool = False
 
+
+@dataclass
+class NativeDDPPowerSGDConf(NativeDDPConf):
+    """``strategy=native_ddp_powersgd``: torch's DDP with torch's PowerSGD hook, at `powersgd`'s defaults."""
+
+    comm_hook: str | None = "powersgd"
+
+
+@dataclass
+class NativeDDPPostLocalSGDConf(NativeDDPConf):
+    """``strategy=native_ddp_post_local_sgd``: torch's post-local SGD hook and averager, at `local_sgd`'s defaults."""
+
+    comm_hook: str | None = "post_local_sgd"
+
+
+#: Registered configs that are options of a registered strategy, not strategies of their own.
+VARIANT_CONFS: dict[str, type] = {
+    "native_ddp_powersgd": NativeDDPPowerSGDConf,
+    "native_ddp_post_local_sgd": NativeDDPPostLocalSGDConf,
+}
 
 #: The config of each strategy, by the name it has in `strategies.STRATEGIES` ("auto" is the Trainer's).
 STRATEGY_CONFS: dict[str, type] = {
@@ -292,6 +326,8 @@ def register_configs() -> None:
         # A config whose class is not registered (yet) would only fail later, at instantiation.
         if name == "auto" or name in STRATEGIES:
             store.store(group="strategy", name=name, node=conf)
+    for name, conf in VARIANT_CONFS.items():
+        store.store(group="strategy", name=name, node=conf)
 
 
 register_configs()

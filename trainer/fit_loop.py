@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import math
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -122,6 +122,8 @@ class FitLoop:
             self.end_epoch()
         while not self._done():
             self.run_epoch()
+        # A deferred optimizer step lands before anyone reads the trained weights.
+        self.trainer.strategy.apply_pending_updates()
         self.trainer.preemption.finish()
         self.fire(Callback.on_train_end)
 
@@ -202,6 +204,7 @@ class FitLoop:
         """Resolve the epoch's aggregates, fire ``on_train_epoch_end`` in Lightning's order, log what they logged."""
         trainer, results = self.trainer, self.trainer.results
         results.epoch_end()
+        self.land_before(Callback.on_train_epoch_end)
         trainer.dispatcher.fire_epoch_end(Callback.on_train_epoch_end, monitoring=False)
         results.epoch_end()
         trainer.log_metrics(results.pop_epoch_logs())
@@ -238,6 +241,7 @@ class FitLoop:
         """Validate after training batch `batch_idx`; a checkpoint saved by validation's hooks says so."""
         self.state.validated_after = batch_idx
         trainer = self.trainer
+        trainer.strategy.apply_pending_updates()  # validate the weights of every step taken
         # Validating (how often, on how many batches, or not at all) never moves the training run's RNG.
         with isolated_rng():
             trainer.evaluation.run("validate", trainer.val_dataloaders, trainer.num_val_batches)
@@ -344,6 +348,7 @@ class FitLoop:
             self.optimizer_step(is_last, batch_idx, apply=self._window_losses > 0)
         # Counted before the batch-end hooks, so a checkpoint taken there resumes after this batch.
         self.state.batch_idx = batch_idx + 1
+        self.land_before(Callback.on_train_batch_end)
         self.fire(Callback.on_train_batch_end, outputs, batch, batch_idx)
         if window_end:
             self.flush_step_logs()
@@ -384,6 +389,11 @@ class FitLoop:
     def transfer(self, batch: Any) -> Any:
         """Move a training batch to the device through the batch-transfer hooks (those the task overrides)."""
         return self._transfer(batch, 0)
+
+    def land_before(self, hook: Callable[..., None]) -> None:
+        """Land a step in flight (`Strategy.apply_pending_updates`) if a listener of `hook` may read the weights."""
+        if self.trainer.dispatcher.reads_parameters(hook):
+            self.trainer.strategy.apply_pending_updates()
 
     def flush_step_logs(self, force: bool = False) -> None:
         """Send the step values to the loggers at a logging step (every `log_every_n_steps` steps, a stop, or

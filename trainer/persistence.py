@@ -51,6 +51,8 @@ def checkpoint_state(trainer: Trainer, weights_only: bool = False) -> dict[str, 
     DataModule state are kept, as in Lightning: `load_from_checkpoint` reads it, a resume refuses it.
     """
     task, loop, optim, strategy = trainer.task, trainer.fit_loop, trainer.optim, trainer.strategy
+    # An optimizer step still in flight (deferred updates) lands first: the weights saved are every step's.
+    strategy.apply_pending_updates()
     hparams = to_primitive(task.hparams)
     checkpoint: dict[str, Any] = {
         "syncline_format": FORMAT_VERSION,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.prediction_writer import BasePredictionWriter
 from syncline.trainer import persistence
@@ -18,9 +20,10 @@ from syncline.trainer.optim import parse_optimizers
 from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
+    from syncline.trainer.task import Task
     from syncline.trainer.trainer import Trainer
 
-__all__ = ["evaluation_stage", "evaluation_target", "fit_stage"]
+__all__ = ["evaluation_stage", "evaluation_target", "fit_stage", "release_device"]
 
 _LIMITS = {"validate": "limit_val_batches", "test": "limit_test_batches", "predict": "limit_predict_batches"}
 
@@ -112,3 +115,20 @@ def evaluation_target(stage: str, task: Any, model: Any, ckpt_path: Any, fitted:
             "Lightning does; pass ckpt_path='best', 'last' or a path to silence this."
         )
     return fitted, "best" if ckpt_path is None else ckpt_path
+
+
+def release_device(task: Task, optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
+    """After a stage on a GPU, move the task and its optimizers' state to the CPU, as Lightning's teardown does.
+
+    The trained task then sits where the user built it, and the GPU's memory is free for what comes next.
+    """
+    if device.type == "cpu":
+        return
+    task.cpu()
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.cpu()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

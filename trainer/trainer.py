@@ -34,7 +34,7 @@ from syncline.trainer.precision import Precision
 from syncline.trainer.preemption import PreemptionWatch, TrainingPreempted
 from syncline.trainer.results import ResultCollection
 from syncline.trainer.seed import seed_everything, set_deterministic
-from syncline.trainer.stages import evaluation_stage, evaluation_target, fit_stage
+from syncline.trainer.stages import evaluation_stage, evaluation_target, fit_stage, release_device
 from syncline.trainer.state import TrainerState
 from syncline.trainer.task import Task
 
@@ -361,6 +361,7 @@ class Trainer:
         data = kwargs.get("dataloaders")
         if stage == "fit" and isinstance(task, Task):
             check_optimization_mode(self, task)  # Lightning's rules for manual optimization, before any launch
+            self.strategy.check_fit_options(gradient_clip_val=self.gradient_clip_val, precision=self.precision_name)
         if self.devices > 1 and not launched_by_torchrun():
             # The launcher checks the options against the world size before it looks at the task.
             return launch(self, stage, task, dict(kwargs, datamodule=self.datamodule, ckpt_path=ckpt_path, **options))
@@ -419,6 +420,7 @@ class Trainer:
             finally:
                 self.strategy.teardown()
                 self.state.stage = ""
+                release_device(task, self.optimizers, self.strategy.root_device)
 
     # ----------------------------------------------------------------- logging
     def log_metrics(self, metrics: dict[str, Tensor | float], step: int | None = None) -> None:

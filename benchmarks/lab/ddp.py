@@ -1,9 +1,9 @@
 """The DDP paper's overlap and bucket-size experiments again, on shaped links (docs/performance.md, §9).
 
-The same job as `benchmarks/ddp_suite.py` (every variant trains its own copy of the workload on a fixed
-batch, blocks rotated per repeat, each step counted with its slower rank's phases), but as a two-node
-torchrun job in the network lab (`benchmarks/lab/cluster.py`), so that the wire, not the two shared cores,
-is what communication waits for. At each rate it reports the step time per variant, the overlap gain
+The same job as the suite's DDP comparison (`benchmarks/ddp.py`: every variant trains its own copy of the
+workload on a fixed batch, blocks rotated per repeat, each step counted with its slower rank's phases), but
+as a two-node torchrun job in the network lab (`benchmarks/lab/cluster.py`), so that the wire, not the two
+shared cores, is what communication waits for. At each rate it reports the step time per variant, the overlap gain
 (no-overlap / overlap at the same cap) and the bucket-size effect (slowest cap / fastest cap), next to
 the link's bound for the step's bytes.
 
@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from ..common import RESULTS, write_json
-from ..ddp_suite import ALL_IN_ONE_MB, DDPPlan, Variant, rank_timings, summarize_job
+from ..ddp import Variant, rank_timings, summarize_job
+from ..plans import PLANS, Plan
 from .cluster import (
     add_worker_argument,
     lab_rate,
@@ -32,10 +33,11 @@ from .cluster import (
 
 __all__ = ["lab_variants", "run_lab_ddp"]
 
-CAPS_MB = (0.0, 1.0, 4.0, 25.0, ALL_IN_ONE_MB)
+#: The command's defaults: the suite's full plan of this job.
+DEFAULT_PLAN = PLANS["full"]["lab_ddp"]
 
 
-def lab_variants(caps_mb: tuple[float, ...] = CAPS_MB) -> list[Variant]:
+def lab_variants(caps_mb: tuple[float, ...] = DEFAULT_PLAN.caps_mb) -> list[Variant]:
     """`local`, torch's DDP at its defaults, and BucketedDDP at each cap with and without overlap."""
     variants = [Variant("local", "local"), Variant("native default", "native"), Variant("bucketed default", "bucketed")]
     for cap in caps_mb:
@@ -52,7 +54,7 @@ def _worker(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    plan = DDPPlan(**spec["plan"])
+    plan = Plan(**spec["plan"])
     variants = [Variant(**v) for v in spec["variants"]]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timings = rank_timings(rank, world, spec["workload"], spec["size"], variants, plan, spec["timeout"], "cpu")
@@ -64,7 +66,7 @@ def _worker(spec: dict[str, Any]) -> None:
 
 
 def run_lab_ddp(
-    rate: str | None, workload: str, plan: DDPPlan, variants: list[Variant], nodes: int = 2, timeout: float = 3000.0
+    rate: str | None, workload: str, plan: Plan, variants: list[Variant], nodes: int = 2, timeout: float = 3000.0
 ) -> dict[str, Any]:
     """Run the variants as a `nodes`-node job at `rate`; return `summarize_job`'s result plus the link's figures."""
     spec = {
@@ -106,11 +108,11 @@ def _report(result: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's options."""
     add_worker_argument(parser)
-    parser.add_argument("--rates", type=lab_rate, nargs="+", default=["1gbit", "100mbit"], help="tc rates, or none")
+    parser.add_argument("--rates", type=lab_rate, nargs="+", default=list(DEFAULT_PLAN.rates), help="tc rates, or none")
     parser.add_argument("--workload", default="bert", choices=["bert", "cnn"])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per repeat")
-    parser.add_argument("--caps", type=float, nargs="+", default=list(CAPS_MB))
+    parser.add_argument("--repeats", type=int, default=DEFAULT_PLAN.repeats)
+    parser.add_argument("--steps", type=int, default=DEFAULT_PLAN.steps, help="timed steps per variant per repeat")
+    parser.add_argument("--caps", type=float, nargs="+", default=list(DEFAULT_PLAN.caps_mb))
     parser.add_argument("--out", type=Path, default=RESULTS / "lab_ddp.json")
 
 
@@ -120,7 +122,7 @@ def command(args: argparse.Namespace) -> int | None:
         return 0
     if skipped_without_namespaces("lab_ddp"):
         return 0
-    plan = DDPPlan(caps_mb=tuple(args.caps), sync_every=(1,), repeats=args.repeats, steps=args.steps)
+    plan = replace(DEFAULT_PLAN, caps_mb=tuple(args.caps), repeats=args.repeats, steps=args.steps)
     variants = lab_variants(tuple(args.caps))
     results = []
     for rate in args.rates:

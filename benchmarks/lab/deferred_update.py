@@ -168,6 +168,8 @@ def _worker(spec: dict[str, Any]) -> None:
                 super().zero_grad(optimizer)
 
     class StepClock(Callback):
+        reads_parameters = False  # a step in flight stays in flight
+
         def __init__(self) -> None:
             self.marks: list[float] = []
 

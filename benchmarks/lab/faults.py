@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -218,13 +219,17 @@ def run(strategies: Sequence[str], faults: Sequence[str], timeout: float, out: P
         "dir": str(work),
         "result": str(work / "result.json"),
     }
-    lab = subprocess.Popen(
-        ["unshare", "-mn", sys.executable, "-m", MODULE, "lab", "faults", _INSIDE, json.dumps(spec)],
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    lab.wait()
-    records = json.loads(Path(spec["result"]).read_text())
+    try:
+        lab = subprocess.Popen(
+            ["unshare", "-mn", sys.executable, "-m", MODULE, "lab", "faults", _INSIDE, json.dumps(spec)],
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        lab.wait()
+        records = json.loads(Path(spec["result"]).read_text())
+    finally:
+        # The records keep the logs' tails; the runs' folders (checkpoints, logs) go.
+        shutil.rmtree(work, ignore_errors=True)
     if out is not None:
         # The logs' tails stay in the returned records (tests show them); the file keeps the figures.
         kept = [{k: v for k, v in record.items() if k != "log_tail"} for record in records]

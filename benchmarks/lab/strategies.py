@@ -20,6 +20,13 @@ is the cap it chose):
 measured / bound near 1 means the strategy waits for nothing but its own bytes on the wire (or its own
 compute); well above 1 means it leaves the link idle while it waits, or waits on something else.
 
+Beside it, the **algorithmic bound** (`syncline.strategies.comm.bound`): the link bound assumes every second of
+compute can hide wire time, but an algorithm allows less (local SGD's averaging follows the step; a gradient
+all-reduce can hide only behind the backward). Each strategy declares its wire phases (`Strategy.wire_phases`);
+the local step is split into forward, backward and optimizer step by `local_phases` (timed in this process,
+before the clusters run), and measured / algorithmic bound says how far the implementation is from what its
+algorithm allows.
+
     python -m benchmarks lab strategies --nodes 2 4 --rates none 1gbit 100mbit --steps 12
 """
 
@@ -84,13 +91,27 @@ DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("local_sgd", "local_sgd", {"period": 4}),
     ("decentralized", "decentralized", {}),
     ("decentralized all uint8", "decentralized", {"peers": "all", "compression": "uint8"}),
+    ("decentralized all uint8 prefetch", "decentralized", {"peers": "all", "compression": "uint8", "prefetch": True}),
     ("async_model_average", "async_model_average", {}),
     ("tensor_fusion", "tensor_fusion", {}),
     ("parameter_server", "parameter_server", {}),
     ("sharded_parameter_server", "sharded_parameter_server", {}),
+    # torch's relaxations at the settings of the rows they are compared with (powersgd, local_sgd above).
+    ("torch powersgd", "native_ddp", {"comm_hook": "powersgd", "start_iter": 2}),
+    ("torch post-local sgd", "native_ddp", {"comm_hook": "post_local_sgd"}),
+    ("bucketed_ddp deferred", "bucketed_ddp", {"bucket_cap_mb": 1, "first_bucket_mb": 1, "deferred_update": True}),
+    # 1 MiB buckets, so the next forward can start on the first layers' parameters (blocking at the same cap beside).
+    ("parameter_server cap=1", "parameter_server", {"bucket_cap_mb": 1}),
+    ("sharded_parameter_server cap=1", "sharded_parameter_server", {"bucket_cap_mb": 1}),
+    ("parameter_server prefetch", "parameter_server", {"bucket_cap_mb": 1, "prefetch": True}),
+    ("sharded_parameter_server prefetch", "sharded_parameter_server", {"bucket_cap_mb": 1, "prefetch": True}),
     ("local (end)", "local_sgd", {"period": 1_000_000}),
 ]
 
+
+#: Forward, backward and AdamW step of `DEFAULT_MODEL` in ms, timed alone in one thread (`--phases`, 2026-11-25,
+#: docs/performance.md section 9): the split of the local step for runs recorded without their own.
+DEFAULT_PHASES_MS = {"forward": 27.9, "backward": 49.6, "optimizer": 11.1}
 
 #: The rows without communication that give the bound its local step time (not `local_sgd`, which averages).
 LOCAL_LABELS = ("local", "local (end)")
@@ -141,6 +162,8 @@ def _worker(spec: dict[str, Any]) -> None:
 
     class LinkRecorder(Callback):
         """After each optimizer step: the time, the link's counters, `comm/bytes` and the machine's busy CPU."""
+
+        reads_parameters = False  # a step in flight stays in flight
 
         def __init__(self) -> None:
             self.marks: list[tuple[float, int, int, float, float]] = []
@@ -240,8 +263,12 @@ def run_strategies(
     model: dict[str, Any] | None = None,
     timeout: float = 1800.0,
     slow_start_after_idle: bool = True,
+    phases_ms: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every strategy on a lab cluster of `nodes` nodes at `rate`; return one row per strategy."""
+    """Run every strategy on a lab cluster of `nodes` nodes at `rate`; return one row per strategy.
+
+    `phases_ms` splits the local step into forward, backward and optimizer step for the algorithmic bound.
+    """
     spec = {
         "strategies": strategies or DEFAULT_STRATEGIES,
         "steps": steps,
@@ -249,12 +276,32 @@ def run_strategies(
         "model": model or DEFAULT_MODEL,
     }
     records = run_worker_job("strategies", spec, nodes, rate, timeout, slow_start_after_idle)
-    return lab_rows(records, nodes, rate)
+    return lab_rows(records, nodes, rate, phases_ms)
 
 
-def lab_rows(records: list[dict[str, Any]], nodes: int, rate: str | None) -> list[dict[str, Any]]:
-    """Add to each strategy's record the busiest node's bytes, the link bound and measured/bound."""
+def phase_fractions(phases_ms: dict[str, float] | None) -> dict[str, float]:
+    """The shares of the local step spent in the forward and the backward (the rest is the optimizer step)."""
+    phases = phases_ms or DEFAULT_PHASES_MS
+    total = sum(phases.values())
+    return {"forward": phases["forward"] / total, "backward": phases["backward"] / total}
+
+
+def wire_phases_of(name: str, options: dict[str, Any]) -> tuple[Any, ...]:
+    """The registered strategy's declared wire phases with these options (built, not set up)."""
+    from syncline.strategies import STRATEGIES
+
+    return STRATEGIES[name](**options).wire_phases()
+
+
+def lab_rows(
+    records: list[dict[str, Any]], nodes: int, rate: str | None, phases_ms: dict[str, float] | None = None
+) -> list[dict[str, Any]]:
+    """Add to each strategy's record the busiest node's bytes, the link bound and measured/bound, and the
+    algorithmic bound and measured/algorithmic bound (`phases_ms` splits the local step; None: the documented one)."""
+    from syncline.strategies.comm.bound import algorithmic_bound
+
     rate_bps = parse_rate(rate) if rate else None
+    fractions = phase_fractions(phases_ms)
     local = min((r["step_s"] for r in records if r["label"] in LOCAL_LABELS), default=None)
     rows = []
     for record in records:
@@ -278,13 +325,19 @@ def lab_rows(records: list[dict[str, Any]], nodes: int, rate: str | None) -> lis
             bound = link_bound(local, sent, rate_bps) if rate_bps else local
             row["bound_s"] = round(bound, 4)
             row["measured_over_bound"] = round(record["step_s"] / bound, 3)
+            if "strategy" in record and record["label"] not in LOCAL_LABELS:
+                wire = max(sent) * 8.0 / rate_bps if rate_bps else 0.0
+                phases = wire_phases_of(record["strategy"], record.get("options", {}))
+                algorithmic = algorithmic_bound(phases, local, wire, fractions)
+                row["algorithmic_bound_s"] = round(algorithmic, 4)
+                row["measured_over_algorithmic"] = round(record["step_s"] / algorithmic, 3)
         rows.append(row)
     return rows
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = "| strategy | nodes | link | s/step | busiest node sent/step | comm/bytes | wire/comm | bound s | measured/bound | CPU floor s |"  # noqa: E501
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    head = "| strategy | nodes | link | s/step | busiest node sent/step | comm/bytes | wire/comm | bound s | measured/bound | algorithmic bound s | measured/algorithmic | CPU floor s |"  # noqa: E501
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = r["wire_over_comm"] if r["wire_over_comm"] is not None else "-"
         cells = [
@@ -297,6 +350,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
             ratio,
             f"{r.get('bound_s', float('nan')):.3f}",
             f"{r.get('measured_over_bound', float('nan')):.2f}",
+            f"{r['algorithmic_bound_s']:.3f}" if "algorithmic_bound_s" in r else "-",
+            f"{r['measured_over_algorithmic']:.2f}" if "measured_over_algorithmic" in r else "-",
             f"{r['cpu_floor_s']:.3f}" if "cpu_floor_s" in r else "-",
         ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
@@ -304,7 +359,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def grid_table(rows: list[dict[str, Any]]) -> str:
-    """One row per strategy, one column per (nodes, link) cell: seconds per step and measured/bound."""
+    """One row per strategy, one column per (nodes, link) cell: seconds per step, measured/link bound and
+    measured/algorithmic bound."""
     order = {"unshaped": 0, "1gbit": 1, "100mbit": 2}
     cells = sorted(dict.fromkeys((r["nodes"], r["rate"]) for r in rows), key=lambda c: (c[0], order.get(c[1], 3)))
     labels = list(dict.fromkeys(r["label"] for r in rows if r["label"] != "local (end)"))
@@ -317,7 +373,13 @@ def grid_table(rows: list[dict[str, Any]]) -> str:
         line = [label]
         for nodes, rate in cells:
             r = found.get((nodes, rate, label))
-            line.append("-" if r is None else f"{r['step_s']:.3f} s, {r.get('measured_over_bound', float('nan')):.2f}x")
+            if r is None:
+                line.append("-")
+                continue
+            cell = f"{r['step_s']:.3f} s, {r.get('measured_over_bound', float('nan')):.2f}x"
+            if "measured_over_algorithmic" in r:
+                cell += f" (alg. {r['measured_over_algorithmic']:.2f}x)"
+            line.append(cell)
         lines.append("| " + " | ".join(line) + " |")
     return "\n".join(lines)
 
@@ -366,7 +428,11 @@ def command(args: argparse.Namespace) -> int | None:
         return 0
     model = {**DEFAULT_MODEL, **model_overrides(args.model)}
     if args.table:
-        print(grid_table([row for path in args.table for row in json.loads(path.read_text())["rows"]]))
+        rows = []
+        for path in args.table:
+            run = json.loads(path.read_text())
+            rows += _with_algorithmic_bound(run)
+        print(grid_table(rows))
         return 0
     if args.phases:
         print(json.dumps({"model": model, "phases_ms": local_phases(model)}))
@@ -374,17 +440,59 @@ def command(args: argparse.Namespace) -> int | None:
     if skipped_without_namespaces("lab_strategies"):
         return 0
     strategies = select_strategies(args.only or ())
+    # Timed here, before any cluster runs: the split of the local step the algorithmic bound needs.
+    phases_ms = local_phases(model)
     rows: list[dict[str, Any]] = []
     for nodes in args.nodes:
         for rate in args.rates:
             started = time.monotonic()
             idle_restart = not args.no_slow_start_after_idle
             new = run_strategies(
-                nodes, rate, strategies, args.steps, args.warmup, model=model, slow_start_after_idle=idle_restart
+                nodes,
+                rate,
+                strategies,
+                args.steps,
+                args.warmup,
+                model=model,
+                slow_start_after_idle=idle_restart,
+                phases_ms=phases_ms,
             )
             print(
                 f"\n{nodes} nodes, {rate or 'unshaped'} ({time.monotonic() - started:.0f} s)\n{_table(new)}", flush=True
             )
             rows += new
-    write_json(args.out, {"steps": args.steps, "warmup": args.warmup, "model": model, "rows": rows})
+    write_json(
+        args.out, {"steps": args.steps, "warmup": args.warmup, "model": model, "phases_ms": phases_ms, "rows": rows}
+    )
     return 0
+
+
+def _with_algorithmic_bound(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """A run's rows, with the algorithmic bound added where it was recorded before the bound existed.
+
+    Old rows carry the label but not the registered name and options: they are looked up in `DEFAULT_STRATEGIES`.
+    """
+    phases = run.get("phases_ms")
+    known = {label: (name, options) for label, name, options in DEFAULT_STRATEGIES}
+    rows = []
+    for row in run["rows"]:
+        if "algorithmic_bound_s" not in row and row["label"] in known and "bound_s" in row:
+            row = dict(row)
+            name, options = known[row["label"]]
+            if row["label"] not in LOCAL_LABELS:
+                from syncline.strategies.comm.bound import algorithmic_bound
+
+                rate_bps = parse_rate(row["rate"]) if row["rate"] != "unshaped" else None
+                wire = row["busiest_sent_per_step"] * 8.0 / rate_bps if rate_bps else 0.0
+                local = row["bound_s"] if not rate_bps else _local_of(run["rows"], row)
+                bound = algorithmic_bound(wire_phases_of(name, options), local, wire, phase_fractions(phases))
+                row["algorithmic_bound_s"] = round(bound, 4)
+                row["measured_over_algorithmic"] = round(row["step_s"] / bound, 3)
+        rows.append(row)
+    return rows
+
+
+def _local_of(rows: list[dict[str, Any]], row: dict[str, Any]) -> float:
+    """The local step of `row`'s cell: the faster of its `local` rows."""
+    cell = (row["nodes"], row["rate"])
+    return min(r["step_s"] for r in rows if r["label"] in LOCAL_LABELS and (r["nodes"], r["rate"]) == cell)

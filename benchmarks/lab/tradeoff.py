@@ -14,6 +14,13 @@ which every synchronous strategy shares and which the asynchronous ones meet at 
 steps it took, seconds per step, the bytes per step the strategy handed to collectives (`comm/bytes`),
 and the speed-up over `bucketed_ddp` in the same cell.
 
+torch's own relaxations run in the same cells as syncline's, at the same settings: `native_ddp` with torch's
+PowerSGD hook (rank 4, 10 exact iterations, as `powersgd`) and with torch's post-local SGD hook and
+`PeriodicModelAverager` (period 4, no warm-up, as `local_sgd`); each row also shows the ratio of syncline's
+time to torch's. They run in torchrun jobs of their own (`ISOLATED`), so a run that fails (torch's PowerSGD hook
+died of a collective-size mismatch on gloo in 1 of 13 runs) is recorded as a failure and counted over repeats
+(``--repeat``) instead of ending the grid.
+
     python -m benchmarks lab tradeoff --nodes 2 4 --rates none 1gbit 100mbit   # about 50 minutes
     python -m benchmarks lab tradeoff --plot docs/img/tradeoff.png --write docs/performance.md  # from the JSON
 """
@@ -38,7 +45,18 @@ from .cluster import (
     skipped_without_namespaces,
 )
 
-__all__ = ["STRATEGIES", "TARGET_LOSS", "fill_page", "grid_tables", "run_cell", "speedups", "table"]
+__all__ = [
+    "COUNTERPARTS",
+    "ISOLATED",
+    "STRATEGIES",
+    "TARGET_LOSS",
+    "fill_page",
+    "grid_tables",
+    "run_cell",
+    "run_cell_counting_failures",
+    "speedups",
+    "table",
+]
 
 #: The validation loss every run trains to. The default run (`python -m syncline`) ends its epoch at
 #: about 1.69 on 20 validation batches; `bucketed_ddp` reaches this at about 60% of the epoch, which
@@ -59,7 +77,14 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("async_model_average", "async_model_average", {}),
     ("parameter_server", "parameter_server", {}),
     ("sharded_parameter_server", "sharded_parameter_server", {}),
+    ("torch powersgd", "native_ddp", {"comm_hook": "powersgd"}),
+    ("torch post-local sgd", "native_ddp", {"comm_hook": "post_local_sgd"}),
 ]
+
+#: torch's rows, each run in a torchrun job of its own so that a failure is counted, not fatal.
+ISOLATED = ("torch powersgd", "torch post-local sgd")
+#: Each torch row beside the syncline strategy it is compared with: (torch's label, syncline's label).
+COUNTERPARTS = {"torch powersgd": "powersgd", "torch post-local sgd": "local_sgd"}
 
 GLOBAL_BATCH = 32
 
@@ -153,21 +178,59 @@ def run_cell(
     return records
 
 
+def run_cell_counting_failures(
+    nodes: int, rate: str | None, strategies: list[tuple[str, str, dict[str, Any]]], **options: Any
+) -> list[dict[str, Any]]:
+    """`run_cell` for the shared strategies in one job, and each `ISOLATED` one in a job of its own, whose failure
+    becomes a record (``failed``, the error's last line) instead of ending the grid."""
+    shared = [s for s in strategies if s[0] not in ISOLATED]
+    records = run_cell(nodes, rate, shared, **options) if shared else []
+    for strategy in (s for s in strategies if s[0] in ISOLATED):
+        try:
+            records += run_cell(nodes, rate, [strategy], **options)
+        except RuntimeError as error:
+            label, name, strategy_options = strategy
+            last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+            print(f"{label}: failed ({last})", flush=True)
+            records.append(
+                {
+                    "label": label,
+                    "strategy": name,
+                    "options": strategy_options,
+                    "reached": False,
+                    "failed": True,
+                    "error": last[-500:],
+                    "steps": 0,
+                    "seconds": 0.0,
+                    "step_s": 0.0,
+                    "comm_bytes_per_step": 0.0,
+                    "nodes": nodes,
+                    "rate": rate or "unshaped",
+                }
+            )
+    return records
+
+
 def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (nodes, rate, label): its median run by seconds to the target (never reached: slowest).
 
-    The row gains ``repeats`` and ``seconds_runs`` (every run's seconds, a run that never reached the
-    target as inf). With an even number of runs the lower median counts.
+    Failed runs (``failed``) are left out of the median and counted: the row gains ``failures``, with
+    ``repeats`` (every run, failed ones included) and ``seconds_runs`` (the runs that did not fail, one that never
+    reached the target as inf). With an even number of runs the lower median counts; a cell whose every run
+    failed keeps a failed row.
     """
     groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["nodes"], r["rate"], r["label"]), []).append(r)
     out = []
-    for runs in groups.values():
-        runs = sorted(runs, key=lambda r: r["seconds"] if r["reached"] else math.inf)
-        median = runs[(len(runs) - 1) // 2]
+    for group in groups.values():
+        runs = sorted(
+            (r for r in group if not r.get("failed")), key=lambda r: r["seconds"] if r["reached"] else math.inf
+        )
+        failures = len(group) - len(runs)
+        median = runs[(len(runs) - 1) // 2] if runs else group[0]
         seconds = [r["seconds"] if r["reached"] else math.inf for r in runs]
-        out.append({**median, "repeats": len(runs), "seconds_runs": seconds})
+        out.append({**median, "repeats": len(group), "failures": failures, "seconds_runs": seconds})
     return out
 
 
@@ -202,7 +265,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             r["nodes"],
             r["rate"],
             r["label"],
-            f"{r['seconds']:.1f}" if r["reached"] else f"not reached ({r['seconds']:.0f} s)",
+            _seconds(r),
             r["steps"],
             f"{r['step_s']:.3f}",
             f"{r['comm_bytes_per_step'] / 1e6:.2f} MB",
@@ -212,12 +275,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _seconds(r: dict[str, Any]) -> str:
+    if r.get("failed"):
+        return f"failed ({r.get('error', '')[:80]})"
+    return f"{r['seconds']:.1f}" if r["reached"] else f"not reached ({r['seconds']:.0f} s)"
+
+
 def _speedup(up: float | None) -> str:
     return "-" if up is None else ("never" if up == 0 else f"{up:.2f}x")
 
 
 def grid_tables(data: dict[str, Any]) -> str:
-    """Per node count, one row per strategy: seconds (steps) to the target and the speed-up, per link rate."""
+    """Per node count, one row per strategy: seconds (steps) to the target and the speed-up, per link rate; torch's
+    rows also say how many of their runs failed, and syncline's counterpart's time over theirs."""
     rows = medians(data["rows"])
     ups = speedups(rows)
     labels = [label for label, _, _ in STRATEGIES if any(r["label"] == label for r in rows)]
@@ -239,10 +309,18 @@ def grid_tables(data: dict[str, Any]) -> str:
                 if r is None:
                     line += ["-", "-"]
                     continue
-                seconds = f"{r['seconds']:.1f} ({r['steps']})" if r["reached"] else f"> {r['seconds']:.0f} (never)"
+                if r.get("failed"):
+                    seconds = "failed"
+                else:
+                    seconds = f"{r['seconds']:.1f} ({r['steps']})" if r["reached"] else f"> {r['seconds']:.0f} (never)"
                 if r["repeats"] > 1:
                     finite = [x for x in r["seconds_runs"] if math.isfinite(x)]
                     seconds += f", {min(finite):.1f}-{max(finite):.1f}" if finite else ""
+                if r.get("failures"):
+                    seconds += f", {r['failures']}/{r['repeats']} failed"
+                ours = cells.get((rate, COUNTERPARTS.get(label, "")))
+                if ours is not None and r["reached"] and ours["reached"]:
+                    seconds += f"; {COUNTERPARTS[label]} {r['seconds'] / ours['seconds']:.2f}x sooner"
                 line += [seconds, _speedup(ups.get((nodes, rate, label)))]
             lines.append("| " + " | ".join(line) + " |")
         out.append("\n".join(lines))
@@ -334,7 +412,7 @@ def command(args: argparse.Namespace) -> int | None:
     for nodes in args.nodes:
         for rate in args.rates:
             started = time.monotonic()
-            new = run_cell(nodes, rate, strategies, args.target, args.max_steps)
+            new = run_cell_counting_failures(nodes, rate, strategies, target=args.target, max_steps=args.max_steps)
             took = time.monotonic() - started
             print(f"\n{nodes} nodes, {rate or 'unshaped'} ({took:.0f} s)\n{table(new)}", flush=True)
             done = {(r["nodes"], r["rate"], r["label"]) for r in new}

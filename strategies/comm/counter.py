@@ -13,7 +13,9 @@ are not counted.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, fields
+from typing import Any
 
 from torch import Tensor
 
@@ -33,11 +35,21 @@ class CommCounter:
         self.step_bytes = 0
         self.total_bytes = 0
         self.open_bytes = 0
+        # A communication thread (`comm/comm_thread.py`) counts while the main thread does.
+        self._lock = threading.Lock()
 
     def add(self, nbytes: int) -> None:
-        """Count `nbytes` handed to a collective in the current step."""
-        self.open_bytes += int(nbytes)
-        self.total_bytes += int(nbytes)
+        """Count `nbytes` handed to a collective in the current step (from any thread)."""
+        with self._lock:
+            self.open_bytes += int(nbytes)
+            self.total_bytes += int(nbytes)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if key != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def add_tensors(self, *tensors: Tensor) -> None:
         """Count the sizes of `tensors`, each handed to a collective."""

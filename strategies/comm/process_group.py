@@ -116,6 +116,12 @@ def init_process_group_from_env(backend: str | None = None, timeout: float = DEF
         return True
     env = DistributedEnv.from_environ()
     if backend == "nccl":
+        if env.local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK={env.local_rank} has no GPU of its own: {torch.cuda.device_count()} visible, and NCCL "
+                "needs one per process. Start at most that many processes per node, or compute on the CPU "
+                "(accelerator='cpu', or backend='gloo')."
+            )
         torch.cuda.set_device(env.local_rank)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # Started by an elastic agent that hosts the store (torchrun's c10d rendezvous, or `launch`'s on
@@ -288,11 +294,13 @@ class ProcessGroupStrategy(Strategy):
         if op not in _REDUCE_OPS:
             raise ValueError(f"Unknown reduce op {op!r}. Valid: {', '.join(_REDUCE_OPS)}.")
         self._require_group()
-        result = tensor.detach().clone()
+        # On the group's device (a value logged as a Python number is a CPU tensor, which NCCL cannot send).
+        result = tensor.detach().to(self.root_device, copy=True)
         what = f"all-reduce ({op}) of a {tuple(result.shape)} {result.dtype} tensor (Strategy.reduce)"
         with self._collective(what):
             # Collective: all-reduce of a metric.
             dist.all_reduce(result, op=_REDUCE_OPS[op])
+        result = result.to(tensor.device)
         return result / self.world_size if op == "mean" else result
 
     def reduce_async(self, tensor: Tensor, op: ReduceOp = "max") -> Callable[[], Tensor]:

@@ -9,6 +9,7 @@ intra-op thread, so the ranks do not fight over the cores. Processes come from a
 imported torch once, so a run costs a fraction of a second rather than a fresh interpreter's torch
 import. A rank that raises, dies or outlives the timeout is reported with every rank's traceback (for a
 hung rank, the stack it hung in); `run_distributed` raises then, `run_ranks` returns the outcomes.
+On a machine with fewer GPUs than ranks, the ranks see no GPU, so they compute on the CPU with gloo.
 """
 
 from __future__ import annotations
@@ -59,11 +60,16 @@ def run_ranks(
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
     results = context.Queue()
+    import torch
+
     port = free_port()
+    hide_gpus = torch.cuda.device_count() < world_size
     stacks = tempfile.TemporaryDirectory(prefix="syncline-ranks-")
     processes = [
         context.Process(
-            target=_child, args=(fn, rank, world_size, port, args, results, stacks.name, timeout), daemon=True
+            target=_child,
+            args=(fn, rank, world_size, port, args, results, stacks.name, timeout, hide_gpus),
+            daemon=True,
         )
         for rank in range(world_size)
     ]
@@ -118,6 +124,7 @@ def _child(
     results: multiprocessing.Queue,
     stacks_dir: str,
     timeout: float,
+    hide_gpus: bool,
 ) -> None:
     """Set up one rank's environment, run `fn`, report its outcome, leave the process group."""
     import torch
@@ -127,6 +134,9 @@ def _child(
     stack_file = open(Path(stacks_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115 - open until exit
     faulthandler.dump_traceback_later(max(timeout - 1.0, 0.5), file=stack_file)
 
+    if hide_gpus:
+        # The ranks share fewer GPUs than they are: they compute on the CPU and join with gloo.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),

@@ -27,7 +27,10 @@ The reducer averages those gradients across ranks while the backward pass is sti
    each is averaged with its own sparse all-reduce, as torch's reducer does, and stays sparse.
 
 The reducer's public surface is `prepare_for_backward` (before `loss.backward()`) and
-`finalize_backward` (after it); `BucketedDDP` calls both.
+`finalize_backward` (after it); `BucketedDDP` calls both. For deferred optimizer updates
+(`BucketedDDP(deferred_update=True)`, `comm/deferred_update.py`) `prepare_for_backward(hold=k)` keeps the last
+`k` buckets (the front layers) back until the end of the backward, `finalize_backward(wait=False)` launches them
+front-most first and returns without waiting, and `wait_bucket(i)` later takes bucket `i`'s average.
 """
 
 from __future__ import annotations
@@ -161,6 +164,7 @@ class Reducer:
         self._sync = False
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
+        self._launch_limit = 0  # buckets from here on launch only in finalize_backward (held back)
         self._ready_order: list[int] = []
         #: Per bucket, its parameters not yet ready in the current backward.
         self._pending = [0] * len(self._buckets)
@@ -236,7 +240,7 @@ class Reducer:
         """Return the communication counters of the last synchronized backward."""
         return self._stats
 
-    def prepare_for_backward(self, *, sync: bool, loss: Any = None) -> None:
+    def prepare_for_backward(self, *, sync: bool, loss: Any = None, hold: int = 0) -> None:
         """Arm the reducer for the coming `loss.backward()`.
 
         Args:
@@ -244,6 +248,9 @@ class Reducer:
             loss: the tensor about to be back-propagated (or tensors in any nesting of lists, tuples,
                 dicts and dataclasses); required with `find_unused_parameters` when `sync` is true.
                 Parameters its graph does not reach are unused in this backward.
+            hold: launch the last `hold` buckets (the front layers, ready last) only in `finalize_backward`,
+                front-most first, so that the next forward's first layers get their averages first. The
+                launch order depends on the bucket index alone, so it is the same on every rank.
 
         Raises:
             RuntimeError: a parameter that did not require grad at construction requires it now.
@@ -259,6 +266,7 @@ class Reducer:
         self.sync_steps += 1
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
+        self._launch_limit = len(self._buckets) - min(max(hold, 0), len(self._buckets))
         self._used_work = None
         self._pending = [len(bucket.param_indices) for bucket in self._buckets]
         self._ready_order = []
@@ -282,8 +290,13 @@ class Reducer:
             if unreached and self._overlap:
                 self._launch_ready_buckets()
 
-    def finalize_backward(self) -> None:
+    def finalize_backward(self, *, wait: bool = True) -> None:
         """Wait for the backward's collectives and write the averaged gradients back.
+
+        Args:
+            wait: False launches what is left (the held buckets, front-most first) and returns at once; each
+                bucket's average is then taken by `wait_bucket` (deferred optimizer updates). Not with
+                `find_unused_parameters`, a static graph or sparse gradients, whose write-back needs every bucket.
 
         Raises:
             UnusedParametersError: a parameter received no gradient and `find_unused_parameters` is off.
@@ -299,9 +312,17 @@ class Reducer:
         self._process_arrivals()
         if not all(self._ready):
             raise UnusedParametersError(self._unused_message())
-        # Without overlap, everything launches now; with it, only the used-parameter map can be left
-        # (when there is no dense bucket).
+        # Without overlap, everything launches now; with it, only the held buckets and the used-parameter map
+        # can be left (the map when there is no dense bucket).
+        self._launch_held_buckets()
+        self._launch_limit = len(self._buckets)
         self._launch_ready_buckets()
+        if not wait:
+            if self._find_unused or self._sparse:
+                raise ValueError("finalize_backward(wait=False) needs every parameter dense and used.")
+            self._step_stats.bytes = self.counter.total_bytes - self._bytes_before
+            self._stats = self._step_stats
+            return
         start = time.perf_counter()
         for bucket in self._buckets:
             result = self._wait(bucket)
@@ -334,6 +355,29 @@ class Reducer:
             self._locally_used = [False] * len(self._params)
         if not self._rebuilt:
             self._rebuild_buckets()
+
+    @property
+    def launched_buckets(self) -> list[int]:
+        """Indices of the buckets launched and not yet waited for (after `finalize_backward(wait=False)`)."""
+        return [index for index, bucket in enumerate(self._buckets) if bucket.future is not None]
+
+    def bucket_of(self, param: Tensor) -> int | None:
+        """The index of the bucket holding `param`'s gradient (None: not reduced here, or sparse)."""
+        index = self._index_of.get(id(param))
+        return None if index is None or self._is_sparse[index] else self._bucket_of[index]
+
+    def bucket_parameters(self, index: int) -> list[Tensor]:
+        """The parameters whose gradients are in bucket `index`."""
+        return [self._params[i] for i in self._buckets[index].param_indices]
+
+    def wait_bucket(self, index: int) -> None:
+        """Wait for bucket `index`'s collective and leave its average in the gradients (views into the bucket)."""
+        bucket = self._buckets[index]
+        result = self._wait(bucket)
+        bucket.future = None
+        buffer = bucket.grad.buffer
+        if result.data_ptr() != buffer.data_ptr():
+            buffer.copy_(result)
 
     def shadow_backward(self) -> None:
         """Take part in the other ranks' synchronized backward with zero gradients (a joined rank).
@@ -495,18 +539,32 @@ class Reducer:
                 self._grads.fill(index)
             self._pending[slot.bucket] -= 1
 
+    def _launch(self, bucket: Bucket) -> None:
+        """Start `bucket`'s comm hook."""
+        COLLECTIVES.record(f"{self._hook_name} of gradient bucket {bucket.grad.index} of step {self.sync_steps}")
+        launched = time.perf_counter() if self.events is not None else 0.0
+        # Collective: the comm hook starts the bucket's asynchronous all-reduce.
+        bucket.future = self._hook(self._state, bucket.grad)
+        if self.events is not None:
+            self.events.bucket(bucket.grad.index, bucket.nbytes, launched, bucket.future)
+        self._count_collective(0 if self._hook_counts else bucket.nbytes)
+
+    def _launch_held_buckets(self) -> None:
+        """At the end of a backward: launch every bucket still unlaunched, the held ones last-first (front-most first).
+
+        The buckets before the held ones go first, in order, so every rank launches the same sequence.
+        """
+        self._launch_ready_buckets()
+        buckets = self._buckets
+        for index in range(len(buckets) - 1, self._next_bucket - 1, -1):
+            self._launch(buckets[index])
+        self._next_bucket = len(buckets)
+
     def _launch_ready_buckets(self) -> None:
-        """Launch, in bucket order, every bucket from the next unlaunched one that is ready."""
-        buckets, pending = self._buckets, self._pending
-        while self._next_bucket < len(buckets) and pending[self._next_bucket] == 0:
-            bucket = buckets[self._next_bucket]
-            COLLECTIVES.record(f"{self._hook_name} of gradient bucket {bucket.grad.index} of step {self.sync_steps}")
-            launched = time.perf_counter() if self.events is not None else 0.0
-            # Collective: the comm hook starts the bucket's asynchronous all-reduce.
-            bucket.future = self._hook(self._state, bucket.grad)
-            if self.events is not None:
-                self.events.bucket(bucket.grad.index, bucket.nbytes, launched, bucket.future)
-            self._count_collective(0 if self._hook_counts else bucket.nbytes)
+        """Launch, in bucket order, every bucket from the next unlaunched one that is ready (up to the held ones)."""
+        buckets, pending, limit = self._buckets, self._pending, self._launch_limit
+        while self._next_bucket < limit and pending[self._next_bucket] == 0:
+            self._launch(buckets[self._next_bucket])
             self._next_bucket += 1
         if (
             self._next_bucket == len(buckets)

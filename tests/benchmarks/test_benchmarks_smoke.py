@@ -150,10 +150,11 @@ def test_report_and_figures_of_the_trainer_sections(smoke_runs, tmp_path):
 
 def test_device_section_times_each_reducer_alone_at_every_precision():
     """World size 1 on this machine's device; bf16-mixed runs here on the CPU, as it would on CUDA."""
-    from benchmarks.ddp_suite import DDPPlan, run_device_workload
+    from benchmarks.ddp import run_device_workload
+    from benchmarks.plans import Plan
     from benchmarks.report import device_table
 
-    plan = DDPPlan(caps_mb=(), sync_every=(1,), repeats=2, steps=2)
+    plan = Plan(caps_mb=(), sync_every=(1,), repeats=2, steps=2)
     workload = run_device_workload("cnn", "tiny", plan, ("32", "bf16-mixed"), "cpu", timeout=120)
     variants = workload["variants"]
     assert set(variants) == {

@@ -73,3 +73,19 @@ def test_step_phases_read_a_timeline_trace(tmp_path):
     (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": step + other_rank}))
     phases = step_phases(tmp_path / "trace.json")
     assert phases == {"forward": 10, "autograd": 30, "exposed wait": 20, "optimizer step": 5, "wire": 68}
+
+
+def test_the_algorithmic_bound_serializes_what_the_strategy_declares():
+    records = [
+        _record("local", 0.1, [0.0, 0.0]),
+        {**_record("local_sgd", 0.25, [12.5e6, 0.0]), "strategy": "local_sgd", "options": {"period": 4}},
+        {**_record("bucketed_ddp", 0.3, [12.5e6, 0.0]), "strategy": "bucketed_ddp", "options": {}},
+    ]
+    phases = {"forward": 30.0, "backward": 50.0, "optimizer": 20.0}
+    rows = {row["label"]: row for row in lab_rows(records, nodes=2, rate="1gbit", phases_ms=phases)}
+    # 0.1 s of wire: local SGD's averaging follows the step (0.1 + 0.1); bucketed_ddp hides it behind the
+    # 0.05 s backward (0.1 - 0.05 + 0.1).
+    assert rows["local_sgd"]["algorithmic_bound_s"] == pytest.approx(0.2)
+    assert rows["local_sgd"]["measured_over_algorithmic"] == pytest.approx(1.25)
+    assert rows["bucketed_ddp"]["algorithmic_bound_s"] == pytest.approx(0.15)
+    assert "algorithmic_bound_s" not in rows["local"]

@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks import lab
 from benchmarks.lab.tradeoff import fill_page, grid_tables, speedups
+from benchmarks.plans import PLANS
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "lab_tradeoff.json"
@@ -50,7 +51,22 @@ def test_performance_page_quotes_the_committed_tradeoff_run():
 def test_the_lab_section_skips_in_one_line_without_namespaces(monkeypatch):
     said = []
     monkeypatch.setattr(lab, "namespaces_unavailable", lambda: "the network lab needs private network namespaces")
-    assert lab.run_lab_section(lab.LAB_PLANS["smoke"], said.append) == {
+    assert lab.run_lab_section(PLANS["smoke"], said.append) == {
         "skipped": "the network lab needs private network namespaces"
     }
     assert said == ["lab: skipped: the network lab needs private network namespaces"]
+
+
+def test_torchs_rows_count_their_failures_and_compare_with_synclines_counterpart():
+    rows = [
+        _row("bucketed_ddp", 2, "100mbit", 60.0),
+        _row("powersgd", 2, "100mbit", 20.0),
+        _row("torch powersgd", 2, "100mbit", 30.0),
+        {**_row("torch powersgd", 2, "100mbit", 0.0, reached=False), "failed": True, "error": "size mismatch"},
+        _row("torch powersgd", 2, "100mbit", 25.0),
+    ]
+    text = grid_tables({"target": 1.95, "rows": rows})
+    # The median of the two runs that did not fail (the lower: 25 s), one failure in three, 1.25x syncline's 20 s.
+    assert "| torch powersgd | 25.0 (100), 25.0-30.0, 1/3 failed; powersgd 1.25x sooner | 2.40x |" in text
+    failed = [{**_row("torch powersgd", 4, "1gbit", 0.0, reached=False), "failed": True, "error": "died"}]
+    assert "| torch powersgd | failed, 1/1 failed | - |" in grid_tables({"target": 1.95, "rows": failed})

@@ -45,3 +45,45 @@ def test_average_is_within_quantization_error_and_the_same_on_every_rank():
     # Error feedback keeps, per rank and parameter, what the first quantization dropped.
     assert set(results[0]["memory"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert not torch.equal(results[0]["memory"]["0.weight"], results[1]["memory"]["0.weight"])
+
+
+def _train(comm_thread: bool) -> dict:
+    from syncline.callbacks import Callback
+    from syncline.trainer import Trainer
+    from tests.trainer._tasks import Regressor, loader, quiet, regression_data
+
+    class SawThread(Callback):
+        seen = False
+
+        def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+            SawThread.seen = trainer.strategy.comm_state.comm_thread is not None
+
+    torch.manual_seed(0)
+    task = Regressor(optimizer="adam", lr=0.02)
+    # 0.0003 MiB buckets: the MLP's 161 gradients in three buckets.
+    strategy = ByteGrad(bucket_cap_mb=0.0003, comm_thread=comm_thread)
+    trainer = Trainer(
+        max_steps=8, strategy=strategy, accumulate_grad_batches=2, callbacks=[SawThread()], **quiet(seed=0)
+    )
+    trainer.fit(task, loader(regression_data(64), batch_size=4, shuffle=True))
+    return {
+        "weights": {k: v.clone() for k, v in task.state_dict().items()},
+        "memory": strategy.state_dict()["error_feedback"],
+        "bytes": strategy.communication_stats(),
+        "thread": SawThread.seen,
+    }
+
+
+def _blocking_and_threaded(rank: int, world_size: int) -> dict:
+    return {"blocking": _train(False), "threaded": _train(True)}
+
+
+def test_the_communication_thread_gives_the_blocking_hooks_result_to_the_bit():
+    for rank, runs in enumerate(run_distributed(_blocking_and_threaded, world_size=2, timeout=120)):
+        blocking, threaded = runs["blocking"], runs["threaded"]
+        assert threaded["thread"] and not blocking["thread"]
+        for key, value in blocking["weights"].items():
+            assert torch.equal(threaded["weights"][key], value), (rank, key)
+        for key, value in blocking["memory"].items():
+            assert torch.equal(threaded["memory"][key], value), (rank, key)
+        assert threaded["bytes"] == blocking["bytes"], rank

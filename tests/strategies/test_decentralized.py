@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
 from _averaging import PlainSGD, fit, flat_params, model_bytes, straight_and_resumed
+from torch import nn
 
+from syncline.callbacks import Callback
 from syncline.options import OptionError
-from syncline.strategies import Decentralized
+from syncline.strategies import Decentralized, decentralized
 from syncline.strategies.comm.ranks import run_distributed, run_ranks
 from syncline.strategies.decentralized import shift_one_partner
+from syncline.trainer import Task, Trainer
+from tests.trainer._tasks import loader, quiet, regression_data
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6])
@@ -119,3 +125,106 @@ def test_resume_is_bit_exact_with_every_rank_s_model_optimizer_state_and_estimat
         assert resumed["rounds"] == straight["rounds"] == 4
         for key, flats in straight["estimates"].items():
             assert all(torch.equal(a, b) for a, b in zip(resumed["estimates"][key], flats)), key
+
+
+class WideRegressor(Task):
+    """About 26k parameters: 7 uneven quantization chunks (one of 3713 values, six of 3712), so segments of 2
+    chunks end inside parameters and mix the two chunk sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(8, 128),
+            nn.Tanh(),
+            nn.Linear(128, 128),
+            nn.Tanh(),
+            nn.Linear(128, 64),
+            nn.Tanh(),
+            nn.Linear(64, 1),
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class SaveInFlight(Callback):
+    """Save a checkpoint at the end of step `step`, its exchange still in flight (saving lands it)."""
+
+    reads_parameters = False
+
+    def __init__(self, step: int | None = None, path: str | None = None) -> None:
+        self.step, self.path, self.in_flight = step, path, []
+
+    def on_train_batch_end(self, trainer: Trainer, task: Task, outputs: Any, batch: Any, batch_idx: int) -> None:
+        exchange = trainer.strategy.exchange
+        self.in_flight.append(0 if exchange is None else exchange.in_flight)
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            assert not exchange.in_flight
+
+
+def _wide_fit(peers: str, prefetch: bool, ckpt_path: str | None = None, save: str | None = None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    task = WideRegressor()
+    strategy = Decentralized(peers=peers, period=2, compression="uint8", prefetch=prefetch)
+    recorder = SaveInFlight(4, save) if save else SaveInFlight()
+    trainer = Trainer(
+        max_steps=9, strategy=strategy, val_check_interval=3, limit_val_batches=2, callbacks=[recorder], **quiet(seed=0)
+    )
+    data = regression_data(96)
+    trainer.fit(task, loader(data, 4, shuffle=True), loader(data, 8), ckpt_path=ckpt_path)
+    optimizer = trainer.optim.optimizer
+    return {
+        "weights": flat_params(task),
+        "momentum": [optimizer.state[p]["momentum_buffer"].clone() for p in task.parameters()],
+        "estimates": strategy.state_dict()["estimates"],
+        "bytes": strategy.communication_stats()["comm/total_bytes"],
+        "in_flight": recorder.in_flight,
+    }
+
+
+def _blocking_and_prefetched(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    decentralized.SEGMENT_CHUNKS = 2  # 4 segments of this model
+    out = {}
+    for peers in ("shift_one", "all"):
+        out[peers] = {
+            "blocking": _wide_fit(peers, False),
+            "prefetch": _wide_fit(peers, True),
+            "saving": _wide_fit(peers, True, save=f"{tmp}/{peers}.ckpt"),
+        }
+        out[peers]["resumed"] = _wide_fit(peers, True, ckpt_path=f"{tmp}/{peers}.ckpt")
+    return out
+
+
+def test_prefetched_uint8_exchange_equals_the_blocking_one_to_the_bit_and_resumes_exactly(tmp_path):
+    results = run_distributed(_blocking_and_prefetched, 2, args=(str(tmp_path),), timeout=300)
+    for rank, result in enumerate(results):
+        for peers, runs in result.items():
+            blocking = runs["blocking"]
+            for run in ("prefetch", "saving", "resumed"):
+                assert torch.equal(runs[run]["weights"], blocking["weights"]), (rank, peers, run)
+                for mine, theirs in zip(runs[run]["momentum"], blocking["momentum"]):
+                    assert torch.equal(mine, theirs), (rank, peers, run)
+                assert runs[run]["estimates"].keys() == blocking["estimates"].keys()
+                for key, flats in blocking["estimates"].items():
+                    assert all(torch.equal(a, b) for a, b in zip(runs[run]["estimates"][key], flats)), (rank, key)
+                assert runs[run]["bytes"] == blocking["bytes"], (rank, peers, run)
+            # Every second step averages: its 4 segments are still in flight at the step's end.
+            assert runs["prefetch"]["in_flight"][1::2] == [4] * 4 and not any(runs["prefetch"]["in_flight"][::2])
+            assert not any(blocking["in_flight"])
+    # The replicas differ (decentralized): the ranks' weights are not each other's.
+    assert not torch.equal(results[0]["all"]["blocking"]["weights"], results[1]["all"]["blocking"]["weights"])
+
+
+def test_prefetch_needs_uint8():
+    with pytest.raises(OptionError, match="prefetch=True, compression=None"):
+        Decentralized(prefetch=True)
+    assert Decentralized(compression="uint8", prefetch=True).wire_phases()[0].hides_behind == "forward"

@@ -74,7 +74,8 @@ class Report(Callback):
                 json.dump({{"store": int(os.environ["MASTER_PORT"]), "sockets": listening_addresses()}}, file)
 
 if __name__ == "__main__":
-    Trainer(max_steps=2, devices=2, callbacks=[Report()], **quiet()).fit(Regressor(), loader(regression_data(16)))
+    trainer = Trainer(max_steps=2, accelerator="cpu", devices=2, callbacks=[Report()], **quiet())
+    trainer.fit(Regressor(), loader(regression_data(16)))
 """,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -99,7 +100,8 @@ def test_worker_exception_is_reported_once_with_rank_and_traceback(tmp_path):
                 return super().training_step(batch, batch_idx)
 
         if __name__ == "__main__":
-            Trainer(max_steps=4, devices=2, **quiet()).fit(FailsOnRankOne(), loader(regression_data(32)))
+            trainer = Trainer(max_steps=4, accelerator="cpu", devices=2, **quiet())
+            trainer.fit(FailsOnRankOne(), loader(regression_data(32)))
         """,
     )
     assert result.returncode == 1
@@ -117,7 +119,7 @@ def test_script_without_main_guard_gets_one_message_saying_what_to_change(tmp_pa
         from syncline.trainer import Trainer
         from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
-        Trainer(max_steps=2, devices=2, **quiet()).fit(Regressor(), loader(regression_data(16)))
+        Trainer(max_steps=2, accelerator="cpu", devices=2, **quiet()).fit(Regressor(), loader(regression_data(16)))
         """,
     )
     assert result.returncode == 1

@@ -57,7 +57,8 @@ class Slow(Faulty):
 if __name__ == "__main__":
     task = Slow(None, pids_dir={pids!r})
     trainer = Trainer(
-        max_steps={max_steps}, devices=2, default_root_dir={root!r}, logger=False, enable_progress_bar=False,
+        max_steps={max_steps}, accelerator="cpu", devices=2, default_root_dir={root!r}, logger=False,
+        enable_progress_bar=False,
         callbacks=[ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=1000)],
     )
     try:
@@ -188,7 +189,7 @@ def test_a_large_task_without_a_main_guard_gets_the_message_at_once(tmp_path: Pa
                 super().__init__()
                 self.wide = torch.nn.Linear(8, 4000)
 
-        Trainer(max_steps=2, devices=2, **quiet()).fit(Wide(), loader(regression_data(16)))
+        Trainer(max_steps=2, accelerator="cpu", devices=2, **quiet()).fit(Wide(), loader(regression_data(16)))
         """,
         timeout=90,
     )
@@ -198,7 +199,9 @@ def test_a_large_task_without_a_main_guard_gets_the_message_at_once(tmp_path: Pa
 
 
 def test_a_strategy_option_that_needs_more_processes_is_refused_before_launch() -> None:
-    trainer = Trainer(devices=2, strategy=ParameterServer(server_rank=5), logger=False, enable_progress_bar=False)
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=ParameterServer(server_rank=5), logger=False, enable_progress_bar=False
+    )
     start = time.monotonic()
     with pytest.raises(OptionError, match=r"server_rank=5\) needs at least 6 processes, but the job has 2"):
         trainer.fit(None, model=_NeverBuilt())  # type: ignore[arg-type]

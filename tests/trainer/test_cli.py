@@ -67,7 +67,15 @@ def test_two_devices_share_one_output_directory_and_config(tmp_path):
     """
     out = tmp_path / "run"
     strategy = ["strategy=local_sgd", "strategy.period=2", "strategy.warmup_steps=1"]
-    result = _cli(f"hydra.run.dir={out}", "trainer.devices=2", "trainer.max_steps=3", *strategy, *SMALL, cwd=tmp_path)
+    result = _cli(
+        f"hydra.run.dir={out}",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        "trainer.max_steps=3",
+        *strategy,
+        *SMALL,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("sample after 3 steps") == 1  # rank 0 alone prints
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

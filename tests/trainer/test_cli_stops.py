@@ -14,7 +14,14 @@ from tests.trainer.test_cli import SMALL, _assert_short_error, _cli
 
 def test_an_option_that_cannot_work_on_the_devices_is_refused_before_launch(tmp_path):
     start = time.monotonic()
-    result = _cli("strategy=parameter_server", "strategy.server_rank=5", "trainer.devices=2", *SMALL, cwd=tmp_path)
+    result = _cli(
+        "strategy=parameter_server",
+        "strategy.server_rank=5",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        *SMALL,
+        cwd=tmp_path,
+    )
     _assert_short_error(result, 2, "server_rank=5) needs at least 6 processes, but the job has 2")
     assert time.monotonic() - start < 60
 
@@ -23,7 +30,15 @@ def test_sigterm_to_the_cli_stops_every_rank_with_last_ckpt_and_status_75(tmp_pa
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RANK", "WORLD_SIZE")}
     process = subprocess.Popen(
-        [sys.executable, "-m", "syncline", f"hydra.run.dir={out}", "trainer.devices=2", "trainer.max_epochs=99"]
+        [
+            sys.executable,
+            "-m",
+            "syncline",
+            f"hydra.run.dir={out}",
+            "trainer.devices=2",
+            "trainer.accelerator=cpu",
+            "trainer.max_epochs=99",
+        ]
         + SMALL,
         cwd=tmp_path,
         env=env,

@@ -134,7 +134,7 @@ def test_bad_debugging_flags_are_named(kwargs, match):
 def _fast_dev_run_rank(rank, world_size, root):
     torch.manual_seed(0)
     task = Counting()
-    trainer = Trainer(default_root_dir=root, devices=2, enable_progress_bar=False, fast_dev_run=2)
+    trainer = Trainer(default_root_dir=root, accelerator="cpu", devices=2, enable_progress_bar=False, fast_dev_run=2)
     data = loader(TensorDataset(*regression_data(64).tensors), 8)  # 4 batches per rank
     trainer.fit(task, data, data)
     trainer.test(task, data)

@@ -168,7 +168,7 @@ def test_devices_2_launches_workers_and_returns_rank_zero_weights(tmp_path):
         if __name__ == "__main__":
             torch.manual_seed(0)
             task = Regressor()
-            trainer = Trainer(max_epochs=2, devices=2, **quiet(default_root_dir={str(tmp_path)!r}))
+            trainer = Trainer(max_epochs=2, accelerator="cpu", devices=2, **quiet(default_root_dir={str(tmp_path)!r}))
             trainer.fit(task, loader(regression_data(32), 4))
             torch.save(task.state_dict(), {str(tmp_path / "weights.pt")!r})
             print(json.dumps({{"steps": trainer.global_step, "strategy": type(trainer.strategy).__name__}}))
@@ -235,7 +235,7 @@ def test_torchrun_starts_the_workers(tmp_path):
             from syncline.trainer import Trainer
             torch.manual_seed(0)
             task = Regressor()
-            trainer = Trainer(max_epochs=2, **quiet())
+            trainer = Trainer(max_epochs=2, accelerator="cpu", **quiet())
             trainer.fit(task, loader(regression_data(32), 4))
             print(f"rank={trainer.global_rank} world={trainer.world_size} steps={trainer.global_step}", flush=True)
             if trainer.global_rank == 0:
@@ -251,7 +251,7 @@ def test_torchrun_starts_the_workers(tmp_path):
                 task.unused = torch.nn.Linear(2, 2)
                 options = dict(accumulate_grad_batches=2, gradient_clip_val=1.0)
                 strategy = cls(find_unused_parameters=True)
-                trainer = Trainer(max_steps=4, strategy=strategy, **options, **quiet())
+                trainer = Trainer(max_steps=4, strategy=strategy, accelerator="cpu", **options, **quiet())
                 trainer.fit(task, loader(regression_data(64), 4))
                 sent = trainer.strategy.communication_stats()["comm/total_bytes"] > 0
                 print(f"rank={trainer.global_rank} {name} steps={trainer.global_step} sent={sent}", flush=True)

@@ -29,6 +29,7 @@ def fit(name, fault, **options):
     task = Faulty(fault, at_step=5, pids_dir={pids!r} if fault else None, dropout=0.2)
     trainer = Trainer(
         max_steps=8,
+        accelerator="cpu",
         default_root_dir=os.path.join({root!r}, name),
         logger=False,
         enable_progress_bar=False,

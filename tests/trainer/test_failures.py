@@ -30,7 +30,7 @@ if __name__ == "__main__":
 def test_sigkill_of_a_launched_worker_stops_the_run_with_one_message(tmp_path: Path) -> None:
     (tmp_path / "pids").mkdir()
     result, seconds = run_script(
-        tmp_path, _SCRIPT.format(fault="kill", pids=str(tmp_path / "pids"), devices="devices=2, ")
+        tmp_path, _SCRIPT.format(fault="kill", pids=str(tmp_path / "pids"), devices="accelerator='cpu', devices=2, ")
     )
     assert result.returncode == 1
     assert seconds < 60
@@ -45,7 +45,7 @@ def test_exception_on_one_rank_under_torchrun_stops_every_rank(tmp_path: Path) -
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     result, seconds = run_script(
         tmp_path,
-        _SCRIPT.format(fault="raise", pids=str(tmp_path / "pids"), devices=""),
+        _SCRIPT.format(fault="raise", pids=str(tmp_path / "pids"), devices="accelerator='cpu', "),
         torchrun,
         "--standalone",
         "--nproc-per-node=2",

@@ -214,8 +214,10 @@ def test_lightnings_devices_precision_and_strategy_spellings():
     trainer = Trainer(**quiet(max_steps=1, precision="bf16"))
     trainer.fit(Regressor(), loader(regression_data(16), 8))
     assert trainer.precision.name == "bf16-mixed"
-    assert isinstance(Trainer(strategy="ddp", devices=2, logger=False).strategy, NativeDDP)
-    found_unused = Trainer(strategy="ddp_find_unused_parameters_true", devices=2, logger=False).strategy
+    assert isinstance(Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=False).strategy, NativeDDP)
+    found_unused = Trainer(
+        strategy="ddp_find_unused_parameters_true", accelerator="cpu", devices=2, logger=False
+    ).strategy
     assert found_unused.ddp_kwargs["find_unused_parameters"] is True
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from syncline.callbacks import Callback
 from syncline.options import OptionError
-from syncline.strategies import STRATEGIES, BucketedDDP, NativeDDP
+from syncline.strategies import STRATEGIES, BucketedDDP, NativeDDP, ShardedParameterServer
 from syncline.trainer import Task, Trainer
 from syncline.trainer.manual import TrainerOptimizer
 from tests.trainer._manual import ToyGAN, gan_loader, train_by_hand
@@ -197,15 +197,23 @@ def test_the_refused_strategies_are_the_relaxed_ones():
 @pytest.mark.parametrize("name", REFUSED)
 def test_a_strategy_that_cannot_follow_manual_optimization_is_refused_before_any_process_starts(name):
     """One message naming the strategy, why, and the fix; raised in the calling process (no worker launched)."""
-    trainer = Trainer(**quiet(max_epochs=1, strategy=name, devices=2))
+    trainer = Trainer(**quiet(max_epochs=1, strategy=name, accelerator="cpu", devices=2))
     with pytest.raises(OptionError, match=rf"strategy='{name}' cannot train ToyGAN, which uses manual .*Use an exact"):
         trainer.fit(ToyGAN(), gan_loader())
 
 
 @pytest.mark.parametrize("strategy", [BucketedDDP(static_graph=True), NativeDDP(static_graph=True)])
 def test_an_exact_strategy_promising_a_static_graph_is_refused(strategy):
-    trainer = Trainer(**quiet(max_epochs=1, strategy=strategy, devices=2))
+    trainer = Trainer(**quiet(max_epochs=1, strategy=strategy, accelerator="cpu", devices=2))
     with pytest.raises(OptionError, match=r"static_graph=True promises .* drop static_graph"):
+        trainer.fit(ToyGAN(), gan_loader())
+
+
+def test_a_prefetching_sharded_parameter_server_is_refused_under_manual_optimization():
+    """Its all-gathers land at the next forward, which a manual step need not reach before reading or stepping again."""
+    strategy = ShardedParameterServer(prefetch=True)
+    trainer = Trainer(**quiet(max_epochs=1, strategy=strategy, accelerator="cpu", devices=2))
+    with pytest.raises(OptionError, match=r"'sharded_parameter_server' cannot train ToyGAN.*drop prefetch"):
         trainer.fit(ToyGAN(), gan_loader())
 
 

@@ -140,9 +140,9 @@ def test_bf16_mixed_trains_with_every_registered_strategy():
 
 def test_16_mixed_runs_on_the_cpu_and_is_a_clear_error_where_fp16_autocast_is_missing(monkeypatch):
     data = regression_data(16)
-    trainer = Trainer(max_steps=2, precision="16-mixed", **quiet())
+    trainer = Trainer(max_steps=2, precision="16-mixed", accelerator="cpu", **quiet())
     trainer.fit(Regressor(), loader(data, 8))
     assert trainer.precision.scaler is not None and trainer.state.global_step == 2
     monkeypatch.setattr(precision_module, "fp16_autocast_available", lambda device_type: False)
     with pytest.raises(ValueError, match=r"16-mixed.*needs float16 autocast on cpu.*Use precision='bf16-mixed'"):
-        Trainer(max_steps=1, precision="16-mixed", **quiet()).fit(Regressor(), loader(data, 8))
+        Trainer(max_steps=1, precision="16-mixed", accelerator="cpu", **quiet()).fit(Regressor(), loader(data, 8))

@@ -32,6 +32,7 @@ def fit(name, fault, ckpt_path=None):
     task = Faulty(fault, at_step=4, pids_dir={pids!r} if name == "preempted" else None, dropout=0.2)
     trainer = Trainer(
         max_steps=10,
+        accelerator="cpu",
         devices=2,
         default_root_dir=os.path.join({root!r}, name),
         logger=False,
@@ -76,6 +77,7 @@ def test_ctrl_c_on_the_cli_checkpoints_and_exits_with_the_preemption_status(tmp_
             "+task.fault=group_int",
             f"hydra.run.dir={tmp_path / 'run'}",
             "trainer.devices=2",
+            "trainer.accelerator=cpu",
             "trainer.max_steps=10",
             "trainer.max_epochs=5",
             "trainer.enable_progress_bar=false",

@@ -160,7 +160,7 @@ def test_batch_transfer_hooks_run_in_lightning_order_for_training_and_every_eval
     task = DictBatches()
     trainer = Trainer(**quiet(max_epochs=1, num_sanity_val_steps=0))
     trainer.fit(task, _dict_loader(), [_dict_loader(8), _dict_loader(8)])
-    train = [("before", 0, "dict"), ("transfer", 0, "cpu"), ("after", 0, "tuple")]
+    train = [("before", 0, "dict"), ("transfer", 0, trainer.strategy.root_device.type), ("after", 0, "tuple")]
     assert task.seen[:6] == train * 2
     assert task.seen[6:] == [(name, idx, kind) for idx in (0, 1) for name, _, kind in train]
     assert trainer.callback_metrics["val_y/dataloader_idx_0"] == 0  # the validation step saw the hook's batch
