@@ -240,9 +240,11 @@ class CallbackDispatcher:
         self.callbacks = list(callbacks)
         self._listeners: dict[Hook, _Listeners] = {}
 
-    def bind(self, task: Task) -> None:
-        """Fire the hooks of `task` from now on (each stage binds its task)."""
+    def bind(self, task: Task, callbacks: Sequence[Callback] | None = None) -> None:
+        """Fire the hooks of `task` (and of `callbacks`, when given) from now on (each stage binds its task)."""
         self.task = task
+        if callbacks is not None:
+            self.callbacks = list(callbacks)
         self._listeners.clear()
 
     def _resolve(self, hook: Hook) -> _Listeners:

@@ -349,6 +349,12 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         """
         self.reducer.zero_grad([p for group in optimizer.param_groups for p in group["params"]])
 
+    def restore_gradients(self, parameters: list[Tensor], grads: list[Tensor | None]) -> None:
+        """Put the checkpoint's gradients back and tell the reducer they hold values: a backward that does not
+        reach those parameters (a toggled optimizer's) must keep them, not reset them to None as never set."""
+        super().restore_gradients(parameters, grads)
+        self.reducer.mark_gradients_held([param for param, grad in zip(parameters, grads) if grad is not None])
+
     def _check_before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Refuse a step on gradients that a bare `loss.backward()` left unaveraged (a global pre-hook).
 

@@ -26,10 +26,18 @@ With a loss scaler (``precision="16-mixed"``) a rank sees only its slice of the 
 backward the ranks agree whether any slice holds inf or NaN, and if one does, every rank's slice is set
 to NaN, so that every rank's scaler skips the step.
 
+Manual optimization (several optimizers, several backwards per batch) shards every optimizer the task
+configures, and each `opt.step()` steps that optimizer's slices, then all-gathers the buckets holding its
+parameters. A backward may add to gradients an earlier one reduced: after each backward the ranks zero the
+chunks they do not serve, and before the next one each rank multiplies its buckets by W, which the
+reduce-scatter's division undoes (``(W * avg_r + sum of the ranks' new gradients) / W`` in chunk r). With a
+loss scaler the ranks then agree per parameter, so that an optimizer whose gradients are finite steps.
+
 With ``prefetch=True`` (ZeRO's prefetch, `comm/parameter_exchange.py`) every rank steps its slices bucket by
 bucket, front layers first, and launches each bucket's all-gather as soon as its slices are stepped; the next
 forward waits for each layer's bucket alone. The weights, the optimizer state and the bytes equal the blocking
-all-gather's to the bit.
+all-gather's to the bit. It is for automatic optimization: a manual step runs other forwards, reads and steps
+between an `opt.step()` and the next forward, so the Trainer refuses it there at setup.
 """
 
 from __future__ import annotations
@@ -60,6 +68,13 @@ if TYPE_CHECKING:
     from syncline.trainer.task import Task
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ReduceScatterState", "ShardedParameterServer", "reduce_scatter_hook"]
+
+#: Why `prefetch` cannot follow manual optimization.
+_PREFETCH_NEEDS = (
+    "prefetch=True leaves each bucket's all-gather in flight until the next forward needs it, but a manual step may "
+    "read the parameters, or step another optimizer over the same buckets, before that forward (a late all-gather "
+    "would then overwrite the newer values); drop prefetch"
+)
 
 #: Optimizers whose update of an element depends on that element alone, so a slice can be stepped alone.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -142,7 +157,8 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
         backend: "gloo", "nccl", ...; None picks NCCL with CUDA, else gloo.
         timeout: seconds a collective may take before it fails with an error.
         prefetch: all-gather each bucket as soon as this rank's slices of it are stepped, and let the next forward
-            wait per layer (`comm/parameter_exchange.py`); bit-identical to the blocking all-gather.
+            wait per layer (`comm/parameter_exchange.py`); bit-identical to the blocking all-gather. Automatic
+            optimization only: a task that steps its own optimizers is refused at setup (`manual_optimization_refused`).
 
     Raises:
         TypeError: when the task's optimizer is not one whose update is elementwise (`ELEMENTWISE_OPTIMIZERS`).
@@ -150,13 +166,16 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
     """
 
     name = "sharded_parameter_server"
-    manual_optimization_refused = (
-        "it shards one optimizer over the ranks and keeps only each rank's slice of a backward's reduced "
-        "gradients, so several optimizers, toggle_optimizer and backwards adding to earlier gradients cannot work"
-    )
     # Each rank serves fixed slices of fixed buckets: rebuilding the buckets would move optimizer state.
     fixed_layout = True
     fixed_cap_because = "each rank serves fixed slices of fixed buckets: another layout would move its optimizer state"
+
+    @property
+    def manual_optimization_refused(self) -> str:  # type: ignore[override]
+        """Why these options cannot follow manual optimization ("" when they can)."""
+        if self.prefetch:
+            return _PREFETCH_NEEDS
+        return super().manual_optimization_refused
 
     def __init__(
         self,
@@ -177,9 +196,15 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
             timeout=timeout,
         )
         self._slices: dict[int, list[Slice]] = {}  # by id of the parameter
-        self._sharded: torch.optim.Optimizer | None = None
-        #: Each param group's own parameters, as the task's optimizer had them before sharding.
-        self._group_params: list[list[Tensor]] = []
+        #: Per sharded optimizer (by id): each param group's own parameters, as it had them before sharding.
+        self._group_params: dict[int, list[list[Tensor]]] = {}
+        #: Per sharded optimizer (by id): the indices of the buckets holding its parameters (gathered after its step).
+        self._buckets_of: dict[int, list[int]] = {}
+        self._stepped: list[int] = []  # the buckets the last step changed
+        #: Every bucket's [start, stop): this rank's chunk of it.
+        self._chunks: list[tuple[int, int]] = []
+        #: Every parameter of the buckets (by id), numbered alike on every rank: per-parameter verdicts.
+        self._param_index: dict[int, int] = {}
         self.prefetch = prefetch
         #: With `prefetch`, the all-gathers in flight (after setup).
         self.exchange: ParameterExchange | None = None
@@ -202,13 +227,14 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
 
     def after_setup(self, task: Task) -> None:
         """Find this rank's slice of every bucket."""
-        self._sharded, self._group_params = None, []
+        self._group_params, self._buckets_of, self._stepped = {}, {}, []
         rank, world_size = self.global_rank, self.world_size
         slices: dict[int, list[Slice]] = {}
+        self._chunks = [shard_range(bucket.buffer.numel(), rank, world_size) for bucket in self.reducer.buckets]
+        self._param_index = {id(p): i for i, p in enumerate(p for b in self.reducer.buckets for p in b.parameters)}
         self._bucket_slices = []
-        for bucket in self.reducer.buckets:
+        for bucket, (start, stop) in zip(self.reducer.buckets, self._chunks):
             self._bucket_slices.append([])
-            start, stop = shard_range(bucket.buffer.numel(), rank, world_size)
             for param, offset in zip(bucket.parameters, bucket.offsets):
                 if not param.is_contiguous():
                     raise ValueError(
@@ -237,7 +263,7 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
             TypeError: the optimizer's update is not elementwise, so a slice cannot be stepped alone.
             ValueError: the optimizer has stepped already (it holds state for whole parameters).
         """
-        if self._sharded is optimizer:
+        if id(optimizer) in self._group_params:
             return
         if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
@@ -252,18 +278,57 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
                 "ShardedParameterServer must shard the optimizer before its first step, but it holds state already; "
                 "pass a fresh optimizer (load a checkpoint through the Trainer's ckpt_path instead)."
             )
-        self._group_params = [list(group["params"]) for group in optimizer.param_groups]
-        for group, params in zip(optimizer.param_groups, self._group_params):
+        group_params = [list(group["params"]) for group in optimizer.param_groups]
+        for group, params in zip(optimizer.param_groups, group_params):
             # Parameters outside the reducer (frozen ones) stay whole: they never get a gradient.
             group["params"] = [s.value for p in params for s in self._slices.get(id(p), [])] + [
                 p for p in params if not p.requires_grad
             ]
-        self._sharded = optimizer
+        self._group_params[id(optimizer)] = group_params
+        mine = {id(p) for params in group_params for p in params}
+        self._buckets_of[id(optimizer)] = [
+            index
+            for index, bucket in enumerate(self.reducer.buckets)
+            if any(id(param) in mine for param in bucket.parameters)
+        ]
+
+    def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+        """Return the whole parameters `optimizer` updates (its param groups hold this rank's slices of them)."""
+        groups = self._group_params.get(id(optimizer))
+        if groups is None:
+            return super().optimizer_parameters(optimizer)
+        return [p for params in groups for p in params]
 
     # -------------------------------------------------------------- train step
+    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
+        """Back-propagate `loss`, reduce-scattering the gradients when `sync` is true.
+
+        A backward of a manual optimization step may add to gradients an earlier one reduce-scattered: each
+        rank's buckets then hold the average in its own chunk and zeros elsewhere, so each rank multiplies them
+        by the world size first, which the reduce-scatter's division undoes.
+
+        Raises:
+            RuntimeError: a backward of a manual step inside `no_sync`: a rank could not tell its local gradients
+                from its reduced chunk.
+        """
+        if self.manual_optimization:
+            if not self._backward_syncs(sync):
+                raise RuntimeError(
+                    "ShardedParameterServer reduce-scatters every backward of a manual optimization step: leave "
+                    "out strategy.no_sync() (accumulating by stepping every N batches needs no local accumulation)."
+                )
+            for bucket in self.reducer.buckets:
+                bucket.buffer.mul_(self.world_size)
+        super().backward(loss, sync=sync, retain_graph=retain_graph)
+
     def after_backward(self) -> None:
         """The gradients are reduce-scattered: attach each slice's, and agree on their finiteness."""
         self._attach_and_agree()
+        if self.manual_optimization:
+            # The chunks other ranks serve hold this rank's scratch: zeros, so the next backward adds to nothing.
+            for bucket, (start, stop) in zip(self.reducer.buckets, self._chunks):
+                bucket.buffer[:start].zero_()
+                bucket.buffer[stop:].zero_()
 
     def clip_gradients(self, parameters: list[Tensor], max_norm: float, algorithm: str = "norm") -> Tensor:
         """Clip every rank's slices by the global 2-norm of all gradients (all-reduced squared norms); by
@@ -287,9 +352,12 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
         return total
 
     def apply_update(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
-        """Step this rank's slices; with `prefetch`, bucket by bucket, each all-gathered as soon as it is stepped."""
+        """Step this rank's slices of `optimizer`'s parameters; with `prefetch`, bucket by bucket, each all-gathered as
+        soon as it is stepped."""
         self.setup_optimizer(optimizer)
         self._sent = set()
+        # A manual step changes only this optimizer's buckets; an automatic one (one optimizer) gathers them all.
+        self._stepped = self._buckets_of[id(optimizer)] if self.manual_optimization else self._order
         if self.exchange is None:
             step()
             return
@@ -298,19 +366,18 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
         step_in_buckets(optimizer, step, buckets, self._launch_gather)
 
     def after_optimizer_step(self) -> None:
-        """All-gather every bucket's updated slices into the parameters (with `prefetch`, launch those not yet
+        """All-gather the stepped buckets' updated slices into the parameters (with `prefetch`, launch those not yet
         launched, a skipped fp16 step's, and return)."""
         if self.exchange is not None:
             for index in self._order:
                 if index not in self._sent:
                     self._launch_gather(index)
             return
-        self._gather_parameters()
+        self._gather_parameters(self._stepped)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Reset the whole parameters' gradients (the buckets the slices' gradients view)."""
-        groups = self._group_params if self._sharded is optimizer else [g["params"] for g in optimizer.param_groups]
-        self.reducer.zero_grad([p for params in groups for p in params])
+        self.reducer.zero_grad(self.optimizer_parameters(optimizer))
 
     # ----------------------------------------------------------------- helpers
     def _slices_of(self, parameters: Iterable[Tensor]) -> list[Slice]:
@@ -320,11 +387,15 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
         return [s for slices in self._slices.values() for s in slices]
 
     def _attach_and_agree(self) -> None:
-        """Point every slice's `.grad` at its reduced chunk; if any rank's chunk is not finite, poison all."""
+        """Point every slice's `.grad` at its reduced chunk; if any rank's chunk is not finite, poison all (under
+        manual optimization, all of that parameter's)."""
         slices = self._all_slices()
         for s in slices:
             # A parameter no rank used (find_unused_parameters) keeps .grad None, so the optimizer skips it.
             s.value.grad = None if s.param.grad is None else s.grad
+        if self.manual_optimization:
+            self._agree_per_parameter(slices)
+            return
         finite = torch.stack([torch.isfinite(s.grad).all() for s in slices]).all() if slices else torch.tensor(True)
         flag = finite.logical_not().float().reshape(1).to(self.root_device)
         self.comm_counter.add_tensors(flag)
@@ -335,10 +406,28 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
             for s in slices:
                 s.grad.fill_(float("nan"))
 
+    def _agree_per_parameter(self, slices: list[Slice]) -> None:
+        """Poison every rank's slices of each parameter that holds inf or NaN on some rank: several optimizers
+        each skip or take their step on their own parameters, as one process's loss scaler decides."""
+        bad = torch.zeros(len(self._param_index), dtype=torch.float32, device=self.root_device)
+        if slices:
+            index = torch.tensor([self._param_index[id(s.param)] for s in slices], device=self.root_device)
+            nonfinite = torch.stack([torch.isfinite(s.grad).all().logical_not() for s in slices]).float()
+            bad.scatter_reduce_(0, index, nonfinite, "amax")
+        self.comm_counter.add_tensors(bad)
+        # Collective: per parameter, whether any rank's slice of its gradient holds inf or NaN.
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        # Host sync: the verdicts decide which slices must carry the others' inf.
+        if bad.any().item():
+            verdicts = bad.tolist()
+            for s in slices:
+                if verdicts[self._param_index[id(s.param)]]:
+                    s.grad.fill_(float("nan"))
+
     @torch.no_grad()
-    def _gather_parameters(self) -> None:
-        """All-gather each bucket's chunks of updated parameter values, then copy them into the parameters."""
-        pending = [(index, *self._start_gather(index)) for index in self._order]
+    def _gather_parameters(self, indices: list[int]) -> None:
+        """All-gather the chunks of updated parameter values of the buckets `indices`, into the parameters."""
+        pending = [(index, *self._start_gather(index)) for index in indices]
         for index, gathered, works in pending:
             for work in works:
                 work.wait()
@@ -382,7 +471,8 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Gather every rank's slices of the optimizer state into one ordinary, whole `state_dict` (a collective)."""
         self.setup_optimizer(optimizer)
-        params = [p for group in self._group_params for p in group]
+        group_params = self._group_params[id(optimizer)]
+        params = [p for group in group_params for p in group]
         mine: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}
         for index, param in enumerate(params):
             for s in self._slices.get(id(param), []):
@@ -397,10 +487,10 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
             if pieces:
                 state[index] = _join_slices(type(optimizer).__name__, param, pieces)
         groups, first = [], 0
-        for group, group_params in zip(optimizer.param_groups, self._group_params):
+        for group, own in zip(optimizer.param_groups, group_params):
             saved = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**saved, "params": list(range(first, first + len(group_params)))})
-            first += len(group_params)
+            groups.append({**saved, "params": list(range(first, first + len(own)))})
+            first += len(own)
         return {"state": state, "param_groups": groups}
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -410,18 +500,19 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
             ValueError: the saved param groups do not match the optimizer's.
         """
         self.setup_optimizer(optimizer)
+        group_params = self._group_params[id(optimizer)]
         saved_groups = state["param_groups"]
-        if [len(g["params"]) for g in saved_groups] != [len(params) for params in self._group_params]:
+        if [len(g["params"]) for g in saved_groups] != [len(params) for params in group_params]:
             raise ValueError(
                 "The checkpoint's optimizer has param groups of "
                 f"{[len(g['params']) for g in saved_groups]} parameters, the task's optimizer "
-                f"{[len(params) for params in self._group_params]}; resume with the same configure_optimizers()."
+                f"{[len(params) for params in group_params]}; resume with the same configure_optimizers()."
             )
         for group, saved in zip(optimizer.param_groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
         optimizer.state.clear()
         saved_state = state["state"]
-        for saved, params in zip(saved_groups, self._group_params):
+        for saved, params in zip(saved_groups, group_params):
             for index, param in zip(saved["params"], params):
                 entry = saved_state.get(index, saved_state.get(str(index)))
                 if entry is None:

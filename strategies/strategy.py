@@ -174,6 +174,11 @@ class Strategy(ABC):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Adopt the task's optimizer once it exists, before any step or restore (a sharded strategy shards it)."""
 
+    def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+        """Return the task's parameters that `optimizer` updates, whole (a sharded strategy's optimizer holds
+        slices of them): what `toggle_optimizer` freezes and a manual `clip_gradients` clips."""
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> None:
         """Take one optimizer step by calling `step` (which applies precision scaling).
 
@@ -196,6 +201,18 @@ class Strategy(ABC):
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Reset gradients after an optimizer step."""
         optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def restore_gradients(self, parameters: list[Tensor], grads: list[Tensor | None]) -> None:
+        """Give `parameters` the gradients a checkpoint kept (an open accumulation window's; None: none kept)."""
+        for param, grad in zip(parameters, grads):
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad.to(param.device)
+            else:
+                # In place: a strategy's gradients may be views into its communication buffers.
+                param.grad.copy_(grad)
 
     # ------------------------------------------------------------- collectives
     def reduce(self, tensor: Tensor, op: ReduceOp = "mean") -> Tensor:

@@ -23,6 +23,7 @@ from syncline.trainer.nonfinite import NONFINITE_LOSS
 from syncline.trainer.persistence import CKPT_READ
 from syncline.trainer.precision import PRECISIONS
 from syncline.trainer.preemption import PREEMPTION_SIGNALS
+from syncline.trainer.rank_zero import rank_zero_info
 from syncline.trainer.uneven import UNEVEN_INPUTS
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "build_loggers",
     "check_options",
     "device_type",
+    "merge_task_callbacks",
     "resolve_devices",
     "strategy_of",
 ]
@@ -235,3 +237,31 @@ def build_callbacks(
     if not checkpointing and any(isinstance(c, ModelCheckpoint) for c in result):
         raise OptionError("enable_checkpointing=False but a ModelCheckpoint was passed in callbacks; drop one.")
     return result
+
+
+def merge_task_callbacks(
+    callbacks: list[Callback], returned: Sequence[Callback] | Callback | None, task_name: str
+) -> list[Callback]:
+    """Return the Trainer's `callbacks` with those `Task.configure_callbacks` returned, as Lightning merges them.
+
+    A returned callback replaces every Trainer callback of exactly its type (not of a subclass or base class);
+    the others keep their order, the task's follow, and ModelCheckpoints move to the end, in their order.
+
+    Raises:
+        TypeError: something returned is not a `Callback`.
+    """
+    from syncline.callbacks.checkpoint import ModelCheckpoint
+
+    if not returned:
+        return callbacks
+    own = [returned] if isinstance(returned, Callback) else list(returned)
+    bad = [type(c).__name__ for c in own if not isinstance(c, Callback)]
+    if bad:
+        raise TypeError(f"{task_name}.configure_callbacks() must return Callback instances, got {', '.join(bad)}.")
+    replaced = {type(c) for c in own} & {type(c) for c in callbacks}
+    if replaced:
+        names = ", ".join(sorted(kind.__name__ for kind in replaced))
+        rank_zero_info(f"{task_name}.configure_callbacks() replaces the Trainer's callbacks of type {names}.")
+    merged = [c for c in callbacks if type(c) not in replaced] + own
+    # Checkpoints go last, so the state they save includes what other callbacks did at the same event.
+    return sorted(merged, key=lambda c: isinstance(c, ModelCheckpoint))

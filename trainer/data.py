@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
-from syncline.trainer.hooks import DataHooks
+from syncline.strategies.strategy import move_to_device
+from syncline.trainer.hooks import TRANSFER_HOOKS, DataHooks, overrides
 from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BatchIndexRecorder",
     "UnpaddedShardSampler",
+    "batch_mover",
     "epoch_batches",
     "eval_dataloaders",
     "limit_batches",
@@ -262,6 +265,23 @@ def eval_dataloaders(task: Any, stage: str, dataloaders: Any) -> Any:
             f"{type(task).__name__}.{_LOADER_METHODS[stage]}()."
         )
     return dataloaders
+
+
+def batch_mover(trainer: Trainer) -> Callable[[Any, int], Any]:
+    """Return how this stage moves a batch to the device, decided once: `move_batch` when the task or the
+    DataModule overrides a batch-transfer hook; otherwise what the default hooks do (nothing on the CPU)."""
+    task, datamodule = trainer.task, trainer.datamodule
+    owners = [task] if datamodule is None else [task, datamodule]
+    if any(overrides(owner, DataHooks, name) for owner in owners for name in TRANSFER_HOOKS):
+        return functools.partial(move_batch, trainer)
+    device = trainer.strategy.root_device
+    if device.type == "cpu":
+        return _unmoved
+    return lambda batch, dataloader_idx: move_to_device(batch, device)
+
+
+def _unmoved(batch: Any, dataloader_idx: int) -> Any:
+    return batch
 
 
 def move_batch(trainer: Trainer, batch: Any, dataloader_idx: int) -> Any:

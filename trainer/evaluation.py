@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from syncline.callbacks.callback import Callback
-from syncline.trainer.data import BatchIndexRecorder, epoch_batches, move_batch
+from syncline.trainer.data import BatchIndexRecorder, batch_mover, epoch_batches
 
 if TYPE_CHECKING:
     from syncline.trainer.trainer import Trainer
@@ -120,6 +120,7 @@ class EvaluationLoop:
         task, dispatcher = trainer.task, trainer.dispatcher
         results, logging = trainer.eval_results, not trainer.sanity_checking and stage != "predict"
         step_fn = getattr(task, hooks.step)
+        move = batch_mover(trainer)
         several = len(loaders) > 1
         predictions: list[list[Any]] = [[] for _ in loaders]
         self._predictions, self.epoch_batch_indices = predictions, [[] for _ in loaders]
@@ -136,7 +137,7 @@ class EvaluationLoop:
                     extra = (dataloader_idx,) if several else ()
                     results.dataloader_idx = dataloader_idx if several else None
                     for batch_idx, batch in enumerate(epoch_batches(loader, limit)):
-                        batch = move_batch(trainer, batch, dataloader_idx)
+                        batch = move(batch, dataloader_idx)
                         results.new_batch(batch)
                         if stage == "predict":
                             self._note_batch_indices(loader, batch_idx, dataloader_idx)

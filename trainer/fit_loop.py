@@ -14,8 +14,9 @@ from torch import Tensor
 from syncline.callbacks.callback import Callback
 from syncline.strategies.comm.join import Joinable
 from syncline.trainer import persistence
-from syncline.trainer.data import epoch_batches, move_batch
-from syncline.trainer.manual import TrainerOptimizer, train_batch_manually
+from syncline.trainer.data import batch_mover, epoch_batches
+from syncline.trainer.hooks import ModelHooks, overrides
+from syncline.trainer.manual import TrainerOptimizer, take_step, train_batch_manually
 from syncline.trainer.nonfinite import NonfiniteLossGuard
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
@@ -45,6 +46,14 @@ class FitLoop:
         #: The optimizers as `Task.optimizers()` gives them: their step goes through the Trainer.
         self.trainer_optimizers: list[TrainerOptimizer] = []
         self.parameters: list[Tensor] = []
+        # Decided once per fit (`setup`), not per step: the task's optimization mode, and which of the step's
+        # hooks it overrides (one left at its default is skipped, or replaced by what the default does).
+        self.manual = False
+        #: Whether an automatic step runs `configure_gradient_clipping` (overridden, or the Trainer clips).
+        self.clips = False
+        self._own_step = self._own_zero_grad = False
+        self._transfer: Any = None
+        self._stepped_optimizer: torch.optim.Optimizer | None = None  # the one automatic optimization steps
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         #: RNG state of the checkpoint being resumed, applied at the point in the loop it was taken.
         self.resume_rng: dict[str, Any] | None = None
@@ -64,7 +73,16 @@ class FitLoop:
         self.fire = trainer.dispatcher.fire
         self.optim = optim
         self.trainer_optimizers = [TrainerOptimizer(optimizer, trainer) for optimizer in optim.optimizers]
-        self.parameters = [p for p in trainer.task.parameters() if p.requires_grad]
+        task = trainer.task
+        self.parameters = [p for p in task.parameters() if p.requires_grad]
+        self.manual = not task.automatic_optimization
+        self.clips = not self.manual and (
+            bool(trainer.gradient_clip_val) or overrides(task, ModelHooks, "configure_gradient_clipping")
+        )
+        self._own_step = overrides(task, ModelHooks, "optimizer_step")
+        self._own_zero_grad = overrides(task, ModelHooks, "optimizer_zero_grad")
+        self._transfer = batch_mover(trainer)
+        self._stepped_optimizer = optim.optimizer
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         self.resume_rng = None
         interval, batches = trainer.val_check_interval, trainer.num_training_batches
@@ -142,7 +160,9 @@ class FitLoop:
         for batch_idx, batch, is_last in self._batches(trainer.num_training_batches):
             self.run_batch(batch, batch_idx, is_last)
             exhausted = is_last
-            if self._stop_requested() or (trainer.max_steps != -1 and state.global_step >= trainer.max_steps):
+            if (state.should_stop and self._stop_requested()) or (
+                trainer.max_steps != -1 and state.global_step >= trainer.max_steps
+            ):
                 break
         # Step values not due for the loggers by the epoch's end are not carried into the next epoch.
         trainer.results.pop_step_logs()
@@ -199,9 +219,10 @@ class FitLoop:
         """Step the schedulers of `interval` due at `count`: the plateau ones, or the others (under manual
         optimization, none: the task steps its schedulers, as in Lightning)."""
         assert self.optim is not None
-        if not self.trainer.task.automatic_optimization:
+        if self.manual:
             return
-        self.optim.step_schedulers(interval, count, self.trainer.callback_metrics, plateau=plateau)
+        task = self.trainer.task
+        self.optim.step_schedulers(interval, count, self.trainer.callback_metrics, plateau, task.lr_scheduler_step)
 
     # -------------------------------------------------------------- validation
     def validation_due(self, batch_idx: int, is_last: bool) -> bool:
@@ -289,7 +310,7 @@ class FitLoop:
         if batch is JOINED:
             # Accumulation is 1 under join: every other rank's batch ends a window, so this one does too.
             self.shadow_batch(batch_idx)
-        elif not self.trainer.task.automatic_optimization:
+        elif self.manual:
             train_batch_manually(self, batch, batch_idx)
         else:
             self.train_batch(batch, batch_idx, is_last)
@@ -303,9 +324,9 @@ class FitLoop:
 
     def train_batch(self, batch: Any, batch_idx: int, is_last: bool) -> None:
         """Forward, backward (synchronized at the end of an accumulation window), and maybe a step."""
-        trainer, task, strategy = self.trainer, self.trainer.task, self.trainer.strategy
-        results = trainer.results
-        batch = self.transfer(batch)
+        trainer = self.trainer
+        task, strategy, results = trainer.task, trainer.strategy, trainer.results
+        batch = self._transfer(batch, 0)
         results.new_batch(batch)
         self.fire(Callback.on_train_batch_start, batch, batch_idx)
         window_end = is_last or (batch_idx + 1) % self.accumulate == 0
@@ -338,20 +359,24 @@ class FitLoop:
         Returns:
             False when a non-finite loss (`nonfinite_loss="skip"`) dropped the window.
         """
-        strategy, optimizer = self.trainer.strategy, self.optimizer
+        trainer = self.trainer
+        strategy, optimizer = trainer.strategy, self._stepped_optimizer
         if self.accumulate > 1:
             # Average over the window's micro-batches so k steps of size b equal one of size k*b.
             loss = loss / self.accumulate
         if batch_idx % self.accumulate == 0:
             self.fire(Callback.on_before_zero_grad, optimizer)
-            self.trainer.task.optimizer_zero_grad(self.state.current_epoch, batch_idx, self.trainer_optimizers[0])
+            if self._own_zero_grad:
+                trainer.task.optimizer_zero_grad(self.state.current_epoch, batch_idx, self.trainer_optimizers[0])
+            else:
+                strategy.zero_grad(optimizer)  # what the default hook's `optimizer.zero_grad()` does
         self.nonfinite.observe(loss)
         if window_end and not self.nonfinite.window_is_finite(self.state.global_step, batch_idx):
             # Every rank skips alike: no synchronized backward, no step, the window's gradients dropped.
             strategy.zero_grad(optimizer)
             return False
         self.fire(Callback.on_before_backward, loss)
-        strategy.backward(self.trainer.precision.scale_loss(loss), sync=window_end)
+        strategy.backward(trainer.precision.scale_loss(loss), sync=window_end)
         self.fire(Callback.on_after_backward)
         return True
 
@@ -362,8 +387,8 @@ class FitLoop:
         return self.optim.optimizer
 
     def transfer(self, batch: Any) -> Any:
-        """Move a training batch to the device through the batch-transfer hooks."""
-        return move_batch(self.trainer, batch, 0)
+        """Move a training batch to the device through the batch-transfer hooks (those the task overrides)."""
+        return self._transfer(batch, 0)
 
     def land_before(self, hook: Callable[..., None]) -> None:
         """Land a step in flight (`Strategy.apply_pending_updates`) if a listener of `hook` may read the weights."""
@@ -413,6 +438,8 @@ class FitLoop:
     def _loss_of(self, outputs: Any) -> Tensor | None:
         """Return the loss `training_step` returned; None skips the batch's backward, as in Lightning."""
         loss = outputs.get("loss", outputs) if isinstance(outputs, dict) else outputs
+        if isinstance(loss, Tensor) and loss.numel() == 1:
+            return loss
         name = type(self.trainer.task).__name__
         if loss is None:
             if self.trainer.world_size > 1:
@@ -430,12 +457,10 @@ class FitLoop:
                 f"{name}.training_step returned {type(outputs).__name__}; return the loss as a scalar "
                 "tensor, a dict with a 'loss' tensor, or None to skip the batch."
             )
-        if loss.numel() != 1:
-            raise ValueError(
-                f"{name}.training_step returned a loss of shape {tuple(loss.shape)}; "
-                "the loss must be a scalar (reduce it, e.g. with .mean())."
-            )
-        return loss
+        raise ValueError(
+            f"{name}.training_step returned a loss of shape {tuple(loss.shape)}; "
+            "the loss must be a scalar (reduce it, e.g. with .mean())."
+        )
 
     def optimizer_step(self, is_last: bool, batch_idx: int, apply: bool = True) -> None:
         """Step through the task's `optimizer_step` hook (when `apply`; the Trainer's step unscales, fires
@@ -443,9 +468,11 @@ class FitLoop:
         epoch's last batch, its epoch schedulers, as Lightning does: the epoch-end validation and checkpoint
         see the new rate)."""
         trainer, state = self.trainer, self.state
-        if apply:
+        if apply and self._own_step:
             # The window's forwards and backwards ran already: the closure has nothing left to run.
             trainer.task.optimizer_step(state.current_epoch, batch_idx, self.trainer_optimizers[0], _no_closure)
+        elif apply:
+            take_step(trainer, self._stepped_optimizer, None)  # what the default hook's step does
         state.global_step += 1
         self.stepped = True
         if self.optim is not None and self.optim.schedulers:
@@ -457,7 +484,7 @@ class FitLoop:
     def accumulated_grads(self) -> list[Tensor | None] | None:
         """Gradients of an open accumulation window (None when the window is closed); under manual optimization,
         whatever gradients the task holds (it accumulates as it likes, e.g. stepping every N batches)."""
-        if not self.trainer.task.automatic_optimization:
+        if self.manual:
             if all(p.grad is None for p in self.parameters):
                 return None
         elif self.state.batch_idx % self.accumulate == 0 or self.state.batches_done:
@@ -474,15 +501,7 @@ class FitLoop:
         if any(grad is not None and not torch.isfinite(grad).all() for grad in grads):
             # The window's non-finite loss came before the checkpoint: its verdict must survive the resume.
             self.nonfinite.observe(torch.tensor(float("nan")))
-        with torch.no_grad():
-            for param, grad in zip(self.parameters, grads):
-                if grad is None:
-                    continue
-                if param.grad is None:
-                    param.grad = grad.to(param.device)
-                else:
-                    # In place: a strategy's gradients may be views into its communication buffers.
-                    param.grad.copy_(grad)
+        self.trainer.strategy.restore_gradients(self.parameters, grads)
 
 
 _END = object()

@@ -15,7 +15,19 @@ if TYPE_CHECKING:
 
     from syncline.trainer.trainer import Trainer
 
-__all__ = ["DataHooks", "ModelHooks"]
+__all__ = ["TRANSFER_HOOKS", "DataHooks", "ModelHooks", "overrides"]
+
+#: The batch-transfer hooks, in the order they run for every batch (`data.move_batch`).
+TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def overrides(obj: object, base: type, name: str) -> bool:
+    """Whether `obj` replaces `base`'s method `name`, in its class or on the instance.
+
+    The loop asks once per fit, and calls a hook left at its default straight to what the default does, so a
+    step pays for no dispatch it does not need.
+    """
+    return name in getattr(obj, "__dict__", ()) or getattr(type(obj), name, None) is not getattr(base, name)
 
 
 class DataHooks:
@@ -95,6 +107,14 @@ class ModelHooks:
         up the learning rate or skip steps. Call ``optimizer.step(closure=optimizer_closure)``: that step goes
         through the Trainer (loss scaling, ``on_before_optimizer_step``, `configure_gradient_clipping`)."""
         optimizer.step(closure=optimizer_closure)
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Step `scheduler` when the Trainer's schedule says it is due (automatic optimization): `metric` is the
+        monitored value for a ReduceLROnPlateau, else None. Override it for a scheduler of another API."""
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
 
     def configure_gradient_clipping(
         self,

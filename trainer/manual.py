@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["TrainerOptimizer", "check_optimization_mode", "manual_outputs", "take_step", "train_batch_manually"]
 
 #: The exact strategies, named in the refusal of the others.
-_EXACT = "bucketed_ddp, native_ddp, tensor_fusion or parameter_server"
+_EXACT = "bucketed_ddp, native_ddp, tensor_fusion, parameter_server or sharded_parameter_server"
 
 
 def check_optimization_mode(trainer: Trainer, task: Task) -> None:
@@ -81,12 +81,12 @@ def take_step(trainer: Trainer, optimizer: torch.optim.Optimizer, closure: Calla
         What the closure returned (None without one).
     """
     output = closure() if closure is not None else None
-    precision, task = trainer.precision, trainer.task
+    precision = trainer.precision
     assert precision is not None
     precision.unscale(optimizer)
     trainer.dispatcher.fire(Callback.on_before_optimizer_step, optimizer)
-    if task.automatic_optimization:
-        task.configure_gradient_clipping(optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+    if trainer.fit_loop.clips:  # automatic optimization, and a clipping hook that would clip (decided per fit)
+        trainer.task.configure_gradient_clipping(optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
     trainer.strategy.optimizer_step(optimizer, precision.step(optimizer))
     return output
 
@@ -122,7 +122,7 @@ class TrainerOptimizer:
             raise TypeError(f"optimizer.step() through the Trainer takes no keyword arguments, got {sorted(kwargs)}.")
         trainer = self._trainer
         output = take_step(trainer, self._optimizer, closure)
-        if not trainer.task.automatic_optimization:
+        if trainer.fit_loop.manual:
             # Lightning counts every manual step toward global_step (two optimizers: two per batch).
             trainer.state.global_step += 1
             trainer.fit_loop.stepped = True

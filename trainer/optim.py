@@ -32,6 +32,14 @@ class SchedulerConfig:
         return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
+def _step(scheduler: Any, metric: Any) -> None:
+    """Step `scheduler` as the default `lr_scheduler_step` does."""
+    if metric is None:
+        scheduler.step()
+    else:
+        scheduler.step(metric)
+
+
 @dataclass
 class OptimizerSetup:
     """The optimizers and schedulers a task configured (one optimizer under automatic optimization)."""
@@ -44,8 +52,16 @@ class OptimizerSetup:
         """The first optimizer: the one automatic optimization steps."""
         return self.optimizers[0]
 
-    def step_schedulers(self, interval: str, count: int, metrics: dict[str, Tensor], plateau: bool) -> None:
-        """Step every scheduler of `interval` whose frequency divides `count` (steps or epochs).
+    def step_schedulers(
+        self,
+        interval: str,
+        count: int,
+        metrics: dict[str, Tensor],
+        plateau: bool,
+        step: Callable[[Any, Any], None] = _step,
+    ) -> None:
+        """Step every scheduler of `interval` whose frequency divides `count` (steps or epochs), through `step`
+        (the task's `lr_scheduler_step`: the scheduler, and the monitored value or None).
 
         `plateau` picks the ReduceLROnPlateau schedulers (which read a metric, so the loop steps them after
         validation) or the others, as Lightning separates them.
@@ -66,9 +82,9 @@ class OptimizerSetup:
                         f"ReduceLROnPlateau monitors {config.monitor!r}, which was not logged. "
                         f"Logged metrics: {available}. Log it, or set 'strict': False in the lr_scheduler dict."
                     )
-                config.scheduler.step(metrics[config.monitor].item())
+                step(config.scheduler, metrics[config.monitor])
             else:
-                config.scheduler.step()
+                step(config.scheduler, None)
 
     def state_dict(
         self, optimizer_state_dict: Callable[[torch.optim.Optimizer], dict[str, Any]] = torch.optim.Optimizer.state_dict
@@ -196,13 +212,17 @@ def _split(returned: Any, task_name: str) -> tuple[list[Any], list[Any], str | N
     raise TypeError(f"{task_name}.configure_optimizers() returned {type(returned).__name__}; {_FORMS}.")
 
 
-def parse_optimizers(returned: Any, task_name: str, manual: bool = False) -> OptimizerSetup:
+def parse_optimizers(
+    returned: Any, task_name: str, manual: bool = False, own_scheduler_step: bool = False
+) -> OptimizerSetup:
     """Turn what `configure_optimizers()` returned, in any of Lightning's forms, into an `OptimizerSetup`.
 
     `manual`: the task steps its optimizers itself (Lightning's manual optimization), which allows several.
+    `own_scheduler_step`: the task overrides `lr_scheduler_step`, so a scheduler may have an API of its own.
 
     Raises:
-        TypeError: the value is none of the forms, or holds something that is not an optimizer.
+        TypeError: the value is none of the forms, or holds something that is not an optimizer; a scheduler
+            without `state_dict`/`load_state_dict`, or not torch's kind while `lr_scheduler_step` is the default.
         RuntimeError: several optimizers under automatic optimization (Lightning's error).
         ValueError: a bad scheduler dict, or a scheduler of an optimizer that was not returned.
     """
@@ -222,6 +242,7 @@ def parse_optimizers(returned: Any, task_name: str, manual: bool = False) -> Opt
         )
     configs = [_parse_scheduler(scheduler, monitor, manual) for scheduler in schedulers]
     for config in configs:
+        _check_scheduler_api(config.scheduler, task_name, own_scheduler_step)
         attached = getattr(config.scheduler, "optimizer", optimizers[0])
         if not any(attached is optimizer for optimizer in optimizers):
             raise ValueError(
@@ -229,3 +250,20 @@ def parse_optimizers(returned: Any, task_name: str, manual: bool = False) -> Opt
                 "optimizer that was not returned; build it on a returned optimizer."
             )
     return OptimizerSetup(list(optimizers), configs)
+
+
+def _check_scheduler_api(scheduler: Any, task_name: str, own_step: bool) -> None:
+    """Refuse a scheduler checkpoints cannot keep, or whose `step` the default `lr_scheduler_step` cannot call."""
+    kind = type(scheduler).__name__
+    if not (callable(getattr(scheduler, "state_dict", None)) and callable(getattr(scheduler, "load_state_dict", None))):
+        raise TypeError(
+            f"{task_name}.configure_optimizers() returned the lr scheduler {kind}, which checkpoints cannot keep: "
+            "it needs `state_dict()` and `load_state_dict()` methods."
+        )
+    torch_kinds = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if not own_step and not isinstance(scheduler, torch_kinds):
+        raise TypeError(
+            f"The lr scheduler {kind} returned by {task_name}.configure_optimizers() is not one of torch's "
+            f"(LRScheduler, ReduceLROnPlateau); override {task_name}.lr_scheduler_step(scheduler, metric) to say "
+            "how to step it."
+        )

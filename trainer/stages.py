@@ -15,6 +15,7 @@ from syncline.callbacks.prediction_writer import BasePredictionWriter
 from syncline.trainer import persistence
 from syncline.trainer.data import eval_dataloaders, limit_batches, prepare_loader, prepare_loaders, with_batch_indices
 from syncline.trainer.datamodule import merged_hparams, prepare_and_setup
+from syncline.trainer.hooks import ModelHooks, overrides
 from syncline.trainer.optim import parse_optimizers
 from syncline.trainer.rank_zero import rank_zero_warn
 
@@ -46,9 +47,11 @@ def fit_stage(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ck
         # As in Lightning: the task's and the callbacks' state before configure_optimizers.
         persistence.restore_model(trainer, checkpoint, callbacks=True)
     strategy.setup(task)
-    strategy.backward_hook = task.backward
+    # The default hook is `loss.backward()`, which the strategy runs itself without the call through the task.
+    strategy.backward_hook = task.backward if overrides(task, ModelHooks, "backward") else None
     manual = not task.automatic_optimization
-    trainer.optim = parse_optimizers(task.configure_optimizers(), type(task).__name__, manual=manual)
+    own_step = overrides(task, ModelHooks, "lr_scheduler_step")
+    trainer.optim = parse_optimizers(task.configure_optimizers(), type(task).__name__, manual, own_step)
     for optimizer in trainer.optim.optimizers:
         strategy.setup_optimizer(optimizer)
     trainer.fit_loop.setup(trainer.optim)

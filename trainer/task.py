@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -16,6 +16,7 @@ from syncline.trainer.hparams import AttributeDict, HyperparametersMixin, build_
 if TYPE_CHECKING:
     from torchmetrics import Metric
 
+    from syncline.callbacks.callback import Callback
     from syncline.trainer.trainer import Trainer
 
 __all__ = ["AttributeDict", "Task"]
@@ -180,16 +181,15 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Let only `optimizer`'s parameters require grad: the other optimizers' parameters stop requiring it
         until `untoggle_optimizer`, so a backward for this optimizer computes no gradient for them."""
+        parameters_of = self.trainer.strategy.optimizer_parameters
         states: dict[Tensor, bool] = {}
         for other in self.trainer.optimizers:
-            for group in other.param_groups:
-                for param in group["params"]:
-                    if param not in states:
-                        states[param] = param.requires_grad
-                        param.requires_grad = False
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                param.requires_grad = states[param]
+            for param in parameters_of(other):
+                if param not in states:
+                    states[param] = param.requires_grad
+                    param.requires_grad = False
+        for param in parameters_of(getattr(optimizer, "optimizer", optimizer)):
+            param.requires_grad = states[param]
         self._param_requires_grad_state = states
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
@@ -198,10 +198,9 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
         for other in self.trainer.optimizers:
             if other is mine:
                 continue
-            for group in other.param_groups:
-                for param in group["params"]:
-                    if param in self._param_requires_grad_state:
-                        param.requires_grad = self._param_requires_grad_state[param]
+            for param in self.trainer.strategy.optimizer_parameters(other):
+                if param in self._param_requires_grad_state:
+                    param.requires_grad = self._param_requires_grad_state[param]
         self._param_requires_grad_state = {}
 
     @contextmanager
@@ -258,7 +257,7 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
             # The strategy's own view of the task's parameters (a sharded one clips its slices).
             parameters = trainer.fit_loop.parameters
         else:
-            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+            parameters = trainer.strategy.optimizer_parameters(optimizer)
         trainer.strategy.clip_gradients(parameters, float(gradient_clip_val), algorithm)
 
     # ---------------------------------------------------------------- logging
@@ -335,6 +334,12 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
             f"{type(self).__name__} must override `configure_optimizers()` and return an optimizer "
             "(or a dict with 'optimizer' and 'lr_scheduler')."
         )
+
+    def configure_callbacks(self) -> Sequence[Callback] | Callback:
+        """Return callbacks this task needs (a list, or one): at the start of every stage they join the Trainer's,
+        each replacing the Trainer's callbacks of exactly its type, and ModelCheckpoints run last (Lightning's
+        rule)."""
+        return []
 
     # ----------------------------------------------------------- task hooks
     # prepare_data, setup, teardown and the *_dataloader methods are `DataHooks`'.

@@ -19,6 +19,7 @@ from syncline.trainer.arguments import (
     build_loggers,
     check_options,
     device_type,
+    merge_task_callbacks,
     resolve_devices,
     strategy_of,
 )
@@ -389,7 +390,9 @@ class Trainer:
         self.eval_results.reset()
         self.results = self.train_results
         self.evaluation.reset()
-        self.dispatcher.bind(task)
+        # As in Lightning, every stage asks the task for its own callbacks (they replace the Trainer's of their type).
+        self.callbacks = merge_task_callbacks(self.callbacks, task.configure_callbacks(), type(task).__name__)
+        self.dispatcher.bind(task, self.callbacks)
         self.strategy.setup_environment()
         self.precision = Precision(self.precision_name, self.strategy.root_device, self.strategy)
         status = "failed"

@@ -412,6 +412,13 @@ class Reducer:
         """
         self._grads.zero_grad(params)
 
+    def mark_gradients_held(self, params: Sequence[Tensor]) -> None:
+        """Record that `params` hold gradient values put there from outside a backward (a checkpoint's)."""
+        for param in params:
+            index = self._index_of.get(id(param))
+            if index is not None:
+                self._has_grad[index] = True
+
     @property
     def has_unsynced_gradients(self) -> bool:
         """Whether a backward the reducer did not prepare accumulated gradients since the last sync."""

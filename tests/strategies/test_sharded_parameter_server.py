@@ -1,4 +1,5 @@
-"""Checkpoints and precision of the two parameter servers, through the Trainer, in real gloo processes.
+"""Checkpoints and precision of the two parameter servers, through the Trainer, in real gloo processes; the sharded
+server's loss-scaler agreement under manual optimization.
 
 A checkpoint holds the whole optimizer state as one ordinary `state_dict`, whichever rank serves it and
 however it is sharded: a run resumes bit-exactly on as many processes, and on another number of processes
@@ -8,6 +9,7 @@ however it is sharded: a run resumes bit-exactly on as many processes, and on an
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from syncline.strategies import BucketedDDP, ParameterServer, ShardedParameterServer
 from syncline.strategies.comm.ranks import run_distributed
@@ -75,3 +77,56 @@ def test_resume_is_bit_exact_on_as_many_processes_and_exact_to_1e_5_on_another_n
     back = run_distributed(_back_on_two, 2, args=(str(tmp_path),), timeout=60)
     torch.testing.assert_close(back[0], two[0]["straight"], atol=1e-5, rtol=0)
     assert torch.equal(back[0], back[1])
+
+
+def _two_scaled_optimizers(rank: int, world_size: int, poison: bool) -> dict:
+    """One manual step of two optimizers (one per layer) under one CPU loss scaler; with `poison`, rank 1's slice of
+    the second layer's gradient gets an inf."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    initial = [p.detach().clone() for p in model.parameters()]
+    strategy = ShardedParameterServer(bucket_cap_mb=0.0003)  # several buckets, parameters cut between ranks
+    strategy.manual_optimization = True
+    strategy.setup_environment()
+    strategy.setup(model)
+    optimizers = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)]
+    for optimizer in optimizers:
+        strategy.setup_optimizer(optimizer)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    handle = None
+    if poison and rank == 1:
+        piece = next(s for p in model[2].parameters() for s in strategy._slices.get(id(p), []))
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.clone()
+            grad.view(-1)[piece.start] = float("inf")
+            return grad
+
+        handle = piece.param.register_hook(hook)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
+    strategy.backward(scaler.scale(model(x).pow(2).mean()), sync=True)
+    if handle is not None:
+        handle.remove()
+    for optimizer in optimizers:
+        strategy.optimizer_step(optimizer, lambda optimizer=optimizer: scaler.step(optimizer))
+    scaler.update()
+    strategy.teardown()
+    return {"initial": initial, "params": [p.detach().clone() for p in model.parameters()], "scale": scaler.get_scale()}
+
+
+def _scaled_runs(rank: int, world_size: int) -> dict:
+    return {"poisoned": _two_scaled_optimizers(rank, world_size, True), "clean": _two_scaled_optimizers(rank, 2, False)}
+
+
+def test_under_manual_optimization_an_inf_skips_only_the_step_of_the_optimizer_whose_gradient_holds_it():
+    """The ranks agree per parameter whether its gradient holds an inf (each sees only its slice): as one process's
+    scaler, the first layer's optimizer steps as on clean gradients, the second layer's skips, the scale halves
+    (tolerance 0; on both ranks)."""
+    for run in run_distributed(_scaled_runs, 2, timeout=60):
+        poisoned, clean = run["poisoned"], run["clean"]
+        assert clean["scale"] == 1024.0 and poisoned["scale"] == 512.0
+        for index in (0, 1):  # the first layer: stepped
+            assert torch.equal(poisoned["params"][index], clean["params"][index])
+            assert not torch.equal(poisoned["params"][index], poisoned["initial"][index])
+        for index in (2, 3):  # the second layer: skipped
+            assert torch.equal(poisoned["params"][index], poisoned["initial"][index])

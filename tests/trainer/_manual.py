@@ -27,18 +27,23 @@ def gan_loader(batch_size: int = 8, n: int = 32) -> DataLoader:
 
 class ToyGAN(Task):
     """Lightning's GAN pattern: the generator's step, then the discriminator's, each with its own optimizer and
-    scheduler stepped by the task; `toggle` freezes the other network around each backward."""
+    scheduler stepped by the task; `toggle` freezes the other network around each backward; `clip` clips the
+    discriminator's gradients to that 2-norm before its step."""
 
-    def __init__(self, toggle: bool = True, return_loss: bool = True) -> None:
+    def __init__(self, toggle: bool = True, return_loss: bool = True, clip: float | None = None) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.generator = nn.Sequential(nn.Linear(LATENT, 8), nn.Tanh(), nn.Linear(8, FEATURES))
         self.discriminator = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
         self.toggle = toggle
         self.return_loss = return_loss
+        self.clip = clip
 
-    def gan_step(self, batch, opt_g, opt_d, backward: Callable[[Tensor], None]) -> tuple[Tensor, Tensor]:
-        """One generator step and one discriminator step; the hand-written reference calls it too."""
+    def gan_step(
+        self, batch, opt_g, opt_d, backward: Callable[[Tensor], None], clip: Callable[[], None] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """One generator step and one discriminator step (`clip` before it); the hand-written reference calls it
+        too."""
         real, z = batch
         ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
         bce = nn.functional.binary_cross_entropy_with_logits
@@ -55,6 +60,8 @@ class ToyGAN(Task):
         d_loss = (bce(self.discriminator(real), ones) + bce(self.discriminator(fake), zeros)) / 2
         opt_d.zero_grad()
         backward(d_loss)
+        if clip is not None:
+            clip()
         opt_d.step()
         if self.toggle:
             self.untoggle_optimizer(opt_d)
@@ -62,7 +69,8 @@ class ToyGAN(Task):
 
     def training_step(self, batch, batch_idx):
         opt_g, opt_d = self.optimizers()
-        g_loss, d_loss = self.gan_step(batch, opt_g, opt_d, self.manual_backward)
+        clip = None if self.clip is None else lambda: self.clip_gradients(opt_d, self.clip, "norm")
+        g_loss, d_loss = self.gan_step(batch, opt_g, opt_d, self.manual_backward, clip)
         for scheduler in self.lr_schedulers():
             scheduler.step()  # the task's: Lightning steps no scheduler in manual optimization
         self.log("g_loss", g_loss)
@@ -79,9 +87,13 @@ def train_by_hand(task: ToyGAN, loader: DataLoader, epochs: int = 1) -> dict[str
     """Train `task` with plain torch (loss.backward(), optimizer.step()) on `loader`: the reference."""
     (opt_g, opt_d), schedulers = task.configure_optimizers()
     toggle, task.toggle = task.toggle, False  # toggling changes no value: zero_grad clears the other's grads
+
+    def clip() -> None:
+        nn.utils.clip_grad_norm_(task.discriminator.parameters(), task.clip)
+
     for _ in range(epochs):
         for batch in loader:
-            task.gan_step(batch, opt_g, opt_d, lambda loss: loss.backward())
+            task.gan_step(batch, opt_g, opt_d, lambda loss: loss.backward(), None if task.clip is None else clip)
             for scheduler in schedulers:
                 scheduler.step()
     task.toggle = toggle

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncline.strategies import BucketedDDP, NativeDDP, ParameterServer, TensorFusion
+from syncline.strategies import BucketedDDP, NativeDDP, ParameterServer, ShardedParameterServer, TensorFusion
 from syncline.strategies.comm.ranks import run_distributed, run_ranks
 from syncline.trainer import Trainer
 from tests.trainer._manual import ToyGAN, gan_loader, train_by_hand
@@ -17,12 +17,13 @@ EXACT = {
     "native_ddp": NativeDDP,
     "tensor_fusion": TensorFusion,
     "parameter_server": ParameterServer,
+    "sharded_parameter_server": ShardedParameterServer,
 }
 
 
-def _fit_gan(rank, world_size, name, find_unused, toggle):
+def _fit_gan(rank, world_size, name, find_unused, toggle, clip=None):
     torch.manual_seed(0)
-    task = ToyGAN(toggle=toggle)
+    task = ToyGAN(toggle=toggle, clip=clip)
     strategy = EXACT[name](find_unused_parameters=find_unused)
     trainer = Trainer(**quiet(max_epochs=2, strategy=strategy, num_sanity_val_steps=0))
     # 4 samples per rank from the DistributedSampler: the global batch is the one process's 8.
@@ -31,8 +32,10 @@ def _fit_gan(rank, world_size, name, find_unused, toggle):
 
 
 # Without toggling, the generator's backward also adds to the discriminator's gradients (then reset): run for the
-# core's reducer and for the server, whose reduced gradients are scaled before a backward adds to them.
-GAN_CASES = [(name, True) for name in sorted(EXACT)] + [("bucketed_ddp", False), ("parameter_server", False)]
+# core's reducer and for both servers, whose reduced gradients are scaled before a backward adds to them.
+GAN_CASES = [(name, True) for name in sorted(EXACT)] + [
+    (name, False) for name in ("bucketed_ddp", "parameter_server", "sharded_parameter_server")
+]
 GAN_IDS = [f"{name}-{'toggle' if toggle else 'no_toggle'}" for name, toggle in GAN_CASES]
 
 
@@ -47,6 +50,22 @@ def test_a_manual_gan_on_two_processes_equals_one_process_on_the_global_batch(na
     reference = train_by_hand(ToyGAN(), gan_loader(batch_size=8), epochs=2)
     for state, steps in results:
         assert steps == 2 * 2 * 32 // 8
+        for key, value in reference.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_clipping_inside_a_manual_step_on_two_processes_equals_one_process(name):
+    """`clip_gradients(opt_d, 0.05, "norm")` before the discriminator's step clips by the norm of the global
+    batch's gradients (the servers: on the ranks holding them; the sharded one: of every rank's slices): every rank
+    ends with plain torch's weights with `clip_grad_norm_` (tolerance 1e-5)."""
+    results = run_distributed(_fit_gan, world_size=2, args=(name, True, True, 0.05), timeout=120)
+    torch.manual_seed(0)
+    reference = train_by_hand(ToyGAN(clip=0.05), gan_loader(batch_size=8), epochs=2)
+    torch.manual_seed(0)
+    unclipped = train_by_hand(ToyGAN(), gan_loader(batch_size=8), epochs=2)
+    assert not torch.allclose(reference["discriminator.0.weight"], unclipped["discriminator.0.weight"])
+    for state, _ in results:
         for key, value in reference.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5)
 

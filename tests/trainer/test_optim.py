@@ -183,3 +183,76 @@ def test_bad_configure_optimizers_output_names_the_problem_and_the_forms(value, 
 def test_optimizers_outside_a_trainer_names_the_problem():
     with pytest.raises(RuntimeError, match="not attached to a Trainer"):
         Regressor().optimizers()
+
+
+class Recorded(Plateau):
+    """Records every `lr_scheduler_step` call: (the scheduler's class, the metric it was given)."""
+
+    def __init__(self) -> None:
+        super().__init__(monitor_at_top=False)
+        self.calls: list[tuple[str, object]] = []
+
+    def configure_optimizers(self):
+        config = super().configure_optimizers()
+        steps = torch.optim.lr_scheduler.StepLR(config["optimizer"], step_size=1, gamma=0.9)
+        return [config["optimizer"]], [config["lr_scheduler"], {"scheduler": steps, "interval": "step"}]
+
+    def lr_scheduler_step(self, scheduler, metric):
+        self.calls.append((type(scheduler).__name__, metric))
+        super().lr_scheduler_step(scheduler, metric)
+
+
+def test_lr_scheduler_step_receives_every_due_scheduler_with_the_monitored_value_or_none():
+    """Lightning's hook: called for each scheduler when it is due, with the monitored metric (the logged tensor,
+    as `callback_metrics` holds it) for ReduceLROnPlateau and None for the others; the default steps them as
+    before (the rate halves each epoch, and StepLR's 0.9 applies every step)."""
+    task = _fit(Recorded(), epochs=2)
+    steps = [metric for name, metric in task.calls if name == "StepLR"]
+    plateau = [metric for name, metric in task.calls if name == "ReduceLROnPlateau"]
+    assert steps == [None] * 8  # 4 batches, 2 epochs
+    assert len(plateau) == 2 and all(isinstance(m, torch.Tensor) and m.dim() == 0 for m in plateau)
+    assert task.optimizers().param_groups[0]["lr"] == pytest.approx(0.1 * 0.9**8 * 0.5**2, rel=1e-12)
+
+
+class Countdown:
+    """A scheduler outside torch's API: `tick()` instead of `step()`, with a state."""
+
+    def __init__(self, optimizer) -> None:
+        self.optimizer, self.ticks = optimizer, 0
+
+    def tick(self) -> None:
+        self.ticks += 1
+        for group in self.optimizer.param_groups:
+            group["lr"] *= 0.5
+
+    def state_dict(self):
+        return {"ticks": self.ticks}
+
+    def load_state_dict(self, state) -> None:
+        self.ticks = state["ticks"]
+
+
+def test_a_scheduler_of_another_api_needs_lr_scheduler_step_overridden():
+    """As Lightning: a scheduler that is not torch's is refused unless the task overrides `lr_scheduler_step`
+    (then that hook steps it), and one without state_dict/load_state_dict is refused always."""
+
+    class Custom(Regressor):
+        def configure_optimizers(self):
+            optimizer = _sgd(self)
+            return {"optimizer": optimizer, "lr_scheduler": Countdown(optimizer)}
+
+    class Stepped(Custom):
+        def lr_scheduler_step(self, scheduler, metric):
+            scheduler.tick()
+
+    with pytest.raises(TypeError, match=r"Countdown .* is not one of torch's .*override Custom.lr_scheduler_step"):
+        _fit(Custom(), epochs=1)
+    task = _fit(Stepped(), epochs=2)
+    assert task.lr_schedulers().ticks == 2 and task.optimizers().param_groups[0]["lr"] == 0.1 * 0.5**2
+
+    class Stateless(Stepped):
+        def configure_optimizers(self):
+            return {"optimizer": _sgd(self), "lr_scheduler": object()}
+
+    with pytest.raises(TypeError, match=r"the lr scheduler object, which checkpoints cannot keep"):
+        _fit(Stateless(), epochs=1)

@@ -1,4 +1,5 @@
-"""Bit-exact resume with manual optimization and several optimizers, and checkpoints written before them."""
+"""Bit-exact resume with manual optimization and several optimizers (one process, and 2 real processes under every
+exact strategy), and checkpoints written before them."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from syncline.strategies.comm.ranks import run_distributed
 from syncline.trainer import Trainer
 from syncline.trainer.optim import OptimizerSetup
 from tests.trainer._manual import ToyGAN, gan_data
 from tests.trainer._tasks import quiet
+from tests.trainer.test_manual_distributed import EXACT
 from tests.trainer.test_resume import Crash, SaveThenCrash, _run
 
 
@@ -105,3 +108,34 @@ def test_a_checkpoint_written_before_several_optimizers_still_resumes_bit_exactl
     resumed, _ = _run(tmp_path, 0, ckpt_path=path, init_seed=99)
     for name, value in reference.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], value), name
+
+
+def _fit_on_ranks(name: str, tmp: str, callbacks=(), ckpt_path=None, init_seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(init_seed)
+    task = NoisyGAN()
+    seed = 7 if ckpt_path is None else 1234
+    strategy = EXACT[name](find_unused_parameters=True)  # toggle_optimizer freezes the other network
+    kwargs = quiet(default_root_dir=tmp, max_epochs=3, seed=seed, callbacks=list(callbacks))
+    # 4 samples per rank from the DistributedSampler: the single-process test's batch of 8.
+    Trainer(strategy=strategy, **kwargs).fit(
+        task, DataLoader(gan_data(40), batch_size=4, shuffle=True), ckpt_path=ckpt_path
+    )
+    return {key: value.detach().clone() for key, value in task.state_dict().items()}
+
+
+def _straight_and_resumed(rank: int, world_size: int, name: str, tmp: str) -> dict[str, dict[str, torch.Tensor]]:
+    straight = _fit_on_ranks(name, f"{tmp}/straight")
+    path = f"{tmp}/interrupted.ckpt"
+    with pytest.raises(Crash):
+        _fit_on_ranks(name, f"{tmp}/crashed", callbacks=[SaveThenCrash(path, 1, 1)])
+    return {"straight": straight, "resumed": _fit_on_ranks(name, f"{tmp}/resumed", ckpt_path=path, init_seed=99)}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_manual_optimization_resumes_bit_exactly_on_two_processes_under_every_exact_strategy(tmp_path, name):
+    """The GAN above on 2 processes, stopped mid-epoch while the discriminator accumulates: its gradients come back
+    on each rank, and the generator's backward (which the toggle keeps from reaching the discriminator) leaves them
+    in place, so the resumed run ends with the uninterrupted run's weights on both ranks (tolerance 0)."""
+    for result in run_distributed(_straight_and_resumed, 2, args=(name, str(tmp_path)), timeout=180):
+        for key, value in result["straight"].items():
+            assert torch.equal(result["resumed"][key], value), key
