@@ -107,7 +107,7 @@ class ParameterServer(PrefetchedParameters, ReducerStrategy):
         prefetch: broadcast each bucket's parameters as soon as the server has stepped it, and let the next
             forward wait per layer (`comm/parameter_exchange.py`); bit-identical to the blocking broadcast. With a
             per-parameter optimizer (`steps_per_parameter`) the server steps bucket by bucket; with another, it
-            takes the whole step first. Manual optimization broadcasts blocking, as without it.
+            takes the whole step first. Automatic optimization only: manual optimization is refused at setup.
 
     Raises:
         ValueError: at setup, when `server_rank` is not a rank of the job.

@@ -70,12 +70,6 @@ if TYPE_CHECKING:
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ReduceScatterState", "ShardedParameterServer", "reduce_scatter_hook"]
 
 #: Why `prefetch` cannot follow manual optimization.
-_PREFETCH_NEEDS = (
-    "prefetch=True leaves each bucket's all-gather in flight until the next forward needs it, but a manual step may "
-    "read the parameters, or step another optimizer over the same buckets, before that forward (a late all-gather "
-    "would then overwrite the newer values); drop prefetch"
-)
-
 #: Optimizers whose update of an element depends on that element alone, so a slice can be stepped alone.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -169,13 +163,6 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
     # Each rank serves fixed slices of fixed buckets: rebuilding the buckets would move optimizer state.
     fixed_layout = True
     fixed_cap_because = "each rank serves fixed slices of fixed buckets: another layout would move its optimizer state"
-
-    @property
-    def manual_optimization_refused(self) -> str:  # type: ignore[override]
-        """Why these options cannot follow manual optimization ("" when they can)."""
-        if self.prefetch:
-            return _PREFETCH_NEEDS
-        return super().manual_optimization_refused
 
     def __init__(
         self,

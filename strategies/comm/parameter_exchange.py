@@ -32,6 +32,7 @@ from syncline.strategies.strategy import replace_step
 
 __all__ = [
     "PER_PARAMETER_OPTIMIZERS",
+    "PREFETCH_NEEDS_AUTOMATIC",
     "ParameterExchange",
     "PrefetchedParameters",
     "front_first",
@@ -164,6 +165,14 @@ class ParameterExchange(LayerWaits):
         self.pending.clear()
 
 
+#: Why a prefetching strategy refuses manual optimization.
+PREFETCH_NEEDS_AUTOMATIC = (
+    "prefetch=True leaves each bucket's parameter transfer in flight until the next forward needs it, but a manual "
+    "step may read the parameters, or step another optimizer over the same buckets, before that forward (a late "
+    "transfer would then overwrite the newer values); drop prefetch"
+)
+
+
 class PrefetchedParameters:
     """Mixin of a strategy whose parameter transfers land per layer (`exchange`): the points where they must land.
 
@@ -175,6 +184,15 @@ class PrefetchedParameters:
 
     #: The transfers in flight; None without prefetching.
     exchange: ParameterExchange | None = None
+    #: Whether the strategy was asked to prefetch (set by its constructor).
+    prefetch: bool = False
+
+    @property
+    def manual_optimization_refused(self) -> str:
+        """Why these options cannot follow manual optimization ("" when they can): prefetching cannot."""
+        if self.prefetch:
+            return PREFETCH_NEEDS_AUTOMATIC
+        return super().manual_optimization_refused  # type: ignore[misc]
 
     def apply_pending_updates(self) -> None:
         """Land every parameter transfer in flight."""

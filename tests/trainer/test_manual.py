@@ -8,7 +8,7 @@ from torch import nn
 
 from syncline.callbacks import Callback
 from syncline.options import OptionError
-from syncline.strategies import STRATEGIES, BucketedDDP, NativeDDP, ShardedParameterServer
+from syncline.strategies import STRATEGIES, BucketedDDP, NativeDDP, ParameterServer, ShardedParameterServer
 from syncline.trainer import Task, Trainer
 from syncline.trainer.manual import TrainerOptimizer
 from tests.trainer._manual import ToyGAN, gan_loader, train_by_hand
@@ -209,11 +209,11 @@ def test_an_exact_strategy_promising_a_static_graph_is_refused(strategy):
         trainer.fit(ToyGAN(), gan_loader())
 
 
-def test_a_prefetching_sharded_parameter_server_is_refused_under_manual_optimization():
-    """Its all-gathers land at the next forward, which a manual step need not reach before reading or stepping again."""
-    strategy = ShardedParameterServer(prefetch=True)
-    trainer = Trainer(**quiet(max_epochs=1, strategy=strategy, accelerator="cpu", devices=2))
-    with pytest.raises(OptionError, match=r"'sharded_parameter_server' cannot train ToyGAN.*drop prefetch"):
+@pytest.mark.parametrize("server", [ParameterServer, ShardedParameterServer])
+def test_a_prefetching_parameter_server_is_refused_under_manual_optimization(server):
+    """Its transfers land at the next forward, which a manual step need not reach before reading or stepping again."""
+    trainer = Trainer(**quiet(max_epochs=1, strategy=server(prefetch=True), accelerator="cpu", devices=2))
+    with pytest.raises(OptionError, match=rf"'{server.name}' cannot train ToyGAN.*drop prefetch"):
         trainer.fit(ToyGAN(), gan_loader())
 
 
