@@ -32,14 +32,6 @@ class SchedulerConfig:
         return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
-def _step(scheduler: Any, metric: Any) -> None:
-    """Step `scheduler` as the default `lr_scheduler_step` does."""
-    if metric is None:
-        scheduler.step()
-    else:
-        scheduler.step(metric)
-
-
 @dataclass
 class OptimizerSetup:
     """The optimizers and schedulers a task configured (one optimizer under automatic optimization)."""
@@ -58,7 +50,7 @@ class OptimizerSetup:
         count: int,
         metrics: dict[str, Tensor],
         plateau: bool,
-        step: Callable[[Any, Any], None] = _step,
+        step: Callable[[Any, Any], None],
     ) -> None:
         """Step every scheduler of `interval` whose frequency divides `count` (steps or epochs), through `step`
         (the task's `lr_scheduler_step`: the scheduler, and the monitored value or None).
