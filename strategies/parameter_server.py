@@ -234,7 +234,7 @@ class ParameterServer(PrefetchedParameters, ReducerStrategy):
     def after_optimizer_step(self) -> None:
         """Broadcast the server's updated parameters to every rank (with `prefetch`, the buckets not yet sent,
         without waiting)."""
-        if self.exchange is None or self.manual_optimization:
+        if self.exchange is None:
             # Collective: the server's updated parameters to every rank, one broadcast per dtype.
             broadcast_coalesced(self._params, src=self.server_rank)
         else:
@@ -247,7 +247,7 @@ class ParameterServer(PrefetchedParameters, ReducerStrategy):
     def _start_prefetch(self) -> bool:
         """Before a step with `prefetch`: lay out the broadcasts as the buckets are now; False without prefetch."""
         self._sent = set()
-        if self.exchange is None or self.manual_optimization:
+        if self.exchange is None:
             return False
         wanted = {id(p) for p in self._params}
         reducer = self.reducer
