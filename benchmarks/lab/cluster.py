@@ -242,7 +242,9 @@ def run_worker_job(
     if not lab.ok:
         logs = "\n".join(Path(n.log).read_text()[-3000:] for n in lab.node_results if n.returncode)
         raise RuntimeError(f"lab {script} on {nodes} nodes at {rate or 'unshaped'} failed (logs in {work}):\n{logs}")
-    return json.loads(Path(spec["out"]).read_text())
+    result = json.loads(Path(spec["out"]).read_text())
+    shutil.rmtree(work, ignore_errors=True)  # kept only when the job failed, for the logs the error names
+    return result
 
 
 def add_worker_argument(parser: argparse.ArgumentParser) -> None:
