@@ -90,6 +90,15 @@ def test_accelerator_cpu_and_auto_train_and_wrong_ones_fail_clearly(tmp_path):
             Trainer(accelerator="gpu")
 
 
+def test_auto_accelerator_with_fewer_gpus_than_devices_is_lightnings_clear_error(monkeypatch):
+    """Lightning: "auto" picks the GPUs on a GPU machine, so devices=2 with one GPU is an error, not a crash on
+    a missing cuda:1 (nor a silent switch to the CPU). One GPU is pretended: no collective is involved."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"devices=2 with accelerator='auto' needs 2 GPUs, and 1 is visible: pass "):
+        Trainer(devices=2, logger=False)
+    assert Trainer(accelerator="cpu", devices=2, logger=False).strategy.backend == "gloo"
+
+
 def test_load_from_checkpoint_rebuilds_the_task_with_saved_hparams_and_overrides(tmp_path):
     trainer, task = _fit(tmp_path)
     best = trainer.checkpoint_callback.best_model_path
