@@ -251,7 +251,7 @@ class ParameterServer(PrefetchedParameters, ReducerStrategy):
             return False
         wanted = {id(p) for p in self._params}
         reducer = self.reducer
-        groups = [[p for p in reducer.bucket_parameters(i) if id(p) in wanted] for i in range(len(reducer.buckets))]
+        groups = [[p for p in bucket.parameters if id(p) in wanted] for bucket in reducer.buckets]
         placed = {id(p) for group in groups for p in group}
         # Parameters outside the buckets (sparse gradients) go in one more broadcast.
         groups.append([p for p in self._params if id(p) not in placed])

@@ -41,6 +41,7 @@ from syncline.strategies.comm.hooks import COMM_HOOKS, CommHook
 from syncline.strategies.comm.join import Joinable
 from syncline.strategies.comm.process_group import ProcessGroupStrategy, broadcast_coalesced
 from syncline.strategies.comm.reducer import Reducer
+from syncline.strategies.comm.reducer_errors import unsynced_message
 from syncline.strategies.comm.sparse_gradients import sparse_gradient_parameters
 from syncline.strategies.strategy import call_training_step
 
@@ -131,6 +132,7 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         self._stage = 0
         self._comm_events: CommEvents | None = None
         self._reducer: Reducer | None = None
+        self._sparse_gradients = False
         self._step_check: RemovableHandle | None = None
         self._buffers: list[Tensor] = []
         self._buffers_stale = True
@@ -237,6 +239,8 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         broadcast_coalesced([*task.parameters(), *task.buffers()])
         self._buffers = list(task.buffers())
         self._buffers_stale = False
+        sparse = sparse_gradient_parameters(task)
+        self._sparse_gradients = bool(sparse)
         self._reducer = Reducer(
             list(task.named_parameters()),
             bucket_cap_mb=self._bucket_cap_at_setup(),
@@ -247,7 +251,7 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
             comm_state=self.comm_state,
             overlap=self.overlap,
             timeout=self.timeout,
-            sparse_gradients=sparse_gradient_parameters(task),
+            sparse_gradients=sparse,
             static_graph=self.static_graph,
             counter=self.comm_counter,
             rebuild_buckets=not self.fixed_layout,
@@ -319,9 +323,18 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
 
     def shadow_backward(self) -> None:
         """Shadow a synchronized backward with zero gradients on a rank whose data ran out."""
+        reducer = self.reducer
+        if self._sparse_gradients or self.static_graph:
+            raise RuntimeError(
+                "A rank whose data ran out cannot shadow sparse gradients or a static graph; use even data "
+                "(uneven_inputs='check') with sparse=True embeddings or static_graph=True."
+            )
         self._sync_started = time.perf_counter()
+        # A loss with no graph: with find_unused_parameters every parameter is then unreached (unused here).
+        reducer.prepare_for_backward(sync=True, loss=torch.zeros(()) if self.find_unused_parameters else None)
         # Collective: the step's bucket all-reduces (and used-parameter map), with zeros from this rank.
-        self.reducer.shadow_backward()
+        reducer.contribute_zeros()
+        reducer.finalize_backward()
         self._buffers_stale = True
         self.after_backward()
 
@@ -367,7 +380,9 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
             and not self._sync_disabled
             and self.syncs_gradients()
         ):
-            reducer.check_synchronized([p for group in optimizer.param_groups for p in group["params"]])
+            names = reducer.unsynced_parameters([p for group in optimizer.param_groups for p in group["params"]])
+            if names:
+                raise RuntimeError(unsynced_message(self.global_rank, names))
 
     # -------------------------------------------------------------- reporting
     def communication_stats(self) -> dict[str, float]:

@@ -33,6 +33,13 @@ class Bucket:
         """Size of the flat buffer in bytes."""
         return self.grad.buffer.numel() * self.grad.buffer.element_size()
 
+    def take(self, result: Tensor) -> None:
+        """Leave the collective's `result` in the buffer (a comm hook may reduce in place or return a new tensor)."""
+        self.future = None  # done with it: its collective's resources go now, not next step
+        buffer = self.grad.buffer
+        if result.data_ptr() != buffer.data_ptr():
+            buffer.copy_(result)
+
 
 @dataclass(eq=False)
 class Slot:
@@ -86,8 +93,8 @@ class GradientBuckets:
     """Where the gradients of the reducer's dense parameters live: one flat buffer per bucket, a view per parameter.
 
     The reducer decides *when* a bucket is reduced; this holds *where* each gradient is: it lays the buffers
-    out (`build`), moves a gradient that is not a view into its slot (`fill`), hands the averages back to
-    `.grad` (`write_back`) and resets gradients cheaply (`zero_grad`).
+    out (`relayout`, with `assign_buckets` and the caps), moves a gradient that is not a view into its slot
+    (`fill`), hands the averages back to `.grad` (`write_back`) and resets gradients cheaply (`zero_grad`).
 
     Args:
         params: the parameters, in the reducer's order.
@@ -95,6 +102,7 @@ class GradientBuckets:
         is_sparse: per parameter, whether its gradient is sparse (then it has no slot).
         as_view: make each `param.grad` a view into its bucket (`gradient_as_bucket_view`).
         rank: this process's rank, for error messages.
+        cap_bytes: the most bytes of gradients in one bucket; `first_cap_bytes` that of the first bucket.
 
     Attributes:
         buckets: the buckets, in launch order.
@@ -105,14 +113,37 @@ class GradientBuckets:
             `zero_grad`; a zero bucket view attached for speed does not count. Changed in place only.
     """
 
-    def __init__(self, params: list[Tensor], names: list[str], is_sparse: list[bool], as_view: bool, rank: int) -> None:
+    def __init__(
+        self,
+        params: list[Tensor],
+        names: list[str],
+        is_sparse: list[bool],
+        as_view: bool,
+        rank: int,
+        cap_bytes: int,
+        first_cap_bytes: int,
+    ) -> None:
         self.params, self.names, self.is_sparse, self.as_view, self.rank = params, names, is_sparse, as_view, rank
+        self.cap_bytes, self.first_cap_bytes = cap_bytes, first_cap_bytes
         self.index_of = {id(p): i for i, p in enumerate(params)}
         self.buckets: list[Bucket] = []
         self.slots: list[Slot | None] = []
         self.views: list[Tensor | None] = []
         self.bucket_of: list[int] = []
         self.has_grad = [p.grad is not None for p in params]
+
+    def relayout(self, order: list[int], *, attach_missing: bool = False) -> bool:
+        """Lay the dense parameters' buckets out in `order` with the caps; build new buffers only if that changes them.
+
+        Returns:
+            Whether the buffers were built anew.
+        """
+        dense = [index for index in order if not self.is_sparse[index]]
+        layout = assign_buckets(self.params, dense, self.cap_bytes, self.first_cap_bytes)
+        if self.buckets and layout == [bucket.param_indices for bucket in self.buckets]:
+            return False
+        self.build(layout, attach_missing=attach_missing)
+        return True
 
     def build(self, layout: list[list[int]], *, attach_missing: bool) -> None:
         """Allocate one flat buffer per bucket of `layout` (lists of parameter indices) and move the gradients in.

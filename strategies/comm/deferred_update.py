@@ -94,7 +94,7 @@ class DeferredUpdates(LayerWaits):
         optimizer = self.optimizer
         if not self.stepped or optimizer is None:
             return
-        mine = {id(param) for param in self.reducer.bucket_parameters(index)}
+        mine = {id(param) for param in self.reducer.buckets[index].parameters}
         step_subset(optimizer, mine, optimizer.step, self.hyper)
 
 

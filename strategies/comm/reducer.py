@@ -27,10 +27,8 @@ The reducer averages those gradients across ranks while the backward pass is sti
    each is averaged with its own sparse all-reduce, as torch's reducer does, and stays sparse.
 
 The reducer's public surface is `prepare_for_backward` (before `loss.backward()`) and
-`finalize_backward` (after it); `BucketedDDP` calls both. For deferred optimizer updates
-(`BucketedDDP(deferred_update=True)`, `comm/deferred_update.py`) `prepare_for_backward(hold=k)` keeps the last
-`k` buckets (the front layers) back until the end of the backward, `finalize_backward(wait=False)` launches them
-front-most first and returns without waiting, and `wait_bucket(i)` later takes bucket `i`'s average.
+`finalize_backward` (after it); `BucketedDDP` calls both. Deferred optimizer updates (`comm/deferred_update.py`)
+hold the front layers' buckets back (`hold`), do not wait (`wait=False`) and take each average by `wait_bucket`.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ from torch.nn import Parameter
 from torch.utils.hooks import RemovableHandle
 
 from syncline.strategies.comm.autograd_graph import grad_accumulators, parameters_reached
-from syncline.strategies.comm.buckets import Bucket, GradientBuckets, Slot, assign_buckets
+from syncline.strategies.comm.buckets import Bucket, GradientBuckets, Slot
 from syncline.strategies.comm.collective_log import COLLECTIVES
 from syncline.strategies.comm.counter import CommCounter, CommStats
 from syncline.strategies.comm.events import CommEvents
@@ -54,9 +52,8 @@ from syncline.strategies.comm.flat import group_by_dtype
 from syncline.strategies.comm.hooks import AllreduceState, CommHook, GradBucket, allreduce_hook
 from syncline.strategies.comm.reducer_errors import (
     UnusedParametersError,
+    check_thawed,
     ready_twice_message,
-    thawed_message,
-    unsynced_message,
     unused_message,
     wait_for_future,
     wait_for_work,
@@ -129,8 +126,6 @@ class Reducer:
         self._device = self._params[0].device
         self._group = process_group
         self._rank = dist.get_rank(process_group)
-        self._bucket_cap_bytes = int(bucket_cap_mb * _MB)
-        self._first_bucket_cap_bytes = int(first_bucket_mb * _MB)
         self._find_unused = find_unused_parameters or static_graph
         self._as_view = gradient_as_bucket_view
         self._hook = comm_hook if comm_hook is not None else allreduce_hook
@@ -145,7 +140,8 @@ class Reducer:
         self._timeout = timeout
 
         # The flat buffers and the gradients' views into them (None for sparse gradients).
-        self._grads = GradientBuckets(self._params, self._names, self._is_sparse, gradient_as_bucket_view, self._rank)
+        caps = int(bucket_cap_mb * _MB), int(first_bucket_mb * _MB)
+        self._grads = GradientBuckets(self._params, self._names, self._is_sparse, self._as_view, self._rank, *caps)
         self._buckets: list[Bucket] = []
         self._slots: list[Slot | None] = []
         # Whether .grad holds a value since the last `zero_grad` (a zero view attached for speed does not count).
@@ -153,7 +149,7 @@ class Reducer:
         # The order buckets are laid out in (rank 0's observed order after the rebuild), and this rank's
         # own order, which places the triggers; `set_bucket_cap` lays the buckets out again in them.
         self._order = self._local_order = list(reversed(range(len(self._params))))
-        self._build_buckets(self._order, attach_missing=True)
+        self._relayout(self._order, attach_missing=True)
         self._rebuilt = not rebuild_buckets
         #: Where bucket launches, completions and the exposed wait are recorded while a timeline listens
         #: (`strategies/comm/events.py`); None records nothing and costs one attribute test per bucket.
@@ -216,7 +212,7 @@ class Reducer:
     @property
     def bucket_cap_mb(self) -> float:
         """The cap (MiB) of every bucket but the first."""
-        return self._bucket_cap_bytes / _MB
+        return self._grads.cap_bytes / _MB
 
     def gradient_group_bytes(self) -> list[int]:
         """Bytes of the dense gradients of each dtype and device (what one bucket could hold at most)."""
@@ -231,9 +227,8 @@ class Reducer:
         """
         if self._armed:
             raise RuntimeError("Reducer.set_bucket_cap must be called between backwards, not during one.")
-        self._bucket_cap_bytes = int(bucket_cap_mb * _MB)
-        if self._assign(self._order) != [bucket.param_indices for bucket in self._buckets]:
-            self._build_buckets(self._order, attach_missing=False)
+        self._grads.cap_bytes = int(bucket_cap_mb * _MB)
+        if self._relayout(self._order):
             self._install_hooks(self._local_order)
 
     def stats(self) -> CommStats:
@@ -262,7 +257,7 @@ class Reducer:
         if not sync:
             self._skipped_backwards += 1
             return
-        self._check_frozen_at_setup()
+        check_thawed(self._rank, self._frozen_at_setup)
         self.sync_steps += 1
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
@@ -311,7 +306,8 @@ class Reducer:
         self._unsynced.clear()
         self._process_arrivals()
         if not all(self._ready):
-            raise UnusedParametersError(self._unused_message())
+            missing = [(self._names[i], self._params[i]) for i, ready in enumerate(self._ready) if not ready]
+            raise UnusedParametersError(unused_message(self._rank, missing))
         # Without overlap, everything launches now; with it, only the held buckets and the used-parameter map
         # can be left (the map when there is no dense bucket).
         self._launch_held_buckets()
@@ -325,11 +321,7 @@ class Reducer:
             return
         start = time.perf_counter()
         for bucket in self._buckets:
-            result = self._wait(bucket)
-            bucket.future = None  # done with it: its collective's resources go now, not next step
-            buffer = bucket.grad.buffer
-            if result.data_ptr() != buffer.data_ptr():
-                buffer.copy_(result)
+            bucket.take(self._wait(bucket))
         globally_used = self._static_used
         if self._find_unused and globally_used is None:
             globally_used = self._wait_used_map()
@@ -366,43 +358,20 @@ class Reducer:
         index = self._index_of.get(id(param))
         return None if index is None or self._is_sparse[index] else self._bucket_of[index]
 
-    def bucket_parameters(self, index: int) -> list[Tensor]:
-        """The parameters whose gradients are in bucket `index`."""
-        return [self._params[i] for i in self._buckets[index].param_indices]
-
     def wait_bucket(self, index: int) -> None:
         """Wait for bucket `index`'s collective and leave its average in the gradients (views into the bucket)."""
         bucket = self._buckets[index]
-        result = self._wait(bucket)
-        bucket.future = None
-        buffer = bucket.grad.buffer
-        if result.data_ptr() != buffer.data_ptr():
-            buffer.copy_(result)
+        bucket.take(self._wait(bucket))
 
-    def shadow_backward(self) -> None:
-        """Take part in the other ranks' synchronized backward with zero gradients (a joined rank).
-
-        Every bucket contributes zeros to the same collectives in the same order, and no parameter counts
-        as used here; the gradients end as the other ranks' average, as after a `finalize_backward`.
-
-        Raises:
-            RuntimeError: the reducer has sparse gradients or a static graph, which a joined rank cannot shadow.
-        """
-        if self._sparse or self._static_graph:
-            raise RuntimeError(
-                "A rank whose data ran out cannot shadow sparse gradients or a static graph; use even data "
-                "(uneven_inputs='check') with sparse=True embeddings or static_graph=True."
-            )
-        # A loss with no graph: with find_unused_parameters every parameter is then unreached (unused here).
-        self.prepare_for_backward(sync=True, loss=torch.zeros(()) if self._find_unused else None)
-        for index in range(len(self._params)):
-            if not self._ready[index]:
-                slot = self._slots[index]
-                assert slot is not None
+    def contribute_zeros(self) -> None:
+        """Between `prepare_for_backward` and `finalize_backward` without a backward: every gradient not yet marked
+        ready is zero (a joined rank's share), and the buckets launch as the other ranks' do."""
+        for index, ready in enumerate(self._ready):
+            slot = self._slots[index]
+            if not ready and slot is not None:
                 slot.view.zero_()
                 self._mark_ready(index)
         self._launch_ready_buckets()
-        self.finalize_backward()
 
     def zero_grad(self, params: Sequence[Tensor]) -> None:
         """Reset the gradients of `params` as `optimizer.zero_grad()` (set to None) would, but cheaply.
@@ -424,20 +393,12 @@ class Reducer:
         """Whether a backward the reducer did not prepare accumulated gradients since the last sync."""
         return bool(self._unsynced) or (not self._armed and bool(self._arrivals))
 
-    def check_synchronized(self, params: Sequence[Tensor]) -> None:
-        """Raise if any of `params` holds a gradient that a bare `loss.backward()` left unaveraged.
-
-        Raises:
-            RuntimeError: naming the parameters and the call to use instead.
-        """
+    def unsynced_parameters(self, params: Sequence[Tensor]) -> list[str]:
+        """Names of `params` holding a gradient that a bare `loss.backward()` left unaveraged (sorted)."""
         if not self._armed:
             self._absorb_arrivals(unsynced=True)
-        if not self._unsynced:
-            return
         wanted = {id(param) for param in params}
-        names = sorted({self._names[i] for i in self._unsynced if id(self._params[i]) in wanted})
-        if names:
-            raise RuntimeError(unsynced_message(self._rank, names))
+        return sorted({self._names[i] for i in self._unsynced if id(self._params[i]) in wanted})
 
     def remove_hooks(self) -> None:
         """Detach the reducer from the parameters; gradients stay where they are."""
@@ -496,7 +457,7 @@ class Reducer:
         indices = [index_of[id(param)] for param in arrivals]
         for param, index in zip(arrivals, indices):
             if ready[index]:
-                self._raise_ready_twice(index)
+                raise RuntimeError(ready_twice_message(self._rank, self._names[index]))
             ready[index] = True
             has_grad[index] = True
             view = views[index]
@@ -526,9 +487,6 @@ class Reducer:
                 self._locally_used[index] = True
         if unsynced:
             self._unsynced.update(indices)
-
-    def _raise_ready_twice(self, index: int) -> None:
-        raise RuntimeError(ready_twice_message(self._rank, self._names[index]))
 
     def _mark_ready(self, index: int) -> None:
         """Mark parameter `index` ready before its gradient arrives (it will not: it is unused)."""
@@ -600,18 +558,6 @@ class Reducer:
         # Host sync: read the counts back to the CPU.
         return [count > 0 for count in self._used_map.tolist()]
 
-    def _unused_message(self) -> str:
-        not_ready = [i for i, ready in enumerate(self._ready) if not ready]
-        unused = [self._names[i] for i in not_ready if self._params[i].requires_grad]
-        frozen = [self._names[i] for i in not_ready if not self._params[i].requires_grad]
-        return unused_message(self._rank, unused, frozen)
-
-    def _check_frozen_at_setup(self) -> None:
-        """Raise if a parameter left out of the buckets at construction now requires grad."""
-        thawed = [name for name, param in self._frozen_at_setup if param.requires_grad]
-        if thawed:
-            raise RuntimeError(thawed_message(self._rank, thawed))
-
     def _reduce_sparse(self, globally_used: list[bool] | None) -> None:
         """Average the sparse gradients; a parameter no rank used keeps its `.grad`, as dense ones do."""
         params = [self._params[index] for index in self._sparse]
@@ -624,21 +570,12 @@ class Reducer:
                 self._has_grad[index] = True
 
     # -------------------------------------------------------- bucket layout
-    def _build_buckets(self, order: list[int], *, attach_missing: bool) -> None:
-        """Allocate one flat buffer per bucket in `order` and move the gradients into it (`GradientBuckets.build`)."""
-        grads = self._grads
-        grads.build(self._assign(order), attach_missing=attach_missing)
-        self._buckets, self._slots, self._views, self._bucket_of = (
-            grads.buckets,
-            grads.slots,
-            grads.views,
-            grads.bucket_of,
-        )
-
-    def _assign(self, order: list[int]) -> list[list[int]]:
-        """Lay out the buckets of the dense parameters in `order`."""
-        dense = [index for index in order if not self._is_sparse[index]]
-        return assign_buckets(self._params, dense, self._bucket_cap_bytes, self._first_bucket_cap_bytes)
+    def _relayout(self, order: list[int], *, attach_missing: bool = False) -> bool:
+        """Lay the buckets out in `order` (`GradientBuckets.relayout`); return whether the buffers changed."""
+        g = self._grads
+        changed = g.relayout(order, attach_missing=attach_missing)
+        self._buckets, self._slots, self._views, self._bucket_of = g.buckets, g.slots, g.views, g.bucket_of
+        return changed
 
     def _rebuild_buckets(self) -> None:
         """Rebuild the buckets once, in the gradient order rank 0 observed, identically on every rank."""
@@ -652,9 +589,6 @@ class Reducer:
         # Host sync: the order is needed on the CPU to lay out the buffers.
         order = order_tensor.tolist()
         self._order, self._local_order = order, local_order
-        current = [bucket.param_indices for bucket in self._buckets]
-        new = self._assign(order)
-        if new != current:
-            self._build_buckets(order, attach_missing=False)
+        self._relayout(order)
         # Triggers follow this rank's own order: they decide only when, not what, this rank launches.
         self._install_hooks(local_order)

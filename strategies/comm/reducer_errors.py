@@ -21,6 +21,7 @@ from syncline.strategies.comm.collective_log import COLLECTIVES, diagnosis_wait
 __all__ = [
     "CollectiveError",
     "UnusedParametersError",
+    "check_thawed",
     "dense_gradient_message",
     "ready_twice_message",
     "sparse_gradient_message",
@@ -40,8 +41,10 @@ class CollectiveError(RuntimeError):
     """A bucket's collective failed or did not complete within the timeout."""
 
 
-def unused_message(rank: int, unused: Sequence[str], frozen: Sequence[str]) -> str:
-    """Explain which parameters got no gradient, why that is an error, and where the fix goes."""
+def unused_message(rank: int, missing: Sequence[tuple[str, Tensor]]) -> str:
+    """Explain which parameters (name, parameter) got no gradient, why that is an error, and where the fix goes."""
+    unused = [name for name, param in missing if param.requires_grad]
+    frozen = [name for name, param in missing if not param.requires_grad]
     parts = [
         f"Rank {rank}: {len(unused) + len(frozen)} parameter(s) received no gradient in this backward, so "
         "their buckets could not be reduced."
@@ -77,6 +80,13 @@ def thawed_message(rank: int, names: Sequence[str]) -> str:
         "grad before the strategy is set up (before trainer.fit) and freeze layers after it instead, which "
         "find_unused_parameters=True supports, or keep them frozen."
     )
+
+
+def check_thawed(rank: int, frozen_at_setup: Sequence[tuple[str, Tensor]]) -> None:
+    """Raise `thawed_message` if any (name, parameter) left out of the buckets at setup requires grad now."""
+    thawed = [name for name, param in frozen_at_setup if param.requires_grad]
+    if thawed:
+        raise RuntimeError(thawed_message(rank, thawed))
 
 
 def unsynced_message(rank: int, names: Sequence[str]) -> str:
