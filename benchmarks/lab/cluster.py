@@ -44,6 +44,7 @@ __all__ = [
     "link_bound",
     "namespaces_unavailable",
     "parse_rate",
+    "run_isolating",
     "run_job",
     "run_lab",
     "run_worker_if_asked",
@@ -245,6 +246,28 @@ def run_worker_job(
     result = json.loads(Path(spec["out"]).read_text())
     shutil.rmtree(work, ignore_errors=True)  # kept only when the job failed, for the logs the error names
     return result
+
+
+def run_isolating(
+    run: Callable[[list[Any]], list[dict[str, Any]]], strategies: list[Any], isolated: Sequence[str]
+) -> list[dict[str, Any]]:
+    """`run` (one lab job) on the strategies whose label is not in `isolated`, then each isolated one in a job of its
+    own, whose failure becomes a record (``failed``, the error's last line) instead of ending the grid.
+
+    `strategies` are (label, registered name, options); torch's PowerSGD hook, for one, can die of a collective-size
+    mismatch on gloo, and would take every strategy of a shared job down with it.
+    """
+    shared = [s for s in strategies if s[0] not in isolated]
+    records = run(shared) if shared else []
+    for strategy in (s for s in strategies if s[0] in isolated):
+        try:
+            records += run([strategy])
+        except RuntimeError as error:
+            label, name, options = strategy
+            last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+            print(f"{label}: failed ({last})", flush=True)
+            records.append({"label": label, "strategy": name, "options": options, "failed": True, "error": last[-500:]})
+    return records
 
 
 def add_worker_argument(parser: argparse.ArgumentParser) -> None:

@@ -47,6 +47,7 @@ from .cluster import (
     lab_rate,
     link_bound,
     parse_rate,
+    run_isolating,
     run_worker_if_asked,
     run_worker_job,
     skipped_without_namespaces,
@@ -56,6 +57,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "DEFAULT_STRATEGIES",
     "LOCAL_LABELS",
+    "TORCH_ROWS",
     "busy_cpu_seconds",
     "grid_table",
     "lab_rows",
@@ -85,7 +87,10 @@ DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("native_ddp", "native_ddp", {}),
     ("native_ddp cap=1", "native_ddp", {"bucket_cap_mb": 1}),
     ("bucketed_ddp bf16", "bucketed_ddp", {"comm_hook": "bf16"}),
+    ("bucketed_ddp bf16 cap=1", "bucketed_ddp", {"comm_hook": "bf16", "bucket_cap_mb": 1, "first_bucket_mb": 1}),
     ("bytegrad", "bytegrad", {}),
+    # 1 MiB buckets: the comm thread can overlap only what the backward hands over before it ends.
+    ("bytegrad cap=1", "bytegrad", {"bucket_cap_mb": 1}),
     ("powersgd", "powersgd", {"start_iter": 2}),
     ("qadam", "qadam", {"warmup_steps": 2}),
     ("local_sgd", "local_sgd", {"period": 4}),
@@ -112,6 +117,10 @@ DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
 #: Forward, backward and AdamW step of `DEFAULT_MODEL` in ms, timed alone in one thread (`--phases`, 2026-11-25,
 #: docs/performance.md section 9): the split of the local step for runs recorded without their own.
 DEFAULT_PHASES_MS = {"forward": 27.9, "backward": 49.6, "optimizer": 11.1}
+
+#: torch's own relaxations: each runs in a job of its own (`run_isolating`), so that a failure (its PowerSGD hook can
+#: die of a collective-size mismatch on gloo) is recorded instead of ending the cell.
+TORCH_ROWS = ("torch powersgd", "torch post-local sgd")
 
 #: The rows without communication that give the bound its local step time (not `local_sgd`, which averages).
 LOCAL_LABELS = ("local", "local (end)")
@@ -269,13 +278,12 @@ def run_strategies(
 
     `phases_ms` splits the local step into forward, backward and optimizer step for the algorithmic bound.
     """
-    spec = {
-        "strategies": strategies or DEFAULT_STRATEGIES,
-        "steps": steps,
-        "warmup": warmup,
-        "model": model or DEFAULT_MODEL,
-    }
-    records = run_worker_job("strategies", spec, nodes, rate, timeout, slow_start_after_idle)
+    spec = {"steps": steps, "warmup": warmup, "model": model or DEFAULT_MODEL}
+
+    def job(some: list[tuple[str, str, dict[str, Any]]]) -> list[dict[str, Any]]:
+        return run_worker_job("strategies", {**spec, "strategies": some}, nodes, rate, timeout, slow_start_after_idle)
+
+    records = run_isolating(job, strategies or DEFAULT_STRATEGIES, TORCH_ROWS)
     return lab_rows(records, nodes, rate, phases_ms)
 
 
@@ -305,6 +313,10 @@ def lab_rows(
     local = min((r["step_s"] for r in records if r["label"] in LOCAL_LABELS), default=None)
     rows = []
     for record in records:
+        if record.get("failed"):
+            cell = {"nodes": nodes, "rate": rate or "unshaped"}
+            rows.append({"label": record["label"], **cell, "failed": True, "error": record["error"]})
+            continue
         sent = [r["sent_per_step"] for r in record["ranks"]]
         comm = [r["comm_bytes_per_step"] for r in record["ranks"]]
         row = {
@@ -339,6 +351,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
     head = "| strategy | nodes | link | s/step | busiest node sent/step | comm/bytes | wire/comm | bound s | measured/bound | algorithmic bound s | measured/algorithmic | CPU floor s |"  # noqa: E501
     lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("failed"):
+            lines.append(f"| {r['label']} | {r['nodes']} | {r['rate']} | failed: {r['error'][-80:]} |" + " |" * 8)
+            continue
         ratio = r["wire_over_comm"] if r["wire_over_comm"] is not None else "-"
         cells = [
             r["label"],
@@ -373,8 +388,8 @@ def grid_table(rows: list[dict[str, Any]]) -> str:
         line = [label]
         for nodes, rate in cells:
             r = found.get((nodes, rate, label))
-            if r is None:
-                line.append("-")
+            if r is None or r.get("failed"):
+                line.append("failed" if r else "-")
                 continue
             cell = f"{r['step_s']:.3f} s, {r.get('measured_over_bound', float('nan')):.2f}x"
             if "measured_over_algorithmic" in r:
@@ -461,9 +476,9 @@ def command(args: argparse.Namespace) -> int | None:
                 f"\n{nodes} nodes, {rate or 'unshaped'} ({time.monotonic() - started:.0f} s)\n{_table(new)}", flush=True
             )
             rows += new
-    write_json(
-        args.out, {"steps": args.steps, "warmup": args.warmup, "model": model, "phases_ms": phases_ms, "rows": rows}
-    )
+            # After every cell: a later cell's failure keeps what was measured.
+            run = {"steps": args.steps, "warmup": args.warmup, "model": model, "phases_ms": phases_ms, "rows": rows}
+            write_json(args.out, run)
     return 0
 
 
@@ -476,7 +491,7 @@ def _with_algorithmic_bound(run: dict[str, Any]) -> list[dict[str, Any]]:
     known = {label: (name, options) for label, name, options in DEFAULT_STRATEGIES}
     rows = []
     for row in run["rows"]:
-        if "algorithmic_bound_s" not in row and row["label"] in known and "bound_s" in row:
+        if "algorithmic_bound_s" not in row and row["label"] in known and "bound_s" in row and not row.get("failed"):
             row = dict(row)
             name, options = known[row["label"]]
             if row["label"] not in LOCAL_LABELS:

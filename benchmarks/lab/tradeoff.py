@@ -40,10 +40,12 @@ from ..common import QUIET_TRAINER, RESULTS, fill_marked_block
 from .cluster import (
     add_worker_argument,
     lab_rate,
+    run_isolating,
     run_worker_if_asked,
     run_worker_job,
     skipped_without_namespaces,
 )
+from .strategies import TORCH_ROWS
 
 __all__ = [
     "COUNTERPARTS",
@@ -82,7 +84,7 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
 ]
 
 #: torch's rows, each run in a torchrun job of its own so that a failure is counted, not fatal.
-ISOLATED = ("torch powersgd", "torch post-local sgd")
+ISOLATED = TORCH_ROWS
 #: Each torch row beside the syncline strategy it is compared with: (torch's label, syncline's label).
 COUNTERPARTS = {"torch powersgd": "powersgd", "torch post-local sgd": "local_sgd"}
 
@@ -182,32 +184,12 @@ def run_cell_counting_failures(
     nodes: int, rate: str | None, strategies: list[tuple[str, str, dict[str, Any]]], **options: Any
 ) -> list[dict[str, Any]]:
     """`run_cell` for the shared strategies in one job, and each `ISOLATED` one in a job of its own, whose failure
-    becomes a record (``failed``, the error's last line) instead of ending the grid."""
-    shared = [s for s in strategies if s[0] not in ISOLATED]
-    records = run_cell(nodes, rate, shared, **options) if shared else []
-    for strategy in (s for s in strategies if s[0] in ISOLATED):
-        try:
-            records += run_cell(nodes, rate, [strategy], **options)
-        except RuntimeError as error:
-            label, name, strategy_options = strategy
-            last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-            print(f"{label}: failed ({last})", flush=True)
-            records.append(
-                {
-                    "label": label,
-                    "strategy": name,
-                    "options": strategy_options,
-                    "reached": False,
-                    "failed": True,
-                    "error": last[-500:],
-                    "steps": 0,
-                    "seconds": 0.0,
-                    "step_s": 0.0,
-                    "comm_bytes_per_step": 0.0,
-                    "nodes": nodes,
-                    "rate": rate or "unshaped",
-                }
-            )
+    becomes a record (``failed``, the error's last line) instead of ending the grid (`run_isolating`)."""
+    records = run_isolating(lambda some: run_cell(nodes, rate, some, **options), strategies, ISOLATED)
+    for record in records:
+        if record.get("failed"):
+            record.update(reached=False, steps=0, seconds=0.0, step_s=0.0, comm_bytes_per_step=0.0)
+            record.update(nodes=nodes, rate=rate or "unshaped")
     return records
 
 

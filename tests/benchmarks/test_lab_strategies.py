@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from benchmarks.lab.strategies import busy_cpu_seconds, lab_rows, model_overrides, select_strategies
+from benchmarks.lab.cluster import run_isolating
+from benchmarks.lab.strategies import _table, busy_cpu_seconds, grid_table, lab_rows, model_overrides, select_strategies
 
 
 def _record(label: str, step_s: float, sent: list[float], busy: list[float] | None = None) -> dict:
@@ -39,6 +40,26 @@ def test_the_bound_takes_the_faster_local_row_and_the_busiest_link():
     # The busiest rank's window saw 0.22 busy CPU seconds per step on 2 cores: 0.11 s at the least.
     assert rows["bucketed_ddp"]["cpu_floor_s"] == pytest.approx(0.11)
     assert "cpu_floor_s" not in rows["local"]  # a run recorded before the CPU was counted
+
+
+def test_an_isolated_strategy_that_fails_is_a_row_and_the_others_still_run():
+    jobs = []
+
+    def run(strategies):
+        jobs.append([label for label, _, _ in strategies])
+        if strategies[0][0] == "torch powersgd":
+            raise RuntimeError("lab strategies on 4 nodes failed:\n...\nReceived data size doesn't match expected size")
+        return [_record(label, 0.2, [1e6, 1e6]) for label, _, _ in strategies]
+
+    strategies = [("local", "local_sgd", {}), ("torch powersgd", "native_ddp", {}), ("powersgd", "powersgd", {})]
+    records = run_isolating(run, strategies, ["torch powersgd"])
+    assert jobs == [["local", "powersgd"], ["torch powersgd"]]  # one shared job, then the isolated one alone
+    failed = records[-1]
+    assert failed["failed"] and failed["error"] == "Received data size doesn't match expected size"
+    rows = lab_rows(records, nodes=4, rate=None)
+    assert [row["label"] for row in rows] == ["local", "powersgd", "torch powersgd"]
+    assert "| torch powersgd | 4 | unshaped | failed: Received data size" in _table(rows)
+    assert "| torch powersgd | failed |" in grid_table(rows)
 
 
 def test_busy_cpu_seconds_count_this_process_working():
