@@ -264,10 +264,25 @@ def run_isolating(
             records += run([strategy])
         except RuntimeError as error:
             label, name, options = strategy
-            last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-            print(f"{label}: failed ({last})", flush=True)
-            records.append({"label": label, "strategy": name, "options": options, "failed": True, "error": last[-500:]})
+            cause = root_cause(str(error)) or type(error).__name__
+            print(f"{label}: failed ({cause})", flush=True)
+            records.append(
+                {"label": label, "strategy": name, "options": options, "failed": True, "error": cause[-500:]}
+            )
     return records
+
+
+def root_cause(logs: str) -> str:
+    """The line of a failed job's logs that says why: gloo's failed check (a collective mismatch) first, then the
+    first rank's error, else the last line (the agent's own exit, which only says that a worker died)."""
+    lines = [line.strip() for line in logs.strip().splitlines() if line.strip()]
+    for wanted in ("enforce fail", "[rank"):
+        found = [
+            line for line in lines if wanted in line and "Error" in line or wanted == "enforce fail" and wanted in line
+        ]
+        if found:
+            return found[0]
+    return lines[-1] if lines else ""
 
 
 def add_worker_argument(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.lab.cluster import run_isolating
+from benchmarks.lab.cluster import root_cause, run_isolating
 from benchmarks.lab.strategies import _table, busy_cpu_seconds, grid_table, lab_rows, model_overrides, select_strategies
 
 
@@ -60,6 +60,15 @@ def test_an_isolated_strategy_that_fails_is_a_row_and_the_others_still_run():
     assert [row["label"] for row in rows] == ["local", "powersgd", "torch powersgd"]
     assert "| torch powersgd | 4 | unshaped | failed: Received data size" in _table(rows)
     assert "| torch powersgd | failed |" in grid_table(rows)
+
+
+def test_a_failed_jobs_cause_is_gloos_check_or_a_ranks_error_not_the_agents_exit():
+    agent = "torch.distributed.elastic.multiprocessing.api.SignalException: Process 1 got signal: 15"
+    check = "  what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 5632 vs 4864."
+    rank = "[rank1]: RuntimeError: Connection reset by peer"
+    assert root_cause("\n".join(["lab failed:", rank, check, agent])) == check.strip()
+    assert root_cause("\n".join(["lab failed:", rank, agent])) == rank
+    assert root_cause("lab failed:\n" + agent) == agent
 
 
 def test_busy_cpu_seconds_count_this_process_working():
