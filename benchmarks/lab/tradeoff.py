@@ -53,6 +53,7 @@ __all__ = [
     "STRATEGIES",
     "TARGET_LOSS",
     "fill_page",
+    "marker_of",
     "grid_tables",
     "run_cell",
     "run_cell_counting_failures",
@@ -309,9 +310,14 @@ def grid_tables(data: dict[str, Any]) -> str:
     return "\n\n".join(out)
 
 
-def fill_page(page: str, data: dict[str, Any]) -> str:
-    """Return `page` with its `<!-- lab-tradeoff -->` block replaced by `grid_tables(data)`."""
-    return fill_marked_block(page, MARKER, grid_tables(data))
+def fill_page(page: str, data: dict[str, Any], marker: str = MARKER) -> str:
+    """Return `page` with its `<!-- marker -->` block replaced by `grid_tables(data)`."""
+    return fill_marked_block(page, marker, grid_tables(data))
+
+
+def marker_of(results: Path) -> str:
+    """The page block a results file fills: its name with dashes (`lab_tradeoff_torch.json`: `lab-tradeoff-torch`)."""
+    return results.stem.replace("_", "-")
 
 
 def plot(data: dict[str, Any], out: Path) -> None:
@@ -366,7 +372,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, default=439)
     parser.add_argument("--out", type=Path, default=RESULTS / "lab_tradeoff.json")
     parser.add_argument("--plot", type=Path, help="only draw the figure from --out's JSON into this PNG")
-    parser.add_argument("--write", type=Path, metavar="PAGE", help="only fill PAGE's <!-- lab-tradeoff --> block")
+    parser.add_argument(
+        "--write", type=Path, metavar="PAGE", help="only fill PAGE's block named after --out (lab-tradeoff, ...)"
+    )
 
 
 def command(args: argparse.Namespace) -> int | None:
@@ -380,7 +388,7 @@ def command(args: argparse.Namespace) -> int | None:
             print(f"wrote {args.plot}")
         if args.write:
             try:
-                args.write.write_text(fill_page(args.write.read_text(), data))
+                args.write.write_text(fill_page(args.write.read_text(), data, marker_of(args.out)))
             except ValueError as error:
                 sys.exit(f"{args.write}: {error}")
             print(f"{args.write}: filled the trade-off tables from {args.out}")

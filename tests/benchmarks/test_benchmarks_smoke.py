@@ -1,4 +1,5 @@
-"""The benchmark suite's smallest configuration runs end to end, so that the suite cannot rot unnoticed.
+"""The benchmark suite's ddp and device sections in their smallest configuration run end to end, so that they
+cannot rot unnoticed (the sections that train through the Trainer: `test_benchmarks_smoke_*.py`).
 
 Timings are not checked (speed is never asserted by a test); what is checked is that every experiment of
 the DDP section ran on real processes and produced the numbers the report and the figures are made of.
@@ -88,62 +89,6 @@ def test_figures_are_drawn_from_the_json(smoke, tmp_path):
     results, _ = smoke
     written = plot_all(results, tmp_path)
     assert {p.name for p in written} == {"bucket_sweep.png", "breakdown.png", "skip_sync.png"}
-    for path in written:
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def smoke_runs(tmp_path_factory):
-    """The sections that train through the Trainer in fresh processes: curves, overhead, strategies."""
-    out = tmp_path_factory.mktemp("bench") / "smoke_runs.json"
-    return run_suite("smoke", ("curves", "overhead", "strategies"), out, log=lambda message: None)
-
-
-def test_curves_train_every_interval_with_base_and_scaled_learning_rates(smoke_runs):
-    curves = smoke_runs["sections"]["curves"]
-    assert set(curves["runs"]) == {"1", "2"}
-    assert set(curves["lr_scaled"]) == {"2"} and set(curves["lr_scaled"]["2"]) == {"sqrt"}
-    assert curves["lr_scaled"]["2"]["sqrt"]["lr"] == pytest.approx(curves["model"]["lr"] * math.sqrt(2))
-    for run in [*curves["runs"].values(), curves["lr_scaled"]["2"]["sqrt"]]:
-        # One loss per micro-batch of rank 0, and a finite validation loss at the end.
-        assert len(run["losses"]) == curves["microbatches"]
-        assert math.isfinite(run["val_loss"]["median"])
-    best = smoke_runs["headline"]["curves_best_val_loss_by_sync_every"]["2"]
-    assert best["val_loss"] == min(
-        curves["runs"]["2"]["val_loss"]["median"], curves["lr_scaled"]["2"]["sqrt"]["val_loss"]["median"]
-    )
-
-
-def test_overhead_times_each_loop_in_fresh_processes_and_in_one(smoke_runs):
-    loops = smoke_runs["sections"]["overhead"]["loops"]
-    assert {"raw", "trainer"} <= set(loops)
-    for loop in loops.values():
-        assert loop["step_us"]["median"] > 0 and loop["fresh_process_step_us"]["median"] > 0
-        assert loop["first_step_s"]["median"] > 0
-    trainer = loops["trainer"]
-    assert trainer["step_ratio_over_raw"] == pytest.approx(
-        trainer["step_us"]["median"] / loops["raw"]["step_us"]["median"], abs=1e-3
-    )
-
-
-def test_strategies_run_every_strategy_on_the_same_global_batch(smoke_runs):
-    strategies = smoke_runs["sections"]["strategies"]["strategies"]
-    assert {name: s["devices"] for name, s in strategies.items()} == {"single": 1, "bucketed_ddp": 2, "native_ddp": 2}
-    # The two reducers average the same gradients: the same model at the end, to the report's precision.
-    assert strategies["bucketed_ddp"]["val_loss"]["median"] == pytest.approx(
-        strategies["native_ddp"]["val_loss"]["median"], abs=1e-3
-    )
-
-
-def test_report_and_figures_of_the_trainer_sections(smoke_runs, tmp_path):
-    text = tables(smoke_runs)
-    for row in ("| raw |", "| trainer |", "| bucketed_ddp | 2 |", "| 2 | 2 |"):
-        assert row in text
-    pytest.importorskip("matplotlib", reason="matplotlib is the optional bench extra")
-    from benchmarks.plot import plot_all
-
-    written = plot_all(smoke_runs, tmp_path)
-    assert {p.name for p in written} == {"skip_sync.png", "overhead.png"}
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -224,6 +224,26 @@ def test_prefetched_uint8_exchange_equals_the_blocking_one_to_the_bit_and_resume
     assert not torch.equal(results[0]["all"]["blocking"]["weights"], results[1]["all"]["blocking"]["weights"])
 
 
+def _blocking_and_prefetched_shift_one(rank: int, world_size: int) -> dict[str, Any]:
+    decentralized.SEGMENT_CHUNKS = 2
+    return {"blocking": _wide_fit("shift_one", False), "prefetch": _wide_fit("shift_one", True)}
+
+
+def test_prefetch_on_three_ranks_equals_the_blocking_exchange_where_the_phantom_rank_sits_out_a_rank():
+    """An odd world: `shift_one` pairs a phantom rank with one rank each round, and that rank exchanges nothing."""
+    results = run_distributed(_blocking_and_prefetched_shift_one, 3, timeout=300)
+    for rank, runs in enumerate(results):
+        blocking, prefetch = runs["blocking"], runs["prefetch"]
+        assert torch.equal(prefetch["weights"], blocking["weights"]), rank
+        assert all(torch.equal(a, b) for a, b in zip(prefetch["momentum"], blocking["momentum"])), rank
+        for key, flats in blocking["estimates"].items():
+            assert all(torch.equal(a, b) for a, b in zip(prefetch["estimates"][key], flats)), (rank, key)
+        assert prefetch["bytes"] == blocking["bytes"], rank
+        # The averaging steps' segments were in flight at a step's end on some round (not every rank sits out).
+        assert any(prefetch["in_flight"]), rank
+    assert len({float(r["blocking"]["weights"].sum()) for r in results}) == 3  # three replicas, all different
+
+
 def test_prefetch_needs_uint8():
     with pytest.raises(OptionError, match="prefetch=True, compression=None"):
         Decentralized(prefetch=True)

@@ -45,7 +45,7 @@ class ToyGAN(Task):
         """One generator step and one discriminator step (`clip` before it); the hand-written reference calls it
         too."""
         real, z = batch
-        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        ones, zeros = real.new_ones(len(real), 1), real.new_zeros(len(real), 1)
         bce = nn.functional.binary_cross_entropy_with_logits
         if self.toggle:
             self.toggle_optimizer(opt_g)
