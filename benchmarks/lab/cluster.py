@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -44,6 +45,7 @@ __all__ = [
     "link_bound",
     "namespaces_unavailable",
     "parse_rate",
+    "StallGuard",
     "run_isolating",
     "run_job",
     "run_lab",
@@ -270,6 +272,38 @@ def run_isolating(
                 {"label": label, "strategy": name, "options": options, "failed": True, "error": cause[-500:]}
             )
     return records
+
+
+class StallGuard:
+    """Inside a lab worker: end the process when no training step has ended for `seconds` (a hang, e.g. torch's
+    PowerSGD hook on gloo waiting on a future its mismatched collectives never complete, which no process-group
+    timeout bounds). Call `beat()` after every step; `stop()` when training is over.
+
+    The job then fails with the guard's message, and `run_isolating` records the failure; a guard that fires in a
+    shared job ends the grid as any failure there would.
+    """
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.seconds, self.what = seconds, what
+        self._beat = threading.Event()
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="lab-stall-guard", daemon=True).start()
+
+    def beat(self) -> None:
+        """A step ended."""
+        self._beat.set()
+
+    def stop(self) -> None:
+        """Training is over: stop watching."""
+        self._done.set()
+        self._beat.set()
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            if not self._beat.wait(self.seconds):
+                print(f"lab worker: no training step of {self.what} ended in {self.seconds:g} s: hung", flush=True)
+                os._exit(3)
+            self._beat.clear()
 
 
 def root_cause(logs: str) -> str:

@@ -43,6 +43,7 @@ from typing import Any
 
 from ..common import QUIET_TRAINER, RESULTS, write_json
 from .cluster import (
+    StallGuard,
     add_worker_argument,
     lab_rate,
     link_bound,
@@ -122,6 +123,10 @@ DEFAULT_PHASES_MS = {"forward": 27.9, "backward": 49.6, "optimizer": 11.1}
 #: die of a collective-size mismatch on gloo) is recorded instead of ending the cell.
 TORCH_ROWS = ("torch powersgd", "torch post-local sgd")
 
+#: Seconds without a training step after which a worker ends itself (the slowest step, the single parameter server's
+#: on 4 nodes at 100 Mbit/s, takes about 7 s).
+STALL_S = 300.0
+
 #: The rows without communication that give the bound its local step time (not `local_sgd`, which averages).
 LOCAL_LABELS = ("local", "local (end)")
 
@@ -178,6 +183,7 @@ def _worker(spec: dict[str, Any]) -> None:
             self.marks: list[tuple[float, int, int, float, float]] = []
 
         def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+            guard.beat()
             sent, received = _link_counters(interface)
             comm = trainer.strategy.communication_stats().get("comm/bytes", 0.0)
             self.marks.append((time.perf_counter(), sent, received, comm, busy_cpu_seconds()))
@@ -187,6 +193,7 @@ def _worker(spec: dict[str, Any]) -> None:
         torch.manual_seed(0)
         task = CharGPT(**spec["model"])
         recorder = LinkRecorder()
+        guard = StallGuard(STALL_S, label)  # a hang (torch's PowerSGD hook on gloo) ends the job, not the session
         # `bucket_cap_mb="auto"` tries caps in its first steps: time what it chose, not its trials.
         tuning = (
             len(DEFAULT_CAPS_MB) * (options.get("autotune_steps", 2) + 1) if options.get("bucket_cap_mb") == AUTO else 0
@@ -200,6 +207,7 @@ def _worker(spec: dict[str, Any]) -> None:
             **QUIET_TRAINER,
         )
         trainer.fit(task)
+        guard.stop()
         marks = recorder.marks[warmup - 1 :]  # the end of the last untimed step starts the window
         times = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
         mine = {

@@ -38,6 +38,7 @@ from typing import Any
 
 from ..common import QUIET_TRAINER, RESULTS, fill_marked_block
 from .cluster import (
+    StallGuard,
     add_worker_argument,
     lab_rate,
     run_isolating,
@@ -90,6 +91,9 @@ ISOLATED = TORCH_ROWS
 COUNTERPARTS = {"torch powersgd": "powersgd", "torch post-local sgd": "local_sgd"}
 
 GLOBAL_BATCH = 32
+#: Seconds without a training step after which a worker ends itself (the slowest step here takes about 2 s;
+#: start-up and the first validation take under a minute).
+STALL_S = 300.0
 
 
 # ------------------------------------------------------------------ inside the torchrun job
@@ -116,22 +120,35 @@ def _worker(spec: dict[str, Any]) -> None:
             if float(trainer.callback_metrics["val_loss"]) <= target:
                 trainer.should_stop = True
 
+    class Heartbeat(Callback):
+        """Tell the stall guard that a step ended."""
+
+        reads_parameters = False
+
+        def __init__(self, guard: StallGuard) -> None:
+            self.guard = guard
+
+        def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+            self.guard.beat()
+
     records = []
     for label, name, options in spec["strategies"]:
         seed_everything(0)
         world = int(os.environ["WORLD_SIZE"])  # torchrun's; the process group starts in fit
         task = CharGPT(batch_size=GLOBAL_BATCH // world, sample_chars=0)
         recorder = StudyRecorder()
+        guard = StallGuard(STALL_S, label)
         trainer = Trainer(
             max_steps=spec["max_steps"],
             val_check_interval=spec["val_every"],
             limit_val_batches=spec["val_batches"],  # per rank: val_batches x 32 windows in all
             strategy=REGISTRY[name](**options),
-            callbacks=[recorder, StopAtLoss()],
+            callbacks=[recorder, StopAtLoss(), Heartbeat(guard)],
             **QUIET_TRAINER,
             seed=0,
         )
         trainer.fit(task)
+        guard.stop()
         times = step_times(recorder.start, recorder.step_ends, recorder.validations)
         reached = next(((s, v) for s, _, v in recorder.validations if v <= target), None)
         steps = reached[0] if reached else len(recorder.step_ends)

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from benchmarks.lab.cluster import root_cause, run_isolating
 from benchmarks.lab.strategies import _table, busy_cpu_seconds, grid_table, lab_rows, model_overrides, select_strategies
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _record(label: str, step_s: float, sent: list[float], busy: list[float] | None = None) -> dict:
@@ -69,6 +75,24 @@ def test_a_failed_jobs_cause_is_gloos_check_or_a_ranks_error_not_the_agents_exit
     assert root_cause("\n".join(["lab failed:", rank, check, agent])) == check.strip()
     assert root_cause("\n".join(["lab failed:", rank, agent])) == rank
     assert root_cause("lab failed:\n" + agent) == agent
+
+
+def test_a_lab_worker_with_no_step_for_its_stall_time_ends_itself():
+    """The lab's bound on a hang no process-group timeout catches (torch's PowerSGD hook on gloo, 4 nodes)."""
+    script = (
+        "import time\n"
+        "from benchmarks.lab.cluster import StallGuard\n"
+        "guard = StallGuard(1.0, 'beating')\n"
+        "for _ in range(6): time.sleep(0.3); guard.beat()\n"
+        "guard.stop()\n"
+        "StallGuard(0.5, 'torch powersgd')\n"
+        "time.sleep(30)\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 3, done.stderr
+    assert "no training step of torch powersgd ended in 0.5 s: hung" in done.stdout
+    assert time.monotonic() - started < 20  # the steady beats outlived their 1 s; the silence did not
 
 
 def test_busy_cpu_seconds_count_this_process_working():
