@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import lab
-from benchmarks.lab.tradeoff import fill_page, grid_tables, speedups
+from benchmarks.lab.tradeoff import fill_page, grid_tables, marker_of, speedups
 from benchmarks.plans import PLANS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,10 +40,12 @@ def test_speedups_are_per_cell_and_zero_where_the_target_was_never_reached():
     assert "| local_sgd | - | - | > 90 (never) | never |" in text
 
 
-def test_performance_page_quotes_the_committed_tradeoff_run():
+@pytest.mark.parametrize("results", [RESULTS, RESULTS.with_name("lab_tradeoff_torch.json")], ids=lambda p: p.stem)
+def test_performance_page_quotes_the_committed_tradeoff_run(results):
     page = (ROOT / "docs" / "performance.md").read_text()
-    data = json.loads(RESULTS.read_text())
-    assert fill_page(page, data) == page, "run `python -m benchmarks lab tradeoff --write docs/performance.md`"
+    data = json.loads(results.read_text())
+    fix = f"run `python -m benchmarks lab tradeoff --out {results.relative_to(ROOT)} --write docs/performance.md`"
+    assert fill_page(page, data, marker_of(results)) == page, fix
     assert {r["rate"] for r in data["rows"]} == {"unshaped", "1gbit", "100mbit"}
     assert {r["nodes"] for r in data["rows"]} == {2, 4}
 
