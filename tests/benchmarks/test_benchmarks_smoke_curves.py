@@ -1,6 +1,4 @@
-"""The benchmark suite's curves section in its smallest configuration runs end to end (fresh processes
-through the Trainer), so that it cannot rot unnoticed. One section a file: pytest-xdist runs the files side by side.
-"""
+"""The curves section (training at every skip-sync interval) runs end to end in its smoke configuration."""
 
 from __future__ import annotations
 
@@ -9,13 +7,12 @@ import math
 import pytest
 
 from benchmarks.report import tables
-from benchmarks.run import run_suite
+from tests.benchmarks._smoke import assert_figures, run_smoke
 
 
 @pytest.fixture(scope="module")
 def curves_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "curves.json"
-    return run_suite("smoke", ("curves",), out, log=lambda message: None)
+    return run_smoke(tmp_path_factory, "curves")
 
 
 def test_curves_train_every_interval_with_base_and_scaled_learning_rates(curves_run):
@@ -35,10 +32,4 @@ def test_curves_train_every_interval_with_base_and_scaled_learning_rates(curves_
 
 def test_report_and_figure_of_the_curves(curves_run, tmp_path):
     assert "| 2 | 2 |" in tables(curves_run)
-    pytest.importorskip("matplotlib", reason="matplotlib is the optional bench extra")
-    from benchmarks.plot import plot_all
-
-    written = plot_all(curves_run, tmp_path)
-    assert {p.name for p in written} == {"skip_sync.png"}
-    for path in written:
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_figures(curves_run, tmp_path, {"skip_sync.png"})

@@ -1,19 +1,16 @@
-"""The benchmark suite's overhead section in its smallest configuration runs end to end (fresh processes
-through the Trainer), so that it cannot rot unnoticed. One section a file: pytest-xdist runs the files side by side.
-"""
+"""The overhead section (Trainer against a raw loop) runs end to end in its smoke configuration."""
 
 from __future__ import annotations
 
 import pytest
 
 from benchmarks.report import tables
-from benchmarks.run import run_suite
+from tests.benchmarks._smoke import assert_figures, run_smoke
 
 
 @pytest.fixture(scope="module")
 def overhead_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "overhead.json"
-    return run_suite("smoke", ("overhead",), out, log=lambda message: None)
+    return run_smoke(tmp_path_factory, "overhead")
 
 
 def test_overhead_times_each_loop_in_fresh_processes_and_in_one(overhead_run):
@@ -31,10 +28,4 @@ def test_overhead_times_each_loop_in_fresh_processes_and_in_one(overhead_run):
 def test_report_and_figure_of_the_overhead(overhead_run, tmp_path):
     text = tables(overhead_run)
     assert "| raw |" in text and "| trainer |" in text
-    pytest.importorskip("matplotlib", reason="matplotlib is the optional bench extra")
-    from benchmarks.plot import plot_all
-
-    written = plot_all(overhead_run, tmp_path)
-    assert {p.name for p in written} == {"overhead.png"}
-    for path in written:
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_figures(overhead_run, tmp_path, {"overhead.png"})

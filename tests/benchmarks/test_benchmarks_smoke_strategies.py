@@ -1,19 +1,16 @@
-"""The benchmark suite's strategies section in its smallest configuration runs end to end (fresh processes
-through the Trainer), so that it cannot rot unnoticed. One section a file: pytest-xdist runs the files side by side.
-"""
+"""The strategies section (one to two processes) runs end to end in its smoke configuration."""
 
 from __future__ import annotations
 
 import pytest
 
 from benchmarks.report import tables
-from benchmarks.run import run_suite
+from tests.benchmarks._smoke import run_smoke
 
 
 @pytest.fixture(scope="module")
 def strategies_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "strategies.json"
-    return run_suite("smoke", ("strategies",), out, log=lambda message: None)
+    return run_smoke(tmp_path_factory, "strategies")
 
 
 def test_strategies_run_every_strategy_on_the_same_global_batch(strategies_run):
