@@ -45,6 +45,7 @@ __all__ = [
     "link_bound",
     "namespaces_unavailable",
     "parse_rate",
+    "STALL_S",
     "StallGuard",
     "run_isolating",
     "run_job",
@@ -274,6 +275,11 @@ def run_isolating(
     return records
 
 
+#: Seconds without a training step after which a lab worker ends itself (`StallGuard`): the slowest step measured,
+#: the single parameter server's on 4 nodes at 100 Mbit/s, takes about 7 s; start-up and a validation under a minute.
+STALL_S = 300.0
+
+
 class StallGuard:
     """Inside a lab worker: end the process when no training step has ended for `seconds` (a hang, e.g. torch's
     PowerSGD hook on gloo waiting on a future its mismatched collectives never complete, which no process-group
@@ -283,7 +289,7 @@ class StallGuard:
     shared job ends the grid as any failure there would.
     """
 
-    def __init__(self, seconds: float, what: str) -> None:
+    def __init__(self, what: str, seconds: float = STALL_S) -> None:
         self.seconds, self.what = seconds, what
         self._beat = threading.Event()
         self._done = threading.Event()
@@ -310,13 +316,9 @@ def root_cause(logs: str) -> str:
     """The line of a failed job's logs that says why: gloo's failed check (a collective mismatch) first, then the
     first rank's error, else the last line (the agent's own exit, which only says that a worker died)."""
     lines = [line.strip() for line in logs.strip().splitlines() if line.strip()]
-    for wanted in ("enforce fail", "[rank"):
-        found = [
-            line for line in lines if wanted in line and "Error" in line or wanted == "enforce fail" and wanted in line
-        ]
-        if found:
-            return found[0]
-    return lines[-1] if lines else ""
+    checks = [line for line in lines if "enforce fail" in line]
+    ranks = [line for line in lines if "[rank" in line and "Error" in line]
+    return (checks or ranks or lines[-1:] or [""])[0]
 
 
 def add_worker_argument(parser: argparse.ArgumentParser) -> None:

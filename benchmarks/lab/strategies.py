@@ -123,10 +123,6 @@ DEFAULT_PHASES_MS = {"forward": 27.9, "backward": 49.6, "optimizer": 11.1}
 #: die of a collective-size mismatch on gloo) is recorded instead of ending the cell.
 TORCH_ROWS = ("torch powersgd", "torch post-local sgd")
 
-#: Seconds without a training step after which a worker ends itself (the slowest step, the single parameter server's
-#: on 4 nodes at 100 Mbit/s, takes about 7 s).
-STALL_S = 300.0
-
 #: The rows without communication that give the bound its local step time (not `local_sgd`, which averages).
 LOCAL_LABELS = ("local", "local (end)")
 
@@ -193,7 +189,7 @@ def _worker(spec: dict[str, Any]) -> None:
         torch.manual_seed(0)
         task = CharGPT(**spec["model"])
         recorder = LinkRecorder()
-        guard = StallGuard(STALL_S, label)  # a hang (torch's PowerSGD hook on gloo) ends the job, not the session
+        guard = StallGuard(label)  # a hang (torch's PowerSGD hook on gloo) ends the job, not the session
         # `bucket_cap_mb="auto"` tries caps in its first steps: time what it chose, not its trials.
         tuning = (
             len(DEFAULT_CAPS_MB) * (options.get("autotune_steps", 2) + 1) if options.get("bucket_cap_mb") == AUTO else 0

@@ -17,7 +17,7 @@ and the speed-up over `bucketed_ddp` in the same cell.
 torch's own relaxations run in the same cells as syncline's, at the same settings: `native_ddp` with torch's
 PowerSGD hook (rank 4, 10 exact iterations, as `powersgd`) and with torch's post-local SGD hook and
 `PeriodicModelAverager` (period 4, no warm-up, as `local_sgd`); each row also shows the ratio of syncline's
-time to torch's. They run in torchrun jobs of their own (`ISOLATED`), so a run that fails (torch's PowerSGD hook
+time to torch's. They run in torchrun jobs of their own (`TORCH_ROWS`), so a run that fails (torch's PowerSGD hook
 died of a collective-size mismatch on gloo in 1 of 13 runs) is recorded as a failure and counted over repeats
 (``--repeat``) instead of ending the grid.
 
@@ -50,7 +50,6 @@ from .strategies import TORCH_ROWS
 
 __all__ = [
     "COUNTERPARTS",
-    "ISOLATED",
     "STRATEGIES",
     "TARGET_LOSS",
     "fill_page",
@@ -85,15 +84,10 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("torch post-local sgd", "native_ddp", {"comm_hook": "post_local_sgd"}),
 ]
 
-#: torch's rows, each run in a torchrun job of its own so that a failure is counted, not fatal.
-ISOLATED = TORCH_ROWS
 #: Each torch row beside the syncline strategy it is compared with: (torch's label, syncline's label).
 COUNTERPARTS = {"torch powersgd": "powersgd", "torch post-local sgd": "local_sgd"}
 
 GLOBAL_BATCH = 32
-#: Seconds without a training step after which a worker ends itself (the slowest step here takes about 2 s;
-#: start-up and the first validation take under a minute).
-STALL_S = 300.0
 
 
 # ------------------------------------------------------------------ inside the torchrun job
@@ -137,7 +131,7 @@ def _worker(spec: dict[str, Any]) -> None:
         world = int(os.environ["WORLD_SIZE"])  # torchrun's; the process group starts in fit
         task = CharGPT(batch_size=GLOBAL_BATCH // world, sample_chars=0)
         recorder = StudyRecorder()
-        guard = StallGuard(STALL_S, label)
+        guard = StallGuard(label)
         trainer = Trainer(
             max_steps=spec["max_steps"],
             val_check_interval=spec["val_every"],
@@ -201,9 +195,9 @@ def run_cell(
 def run_cell_counting_failures(
     nodes: int, rate: str | None, strategies: list[tuple[str, str, dict[str, Any]]], **options: Any
 ) -> list[dict[str, Any]]:
-    """`run_cell` for the shared strategies in one job, and each `ISOLATED` one in a job of its own, whose failure
+    """`run_cell` for the shared strategies in one job, and each of `TORCH_ROWS` in a job of its own, whose failure
     becomes a record (``failed``, the error's last line) instead of ending the grid (`run_isolating`)."""
-    records = run_isolating(lambda some: run_cell(nodes, rate, some, **options), strategies, ISOLATED)
+    records = run_isolating(lambda some: run_cell(nodes, rate, some, **options), strategies, TORCH_ROWS)
     for record in records:
         if record.get("failed"):
             record.update(reached=False, steps=0, seconds=0.0, step_s=0.0, comm_bytes_per_step=0.0)

@@ -82,10 +82,10 @@ def test_a_lab_worker_with_no_step_for_its_stall_time_ends_itself():
     script = (
         "import time\n"
         "from benchmarks.lab.cluster import StallGuard\n"
-        "guard = StallGuard(1.0, 'beating')\n"
+        "guard = StallGuard('beating', 1.0)\n"
         "for _ in range(6): time.sleep(0.3); guard.beat()\n"
         "guard.stop()\n"
-        "StallGuard(0.5, 'torch powersgd')\n"
+        "StallGuard('torch powersgd', 0.5)\n"
         "time.sleep(30)\n"
     )
     started = time.monotonic()
