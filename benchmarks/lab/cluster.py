@@ -255,7 +255,7 @@ def run_isolating(
     run: Callable[[list[Any]], list[dict[str, Any]]], strategies: list[Any], isolated: Sequence[str]
 ) -> list[dict[str, Any]]:
     """`run` (one lab job) on the strategies whose label is not in `isolated`, then each isolated one in a job of its
-    own, whose failure becomes a record (``failed``, the error's last line) instead of ending the grid.
+    own, whose failure becomes a record (``failed``, the error's `root_cause`) instead of ending the grid.
 
     `strategies` are (label, registered name, options); torch's PowerSGD hook, for one, can die of a collective-size
     mismatch on gloo, and would take every strategy of a shared job down with it.

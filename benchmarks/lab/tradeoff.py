@@ -196,7 +196,7 @@ def run_cell_counting_failures(
     nodes: int, rate: str | None, strategies: list[tuple[str, str, dict[str, Any]]], **options: Any
 ) -> list[dict[str, Any]]:
     """`run_cell` for the shared strategies in one job, and each of `TORCH_ROWS` in a job of its own, whose failure
-    becomes a record (``failed``, the error's last line) instead of ending the grid (`run_isolating`)."""
+    becomes a record (``failed``, the error's `root_cause`) instead of ending the grid (`run_isolating`)."""
     records = run_isolating(lambda some: run_cell(nodes, rate, some, **options), strategies, TORCH_ROWS)
     for record in records:
         if record.get("failed"):
