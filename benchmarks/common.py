@@ -143,8 +143,10 @@ def run_world(
     return values, {"before": before, "after": os.getloadavg()[0]}
 
 
-#: The Trainer arguments of a measured run: no logs, checkpoints or progress output, no sanity validation.
+#: The Trainer arguments of a measured run: the CPU (these studies are of gloo on CPU cores, also on a machine with
+#: a GPU), no logs, checkpoints or progress output, no sanity validation.
 QUIET_TRAINER: dict[str, Any] = {
+    "accelerator": "cpu",
     "logger": False,
     "enable_checkpointing": False,
     "enable_progress_bar": False,

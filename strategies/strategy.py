@@ -356,9 +356,11 @@ def _takes_batch_idx(function: Callable[..., Any]) -> bool:
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Return `batch` with every tensor inside lists, tuples, dicts and namedtuples moved to `device`."""
+    """Return `batch` with every tensor inside lists, tuples, dicts and namedtuples moved to `device`.
+
+    Copies to an accelerator do not block; copies to the CPU do, since their result is read at once."""
     if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch.to(device, non_blocking=device.type != "cpu")
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(move_to_device(b, device) for b in batch))
     if isinstance(batch, (list, tuple)):

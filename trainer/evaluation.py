@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from syncline.callbacks.callback import Callback
+from syncline.strategies.strategy import move_to_device
 from syncline.trainer.data import BatchIndexRecorder, batch_mover, epoch_batches
 
 if TYPE_CHECKING:
@@ -147,7 +148,8 @@ class EvaluationLoop:
                             outputs = step_fn(batch, batch_idx, *extra)
                         results.hook = ""
                         if stage == "predict" and keep_predictions:
-                            predictions[dataloader_idx].append(outputs)
+                            # Lightning keeps them on the CPU, so a long predict run does not fill the GPU.
+                            predictions[dataloader_idx].append(move_to_device(outputs, torch.device("cpu")))
                         dispatcher.fire(hooks.batch_end, outputs, batch, batch_idx, dataloader_idx)
                         if logging:
                             self._log_step(dataloader_idx)

@@ -135,7 +135,8 @@ def _child(
     faulthandler.dump_traceback_later(max(timeout - 1.0, 0.5), file=stack_file)
 
     if hide_gpus:
-        # The ranks share fewer GPUs than they are: they compute on the CPU and join with gloo.
+        # The ranks share fewer GPUs than they are: they compute on the CPU and join with gloo. (Only if nothing
+        # queried CUDA before: torch counts the GPUs once, and unpickling `fn` imports its module first.)
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(
         RANK=str(rank),

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from syncline.trainer import Task
+from tests.trainer._tasks import reference_device
 
 LATENT, FEATURES = 4, 6
 
@@ -84,8 +85,10 @@ class ToyGAN(Task):
 
 
 def train_by_hand(task: ToyGAN, loader: DataLoader, epochs: int = 1) -> dict[str, Tensor]:
-    """Train `task` with plain torch (loss.backward(), optimizer.step()) on `loader`: the reference."""
-    (opt_g, opt_d), schedulers = task.configure_optimizers()
+    """Train `task` with plain torch (loss.backward(), optimizer.step()) on `loader`, on the Trainer's
+    device: the reference."""
+    device = reference_device()
+    (opt_g, opt_d), schedulers = task.to(device).configure_optimizers()
     toggle, task.toggle = task.toggle, False  # toggling changes no value: zero_grad clears the other's grads
 
     def clip() -> None:
@@ -93,8 +96,9 @@ def train_by_hand(task: ToyGAN, loader: DataLoader, epochs: int = 1) -> dict[str
 
     for _ in range(epochs):
         for batch in loader:
+            batch = [tensor.to(device) for tensor in batch]
             task.gan_step(batch, opt_g, opt_d, lambda loss: loss.backward(), None if task.clip is None else clip)
             for scheduler in schedulers:
                 scheduler.step()
     task.toggle = toggle
-    return {name: value.detach().clone() for name, value in task.state_dict().items()}
+    return {name: value.detach().cpu().clone() for name, value in task.state_dict().items()}

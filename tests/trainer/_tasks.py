@@ -9,6 +9,16 @@ from torch.utils.data import DataLoader, TensorDataset
 from syncline.trainer import Task
 
 
+def reference_device() -> torch.device:
+    """Where ``accelerator="auto"`` trains one process: a hand-written reference runs there too, so a comparison
+    with tolerance 0 compares the same kernels (the CPU's and a GPU's float results differ in the last bits).
+
+    A function, not a constant: a module-level CUDA query would run in every rank `run_distributed` starts
+    (unpickling a test's function imports its module), before the rank hides the GPUs it does not get.
+    """
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def regression_data(n: int = 64, features: int = 8, seed: int = 0) -> TensorDataset:
     """Return a fixed random regression data set."""
     generator = torch.Generator().manual_seed(seed)

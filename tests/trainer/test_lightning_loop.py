@@ -207,7 +207,7 @@ def test_several_predict_loaders_get_their_index_and_one_list_each():
 # ---------------------------------------------------------------- item 10: Lightning's values and defaults
 def test_lightnings_devices_precision_and_strategy_spellings():
     assert Trainer(devices="auto", logger=False).devices == 1  # the CPU: one process
-    assert Trainer(devices="2", logger=False).devices == 2
+    assert Trainer(devices="2", accelerator="cpu", logger=False).devices == 2
     with pytest.raises(OptionError, match=r"devices=-1\) means every GPU"):
         Trainer(devices=-1, accelerator="cpu", logger=False)
     assert Trainer(precision="16", logger=False).precision_name == "16"

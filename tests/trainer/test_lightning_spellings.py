@@ -103,7 +103,7 @@ def test_load_from_checkpoint_rebuilds_the_task_with_saved_hparams_and_overrides
     trainer, task = _fit(tmp_path)
     best = trainer.checkpoint_callback.best_model_path
     loaded = HParamsRegressor.load_from_checkpoint(best, map_location="cpu")
-    saved = torch.load(best, weights_only=True)["state_dict"]
+    saved = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, saved[name]), name
     assert loaded.hparams.hidden_lr == 0.1

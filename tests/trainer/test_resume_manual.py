@@ -33,7 +33,7 @@ class NoisyGAN(ToyGAN):
         with self.toggled_optimizer(opt_d):
             fake = self.generator(z).detach()
             bce = torch.nn.functional.binary_cross_entropy_with_logits
-            ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+            ones, zeros = real.new_ones(len(real), 1), real.new_zeros(len(real), 1)
             d_loss = (bce(self.discriminator(real), ones) + bce(self.discriminator(fake), zeros)) / 6
             self.manual_backward(d_loss)
             if batch_idx % 3 == 2:

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from syncline import DataModule
 from syncline.trainer import Trainer
-from tests.trainer._tasks import Regressor, loader, quiet, regression_data
+from tests.trainer._tasks import Regressor, loader, quiet, reference_device, regression_data
 
 DATA = regression_data(32)
 
@@ -22,10 +22,13 @@ def _fit(task, epochs: int = 1, **kwargs) -> Trainer:
 
 
 def _by_hand(task, step_if=lambda batch_idx: True, zero_grad=True, clip=None, scale=1.0, epochs=1):
-    """Plain torch: for each batch, zero_grad (optional), backward of `scale` * loss, clip, step if asked."""
-    optimizer = task.configure_optimizers()
+    """Plain torch, on the Trainer's device: for each batch, zero_grad (optional), backward of `scale` * loss, clip,
+    step if asked."""
+    device = reference_device()
+    optimizer = task.to(device).configure_optimizers()
     for _ in range(epochs):
         for batch_idx, (x, y) in enumerate(loader(DATA, 8)):
+            x, y = x.to(device), y.to(device)
             if zero_grad:
                 optimizer.zero_grad()
             (scale * nn.functional.mse_loss(task(x), y)).backward()
@@ -33,7 +36,7 @@ def _by_hand(task, step_if=lambda batch_idx: True, zero_grad=True, clip=None, sc
                 clip(list(task.parameters()))
             if step_if(batch_idx):
                 optimizer.step()
-    return task.state_dict()
+    return {name: value.cpu() for name, value in task.state_dict().items()}
 
 
 def _assert_same(task, reference):

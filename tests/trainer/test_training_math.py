@@ -9,13 +9,14 @@ import torch
 from torch import nn
 
 from syncline.trainer import Trainer
-from tests.trainer._tasks import Regressor, loader, quiet, regression_data
+from tests.trainer._tasks import Regressor, loader, quiet, reference_device, regression_data
 
 
 def _hand_written(task: Regressor, data, batch_size: int, epochs: int, accumulate: int = 1, clip: float | None = None):
-    """Train `task` the textbook way; return it."""
-    optimizer = task.configure_optimizers()
-    batches = list(loader(data, batch_size))
+    """Train `task` the textbook way, on the Trainer's device; return it, on the CPU."""
+    device = reference_device()
+    optimizer = task.to(device).configure_optimizers()
+    batches = [(x.to(device), y.to(device)) for x, y in loader(data, batch_size)]
     for _ in range(epochs):
         for i, (x, y) in enumerate(batches):
             loss = nn.functional.mse_loss(task(x), y) / accumulate
@@ -25,7 +26,7 @@ def _hand_written(task: Regressor, data, batch_size: int, epochs: int, accumulat
                     torch.nn.utils.clip_grad_norm_(task.parameters(), clip)
                 optimizer.step()
                 optimizer.zero_grad()
-    return task
+    return task.cpu()
 
 
 @pytest.mark.parametrize(
