@@ -85,7 +85,9 @@ def _average_bucket(state: ByteGradState, bucket: GradBucket, group: dist.Proces
         corrected = buffer
     else:
         # Error feedback keyed by parameter name: each gradient plus what its last compression dropped.
-        corrected = torch.cat([feedback.compensate(name, buffer[start:end]) for name, start, end in bucket.spans()])
+        corrected = torch.empty_like(buffer)
+        for name, start, end in bucket.spans():
+            feedback.compensate_into(name, buffer[start:end], corrected[start:end])
     # Collectives (inside, blocking this thread): 8-bit all-to-all and all-gather of the bucket.
     average, sent = compressed_average(corrected, group, state.counter)
     if feedback is not None:

@@ -155,6 +155,28 @@ def busy_cpu_seconds() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds each thread of this process has run (user and system; /proc/self/task), summed by name.
+
+    Python threads go by their `threading` name ("MainThread", a strategy's communication thread); threads that
+    Python did not start (gloo's transport, torch's) are "other". Where a node's busy CPU goes, per step.
+    """
+    import threading
+
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        name = names.get(int(task.name), "other")
+        seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return seconds
+
+
 def _worker(spec: dict[str, Any]) -> None:
     """Train every strategy of `spec` in this torchrun job; rank 0 writes the records to spec["out"]."""
     import torch
@@ -171,18 +193,21 @@ def _worker(spec: dict[str, Any]) -> None:
     steps = spec["steps"]
 
     class LinkRecorder(Callback):
-        """After each optimizer step: the time, the link's counters, `comm/bytes` and the machine's busy CPU."""
+        """After each optimizer step: the time, the link's counters, `comm/bytes`, the machine's busy CPU and this
+        process's CPU per thread."""
 
         reads_parameters = False  # a step in flight stays in flight
 
         def __init__(self) -> None:
             self.marks: list[tuple[float, int, int, float, float]] = []
+            self.threads: list[dict[str, float]] = []
 
         def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
             guard.beat()
             sent, received = _link_counters(interface)
             comm = trainer.strategy.communication_stats().get("comm/bytes", 0.0)
             self.marks.append((time.perf_counter(), sent, received, comm, busy_cpu_seconds()))
+            self.threads.append(thread_cpu_seconds())
 
     results = []
     for label, name, options in spec["strategies"]:
@@ -212,6 +237,10 @@ def _worker(spec: dict[str, Any]) -> None:
             "received_per_step": (marks[-1][2] - marks[0][2]) / steps,
             "comm_bytes_per_step": statistics.mean(m[3] for m in marks[1:]),
             "busy_cpu_per_step": (marks[-1][4] - marks[0][4]) / steps,
+            "thread_cpu_per_step": {
+                thread: round((seconds - recorder.threads[warmup - 1].get(thread, 0.0)) / steps, 4)
+                for thread, seconds in recorder.threads[-1].items()
+            },
             "loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
         }
         everyone: list[Any] = [None] * dist.get_world_size()
@@ -337,6 +366,10 @@ def lab_rows(
         if "cores" in record:  # runs from before 2026-11-25 did not count the busy CPU
             busy = max(r["busy_cpu_per_step"] for r in record["ranks"])
             row["cpu_floor_s"] = round(busy / record["cores"], 4)
+        if "thread_cpu_per_step" in record["ranks"][0]:  # from 2026-11-26 on: the busiest rank's, per thread
+            row["thread_cpu_per_step"] = max(
+                (r["thread_cpu_per_step"] for r in record["ranks"]), key=lambda threads: sum(threads.values())
+            )
         if local is not None:
             bound = link_bound(local, sent, rate_bps) if rate_bps else local
             row["bound_s"] = round(bound, 4)

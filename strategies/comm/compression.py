@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from syncline.strategies.comm.counter import CommCounter, count_bytes
@@ -28,10 +27,12 @@ __all__ = [
     "ErrorFeedback",
     "Quantized",
     "compressed_average",
+    "dequantize_payloads",
     "minmax_dequantize",
     "minmax_quantize",
     "pack",
     "pack_flat",
+    "quantize_packed",
     "unpack",
     "unpack_flat",
 ]
@@ -70,6 +71,44 @@ def minmax_quantize(values: Tensor, chunks: int = 1) -> Quantized:
     Chunks are `torch.tensor_split`'s: the first ``numel % chunks`` hold one value more. A scatter-reduce
     splits a bucket into one chunk per rank this way.
     """
+    parts, lows, steps = _chunk_bounds(values, chunks)
+    codes = torch.empty(sum(part.numel() for part in parts), dtype=torch.uint8, device=lows.device)
+    _encode(parts, lows, steps, torch.tensor_split(codes, chunks))
+    return Quantized(codes, lows, steps, [part.numel() for part in parts])
+
+
+def quantize_packed(values: Tensor, chunks: int = 1, out: Tensor | None = None) -> list[Tensor]:
+    """Return ``pack(minmax_quantize(values, chunks))`` without its copies: the codes go straight into the payloads.
+
+    The payloads are consecutive views of `out` (uint8, at least their total size; the rest is left alone) or of
+    a new buffer. Byte for byte what `pack` returns.
+    """
+    parts, lows, steps = _chunk_bounds(values, chunks)
+    sizes = [HEADER_BYTES + part.numel() for part in parts]
+    if out is None:
+        out = torch.empty(sum(sizes), dtype=torch.uint8, device=lows.device)
+    payloads = list(out[: sum(sizes)].split(sizes))
+    headers = torch.stack([lows, steps], dim=1).view(torch.uint8)
+    for payload, header in zip(payloads, headers):
+        payload[:HEADER_BYTES].copy_(header)
+    _encode(parts, lows, steps, [payload[HEADER_BYTES:] for payload in payloads])
+    return payloads
+
+
+def dequantize_payloads(payloads: list[Tensor], out: Tensor) -> Tensor:
+    """Decode `pack`ed chunks (possibly from several ranks) into the float32 `out`, one after the other; return it.
+
+    `minmax_dequantize(unpack(payloads))` without the copies, to the bit.
+    """
+    headers = torch.stack([payload[:HEADER_BYTES] for payload in payloads]).view(torch.float32)
+    sizes = [payload.numel() - HEADER_BYTES for payload in payloads]
+    for payload, piece, (low, step) in zip(payloads, out.split(sizes), headers):
+        piece.copy_(payload[HEADER_BYTES:]).mul_(step).add_(low)
+    return out
+
+
+def _chunk_bounds(values: Tensor, chunks: int) -> tuple[tuple[Tensor, ...], Tensor, Tensor]:
+    """`values` flat in float32, cut into `chunks` parts (`torch.tensor_split`'s), and each part's minimum and step."""
     if chunks < 1:
         raise ValueError(f"minmax_quantize needs chunks >= 1, got {chunks}.")
     flat = values.detach().reshape(-1).float()
@@ -79,13 +118,16 @@ def minmax_quantize(values: Tensor, chunks: int = 1) -> Quantized:
     highs = torch.stack([high for _, high in bounds])
     # A constant chunk has no spread: any positive step encodes it exactly as code 0.
     steps = torch.where(highs > lows, (highs - lows) / LEVELS, torch.ones_like(lows))
-    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
-    # Chunk by chunk, through one float scratch buffer: no per-value copies of the minimum and step.
-    scratch = torch.empty(max(part.numel() for part in parts), device=flat.device)
-    for part, out, low, step in zip(parts, torch.tensor_split(codes, chunks), lows, steps):
+    return parts, lows, steps
+
+
+def _encode(parts: tuple[Tensor, ...], lows: Tensor, steps: Tensor, outs: list[Tensor] | tuple[Tensor, ...]) -> None:
+    """Write each part's uint8 codes into its `outs` entry: chunk by chunk, through one float scratch buffer (no
+    per-value copies of the minimum and step)."""
+    scratch = torch.empty(max(part.numel() for part in parts), device=lows.device)
+    for part, out, low, step in zip(parts, outs, lows, steps):
         code = torch.sub(part, low, out=scratch[: part.numel()])
         out.copy_(code.div_(step).round_().clamp_(0, LEVELS))
-    return Quantized(codes, lows, steps, [part.numel() for part in parts])
 
 
 def minmax_dequantize(quantized: Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -146,23 +188,29 @@ def compressed_average(
         made of `values` (its contribution as the others decoded it), for error feedback.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    quantized = minmax_quantize(values, world)
-    payloads = pack(quantized)
+    # Quantized straight into the payloads, decoded straight from them (`quantize_packed`, `dequantize_payloads`):
+    # the bytes and values of pack / unpack / minmax_dequantize, without their copies.
+    payloads = quantize_packed(values, world)
     sizes = [payload.numel() for payload in payloads]
     # Scatter: chunk j goes to rank j; the own chunk is not handed to the collective.
     versions = [payload if j == rank else payload.new_empty(sizes[rank]) for j, payload in enumerate(payloads)]
     count_bytes(counter, *(payload for j, payload in enumerate(payloads) if j != rank))
     # Collective: all-to-all of the uint8 chunks, in pieces (blocking: the reduction below needs them).
     all_to_all_in_pieces(payloads, versions, group=group)
-    own_chunk = minmax_dequantize(unpack(versions)).view(world, sizes[rank] - HEADER_BYTES).mean(dim=0)
+    decoded = values.new_empty((world, sizes[rank] - HEADER_BYTES), dtype=torch.float32)
+    dequantize_payloads(versions, decoded.view(-1))
+    own_chunk = decoded.mean(dim=0)
 
-    # Gather: all-gather needs equal sizes; pad to the largest chunk (tensor_split puts it first).
-    requantized = F.pad(pack(minmax_quantize(own_chunk))[0], (0, sizes[0] - sizes[rank]))
+    # Gather: all-gather needs equal sizes; pad to the largest chunk (tensor_split puts it first) with zeros.
+    requantized = values.new_zeros(sizes[0], dtype=torch.uint8)
+    quantize_packed(own_chunk, 1, out=requantized)
     count_bytes(counter, requantized)
     # Collective: all-gather of every rank's averaged, re-quantized chunk, in pieces.
     gathered = all_gather_in_pieces(requantized, world, group=group)[0].split(requantized.numel())
-    average = minmax_dequantize(unpack([chunk[:size] for chunk, size in zip(gathered, sizes)]), values.dtype)
-    return average, minmax_dequantize(quantized, values.dtype)
+    flat = values.new_empty(values.numel(), dtype=torch.float32)
+    average = dequantize_payloads([chunk[:size] for chunk, size in zip(gathered, sizes)], flat)
+    sent = dequantize_payloads(payloads, values.new_empty(values.numel(), dtype=torch.float32))
+    return average.to(values.dtype), sent.to(values.dtype)
 
 
 class ErrorFeedback:
@@ -187,6 +235,14 @@ class ErrorFeedback:
         """Return `values` plus the error remembered under `key` (a new tensor; `values` is untouched)."""
         held = self.memory.get(key)
         return values.clone() if held is None else values + held.to(values.dtype)
+
+    def compensate_into(self, key: str, values: Tensor, out: Tensor) -> None:
+        """Write `compensate`'s result into `out` (a slice of a bucket-sized buffer: no copy to join them)."""
+        held = self.memory.get(key)
+        if held is None:
+            out.copy_(values)
+        else:
+            torch.add(values, held.to(values.dtype), out=out)
 
     def remember(self, key: str, intended: Tensor, sent: Tensor) -> None:
         """Keep ``intended - sent`` under `key`: what this step's compression dropped.

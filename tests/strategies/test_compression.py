@@ -8,9 +8,11 @@ import torch
 from syncline.strategies.comm.compression import (
     LEVELS,
     ErrorFeedback,
+    dequantize_payloads,
     minmax_dequantize,
     minmax_quantize,
     pack,
+    quantize_packed,
     unpack,
 )
 
@@ -48,6 +50,23 @@ def test_pack_and_unpack_carry_chunks_between_ranks():
     rebuilt = unpack([payloads[2], payloads[0]])
     expected = torch.cat([minmax_dequantize(quantized)[34:], minmax_dequantize(quantized)[:17]])
     torch.testing.assert_close(minmax_dequantize(rebuilt), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7])
+def test_packed_quantizing_and_decoding_are_pack_and_unpack_without_copies_to_the_bit(chunks):
+    """What `compressed_average` uses: the same bytes as pack(minmax_quantize(...)), the same values as
+    minmax_dequantize(unpack(...)); uneven chunks, a constant chunk and tiny spreads included."""
+    generator = torch.Generator().manual_seed(3)
+    for values in (torch.randn(1001, generator=generator) * 40, torch.tensor([5.0] * 4 + [1e-30, -1e-38, 1e-45])):
+        payloads = quantize_packed(values, chunks)
+        for got, want in zip(payloads, pack(minmax_quantize(values, chunks)), strict=True):
+            assert torch.equal(got, want)
+        decoded = dequantize_payloads(payloads, torch.empty(values.numel()))
+        assert torch.equal(decoded, minmax_dequantize(unpack(payloads)))
+    # Into a larger buffer: the payloads come first, the rest is left as it was (the all-gather's padding).
+    buffer = torch.full((values.numel() + 8 * chunks + 5,), 7, dtype=torch.uint8)
+    quantize_packed(values, chunks, out=buffer)
+    assert buffer[-5:].tolist() == [7] * 5
 
 
 def test_error_feedback_sends_everything_eventually():
