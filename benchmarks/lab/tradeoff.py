@@ -17,9 +17,9 @@ and the speed-up over `bucketed_ddp` in the same cell.
 torch's own relaxations run in the same cells as syncline's, at the same settings: `native_ddp` with torch's
 PowerSGD hook (rank 4, 10 exact iterations, as `powersgd`) and with torch's post-local SGD hook and
 `PeriodicModelAverager` (period 4, no warm-up, as `local_sgd`); each row also shows the ratio of syncline's
-time to torch's. They run in torchrun jobs of their own (`TORCH_ROWS`), so a run that fails (torch's PowerSGD hook
-died of a collective-size mismatch on gloo in 1 of 13 runs) is recorded as a failure and counted over repeats
-(``--repeat``) instead of ending the grid.
+time to torch's. They run in torchrun jobs of their own (`TORCH_ROWS`), so a run that fails (torch's PowerSGD
+hook died of a collective-size mismatch on gloo in every 4-node run of 2026-11-26) is recorded as a failure and
+counted over repeats (``--repeat``) instead of ending the grid.
 
     python -m benchmarks lab tradeoff --nodes 2 4 --rates none 1gbit 100mbit   # about 50 minutes
     python -m benchmarks lab tradeoff --plot docs/img/tradeoff.png --write docs/performance.md  # from the JSON
