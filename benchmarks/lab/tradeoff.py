@@ -351,8 +351,12 @@ def plot(data: dict[str, Any], out: Path) -> None:
             xs = [j + (i - (len(rates) - 1) / 2) * width for j in range(len(labels))]
             heights = [cell[label]["seconds"] if label in cell else math.nan for label in labels]
             bars = ax.bar(xs, heights, width, color=colors[rate], label=rate)
-            for bar, label in zip(bars, labels):
-                if label in cell and not cell[label]["reached"]:
+            for x, bar, label in zip(xs, bars, labels):
+                if label in cell and cell[label].get("failed"):  # every run failed: no bar, a mark at its place
+                    ax.annotate("failed", (x, 0), xycoords=("data", "axes fraction"), xytext=(0, 3),
+                                textcoords="offset points", rotation=90, ha="center", va="bottom", fontsize=7,
+                                color=colors[rate])  # fmt: skip
+                elif label in cell and not cell[label]["reached"]:
                     bar.set_hatch("//")
                     bar.set_alpha(0.5)
         ax.set_yscale("log")
