@@ -17,9 +17,11 @@ it, and a resumed run must chunk as the original did).
 
 Steps 1-6 are a chain of blocking exchanges. Run inside the autograd hook they would hold the backward
 until the bucket is averaged; the hook hands them to a communication thread instead (`comm/comm_thread.py`,
-on a process group of its own, one bucket after another in launch order, as BAGUA's backend does), so
-autograd computes the next buckets' gradients while this one is on the wire. Same operations, same order:
-the result is the blocking hook's to the bit (`comm_thread=False` runs it inside the hook, to compare).
+on process groups of its own, one bucket after another in launch order, as BAGUA's backend does), so
+autograd computes the next buckets' gradients while this one is on the wire. When the thread falls behind,
+it posts the next bucket's scatter before averaging and gathering this one (`CommThread.submit_staged`),
+so the link does not idle while the CPU decodes. Each bucket computes what it computed alone: the result is
+the blocking hook's to the bit (`comm_thread=False` runs it inside the hook, to compare).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch.futures import Future
 
 from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.comm_thread import CommThread
-from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
+from syncline.strategies.comm.compression import ErrorFeedback, Scatter, finish_average, start_scatter
 from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.hooks import GradBucket
 from syncline.strategies.reducer_strategy import ReducerStrategy
@@ -69,16 +71,23 @@ def bytegrad_hook(state: ByteGradState, bucket: GradBucket) -> Future[Tensor]:
         A future whose value is `bucket.buffer`, holding the average: completed by the communication thread
         (`state.comm_thread`), or already completed when the exchange ran inside the hook.
     """
-    if state.comm_thread is not None:
-        # Collectives (on the thread, its own group): the exchange below, after the earlier buckets'.
-        return state.comm_thread.submit(_average_bucket, state, bucket, state.comm_thread.group)
+    thread = state.comm_thread
+    if thread is not None:
+        scatter_group, gather_group = thread.groups
+        # Collectives (on the thread, its own groups): the exchange below, after the earlier buckets'; the next
+        # bucket's scatter may go out while this one is averaged and gathered.
+        return thread.submit_staged(
+            _start_bucket, lambda started: _finish_bucket(state, bucket, started, gather_group), state, bucket,
+            scatter_group,
+        )  # fmt: skip
     future: Future[Tensor] = Future()
-    future.set_result(_average_bucket(state, bucket, state.process_group))
+    group = state.process_group
+    future.set_result(_finish_bucket(state, bucket, _start_bucket(state, bucket, group), group))
     return future
 
 
-def _average_bucket(state: ByteGradState, bucket: GradBucket, group: dist.ProcessGroup | None) -> Tensor:
-    """Steps 1-6 for one bucket over `group`; return `bucket.buffer`, holding the average."""
+def _start_bucket(state: ByteGradState, bucket: GradBucket, group: dist.ProcessGroup | None) -> Scatter:
+    """Steps 1-3 for one bucket over `group`: error feedback, quantize, post the scatter."""
     buffer = bucket.buffer
     feedback = state.error_feedback
     if feedback is None:
@@ -88,13 +97,22 @@ def _average_bucket(state: ByteGradState, bucket: GradBucket, group: dist.Proces
         corrected = torch.empty_like(buffer)
         for name, start, end in bucket.spans():
             feedback.compensate_into(name, buffer[start:end], corrected[start:end])
-    # Collectives (inside, blocking this thread): 8-bit all-to-all and all-gather of the bucket.
-    average, sent = compressed_average(corrected, group, state.counter)
+    # Collective (posted, not waited for): the 8-bit all-to-all of the bucket's chunks.
+    return start_scatter(corrected, group, state.counter)
+
+
+def _finish_bucket(
+    state: ByteGradState, bucket: GradBucket, scatter: Scatter, group: dist.ProcessGroup | None
+) -> Tensor:
+    """Steps 4-6 after `_start_bucket`, the all-gather over `group`; return `bucket.buffer`, holding the average."""
+    # Collectives (inside, blocking this thread): the scatter's completion, then the 8-bit all-gather.
+    average, sent = finish_average(scatter, group, state.counter)
+    feedback = state.error_feedback
     if feedback is not None:
         for name, start, end in bucket.spans():
-            feedback.remember(name, corrected[start:end], sent[start:end])
-    buffer.copy_(average)
-    return buffer
+            feedback.remember(name, scatter.values[start:end], sent[start:end])
+    bucket.buffer.copy_(average)
+    return bucket.buffer
 
 
 class ByteGrad(ReducerStrategy):
@@ -154,7 +172,8 @@ class ByteGrad(ReducerStrategy):
     def after_setup(self, task: Task) -> None:
         """Start the communication thread and its group (with `comm_thread`, on several processes)."""
         if self.comm_thread and self.world_size > 1 and self.comm_state.comm_thread is None:
-            self.comm_state.comm_thread = CommThread("syncline-bytegrad", self.timeout)
+            # Two groups: the scatters on one, the gathers on the other (`CommThread.submit_staged`).
+            self.comm_state.comm_thread = CommThread("syncline-bytegrad", self.timeout, groups=2)
 
     def teardown(self) -> None:
         """Stop the communication thread (idle: the last backward waited for every bucket), then the core's."""

@@ -26,13 +26,16 @@ __all__ = [
     "LEVELS",
     "ErrorFeedback",
     "Quantized",
+    "Scatter",
     "compressed_average",
     "dequantize_payloads",
+    "finish_average",
     "minmax_dequantize",
     "minmax_quantize",
     "pack",
     "pack_flat",
     "quantize_packed",
+    "start_scatter",
     "unpack",
     "unpack_flat",
 ]
@@ -177,6 +180,7 @@ def compressed_average(
     1. split `values` into one chunk per rank and quantize each, 2. send chunk `j` to rank `j` (all-to-all;
     the own chunk stays home), 3. decode the versions of the own chunk and average them, 4. re-quantize the
     averaged own chunk and all-gather every rank's, 5. decode: every rank holds the same average.
+    Steps 1-2 are `start_scatter`, 3-5 `finish_average`; a caller may run other work between them.
 
     Args:
         values: this rank's flat tensor; the same size on every rank.
@@ -187,18 +191,53 @@ def compressed_average(
         The average, in `values`' dtype, identical on every rank; and what this rank's quantization
         made of `values` (its contribution as the others decoded it), for error feedback.
     """
+    return finish_average(start_scatter(values, group, counter), group, counter)
+
+
+@dataclass
+class Scatter:
+    """A `compressed_average` whose scatter (steps 1-2) is on the wire: what `finish_average` needs.
+
+    Attributes:
+        values: the tensor being averaged.
+        payloads: this rank's packed chunks, chunk `j` for rank `j`.
+        versions: where every rank's version of this rank's chunk arrives (this rank's own payload at its index).
+        works: the transfers to wait for before reading `versions`.
+    """
+
+    values: Tensor
+    payloads: list[Tensor]
+    versions: list[Tensor]
+    works: list[dist.Work]
+
+
+def start_scatter(values: Tensor, group: dist.ProcessGroup | None, counter: CommCounter | None) -> Scatter:
+    """Steps 1-2 of `compressed_average`: quantize `values` in one chunk per rank and post the all-to-all."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # Quantized straight into the payloads, decoded straight from them (`quantize_packed`, `dequantize_payloads`):
     # the bytes and values of pack / unpack / minmax_dequantize, without their copies.
     payloads = quantize_packed(values, world)
-    sizes = [payload.numel() for payload in payloads]
+    size = payloads[rank].numel()
     # Scatter: chunk j goes to rank j; the own chunk is not handed to the collective.
-    versions = [payload if j == rank else payload.new_empty(sizes[rank]) for j, payload in enumerate(payloads)]
+    versions = [payload if j == rank else payload.new_empty(size) for j, payload in enumerate(payloads)]
     count_bytes(counter, *(payload for j, payload in enumerate(payloads) if j != rank))
-    # Collective: all-to-all of the uint8 chunks, in pieces (blocking: the reduction below needs them).
-    all_to_all_in_pieces(payloads, versions, group=group)
+    # Collective: all-to-all of the uint8 chunks, in pieces, posted without waiting.
+    works = all_to_all_in_pieces(payloads, versions, group=group, async_op=True)
+    return Scatter(values, payloads, versions, works)
+
+
+def finish_average(
+    scatter: Scatter, group: dist.ProcessGroup | None, counter: CommCounter | None
+) -> tuple[Tensor, Tensor]:
+    """Steps 3-5 of `compressed_average` after `start_scatter`; `group` runs the all-gather (the scatter's ranks)."""
+    values, payloads = scatter.values, scatter.payloads
+    world, rank = len(payloads), dist.get_rank(group)
+    sizes = [payload.numel() for payload in payloads]
+    for work in scatter.works:
+        # Host sync: this rank's chunk has arrived from every rank.
+        work.wait()
     decoded = values.new_empty((world, sizes[rank] - HEADER_BYTES), dtype=torch.float32)
-    dequantize_payloads(versions, decoded.view(-1))
+    dequantize_payloads(scatter.versions, decoded.view(-1))
     own_chunk = decoded.mean(dim=0)
 
     # Gather: all-gather needs equal sizes; pad to the largest chunk (tensor_split puts it first) with zeros.
