@@ -12,6 +12,7 @@ to within half a step. A chunk whose values are all equal decodes exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,10 +75,11 @@ def minmax_quantize(values: Tensor, chunks: int = 1) -> Quantized:
     Chunks are `torch.tensor_split`'s: the first ``numel % chunks`` hold one value more. A scatter-reduce
     splits a bucket into one chunk per rank this way.
     """
-    parts, lows, steps = _chunk_bounds(values, chunks)
-    codes = torch.empty(sum(part.numel() for part in parts), dtype=torch.uint8, device=lows.device)
-    _encode(parts, lows, steps, torch.tensor_split(codes, chunks))
-    return Quantized(codes, lows, steps, [part.numel() for part in parts])
+    flat, sizes, lows, steps = _chunk_bounds(values, chunks)
+    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
+    offsets = _offsets(sizes)
+    _encode(flat, sizes, lows, steps, lambda first, rows, size: codes[offsets[first] :][: rows * size].view(rows, size))
+    return Quantized(codes, lows, steps, sizes)
 
 
 def quantize_packed(values: Tensor, chunks: int = 1, out: Tensor | None = None) -> list[Tensor]:
@@ -86,15 +88,21 @@ def quantize_packed(values: Tensor, chunks: int = 1, out: Tensor | None = None) 
     The payloads are consecutive views of `out` (uint8, at least their total size; the rest is left alone) or of
     a new buffer. Byte for byte what `pack` returns.
     """
-    parts, lows, steps = _chunk_bounds(values, chunks)
-    sizes = [HEADER_BYTES + part.numel() for part in parts]
+    flat, sizes, lows, steps = _chunk_bounds(values, chunks)
+    total = flat.numel() + HEADER_BYTES * chunks
     if out is None:
-        out = torch.empty(sum(sizes), dtype=torch.uint8, device=lows.device)
-    payloads = list(out[: sum(sizes)].split(sizes))
+        out = torch.empty(total, dtype=torch.uint8, device=flat.device)
+    payloads = list(out[:total].split([HEADER_BYTES + size for size in sizes]))
     headers = torch.stack([lows, steps], dim=1).view(torch.uint8)
     for payload, header in zip(payloads, headers):
         payload[:HEADER_BYTES].copy_(header)
-    _encode(parts, lows, steps, [payload[HEADER_BYTES:] for payload in payloads])
+    starts = _offsets([HEADER_BYTES + size for size in sizes])
+
+    def codes_of(first: int, rows: int, size: int) -> Tensor:
+        # Chunks of one size lie at a fixed stride: a (rows, size) view that skips their headers.
+        return out[starts[first] :][: rows * (HEADER_BYTES + size)].view(rows, HEADER_BYTES + size)[:, HEADER_BYTES:]
+
+    _encode(flat, sizes, lows, steps, codes_of)
     return payloads
 
 
@@ -110,38 +118,94 @@ def dequantize_payloads(payloads: list[Tensor], out: Tensor) -> Tensor:
     return out
 
 
-def _chunk_bounds(values: Tensor, chunks: int) -> tuple[tuple[Tensor, ...], Tensor, Tensor]:
-    """`values` flat in float32, cut into `chunks` parts (`torch.tensor_split`'s), and each part's minimum and step."""
+#: Values a quantizer step handles at once: small chunks go many to a step (few calls), large ones one at a time
+#: through a scratch buffer that stays in cache.
+BLOCK_VALUES = 1 << 18
+
+
+def _chunk_bounds(values: Tensor, chunks: int) -> tuple[Tensor, list[int], Tensor, Tensor]:
+    """`values` flat in float32, the sizes of its `chunks` parts (`torch.tensor_split`'s), and each part's minimum and
+    step. Parts of one size are reduced together, as the rows of one view."""
     if chunks < 1:
         raise ValueError(f"minmax_quantize needs chunks >= 1, got {chunks}.")
     flat = values.detach().reshape(-1).float()
-    parts = torch.tensor_split(flat, chunks)
-    bounds = [torch.aminmax(part) if part.numel() else (flat.new_zeros(()),) * 2 for part in parts]
-    lows = torch.stack([low for low, _ in bounds])
-    highs = torch.stack([high for _, high in bounds])
+    size, extra = divmod(flat.numel(), chunks)
+    sizes = [size + 1] * extra + [size] * (chunks - extra)
+    lows, highs = [], []
+    offsets = _offsets(sizes)
+    for first, rows, size in _runs(sizes):
+        if size == 0:
+            lows.append(flat.new_zeros(rows))
+            highs.append(flat.new_zeros(rows))
+            continue
+        low, high = torch.aminmax(flat[offsets[first] :][: rows * size].view(rows, size), dim=1)
+        lows.append(low)
+        highs.append(high)
+    low, high = torch.cat(lows), torch.cat(highs)
     # A constant chunk has no spread: any positive step encodes it exactly as code 0.
-    steps = torch.where(highs > lows, (highs - lows) / LEVELS, torch.ones_like(lows))
-    return parts, lows, steps
+    steps = torch.where(high > low, (high - low) / LEVELS, torch.ones_like(low))
+    return flat, sizes, low, steps
 
 
-def _encode(parts: tuple[Tensor, ...], lows: Tensor, steps: Tensor, outs: list[Tensor] | tuple[Tensor, ...]) -> None:
-    """Write each part's uint8 codes into its `outs` entry: chunk by chunk, through one float scratch buffer (no
-    per-value copies of the minimum and step)."""
-    scratch = torch.empty(max(part.numel() for part in parts), device=lows.device)
-    for part, out, low, step in zip(parts, outs, lows, steps):
-        code = torch.sub(part, low, out=scratch[: part.numel()])
-        out.copy_(code.div_(step).round_().clamp_(0, LEVELS))
+def _encode(
+    flat: Tensor, sizes: list[int], lows: Tensor, steps: Tensor, codes_of: Callable[[int, int, int], Tensor]
+) -> None:
+    """Write each chunk's uint8 codes, ``round((x - min) / step)``, into ``codes_of(first chunk, rows, size)``, the
+    (rows, size) view of the chunks of one size: `BLOCK_VALUES` at a time through one float scratch buffer.
+
+    Row by row or many rows at once, every value goes through the same float32 operations, so the codes are the
+    same to the bit."""
+    offsets = _offsets(sizes)
+    scratch = torch.empty(min(flat.numel(), max(BLOCK_VALUES, max(sizes))), device=flat.device)
+    for first, rows, size in _runs(sizes):
+        if size == 0:
+            continue
+        step_rows = max(1, BLOCK_VALUES // size)
+        for row in range(0, rows, step_rows):
+            count = min(step_rows, rows - row)
+            chunk = first + row
+            part = flat[offsets[chunk] :][: count * size].view(count, size)
+            code = torch.sub(part, lows[chunk : chunk + count, None], out=scratch[: count * size].view(count, size))
+            code.div_(steps[chunk : chunk + count, None]).round_().clamp_(0, LEVELS)
+            codes_of(chunk, count, size).copy_(code)
 
 
 def minmax_dequantize(quantized: Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Return the flat values `quantized` stands for, in `dtype`."""
-    codes = quantized.codes
+    """Return the flat values `quantized` stands for, in `dtype` (chunks of one size decoded together)."""
+    codes, sizes = quantized.codes, quantized.sizes
     values = torch.empty(codes.numel(), device=codes.device)
-    offsets = torch.tensor(quantized.sizes).cumsum(0)[:-1].tolist()
-    pieces = zip(torch.tensor_split(values, offsets), torch.tensor_split(codes, offsets))
-    for (out, code), low, step in zip(pieces, quantized.minimum, quantized.step):
-        out.copy_(code).mul_(step).add_(low)
+    offsets = _offsets(sizes)
+    for first, rows, size in _runs(sizes):
+        if size == 0:
+            continue
+        step_rows = max(1, BLOCK_VALUES // size)
+        for row in range(0, rows, step_rows):
+            count = min(step_rows, rows - row)
+            chunk = first + row
+            out = values[offsets[chunk] :][: count * size].view(count, size)
+            out.copy_(codes[offsets[chunk] :][: count * size].view(count, size))
+            out.mul_(quantized.step[chunk : chunk + count, None]).add_(quantized.minimum[chunk : chunk + count, None])
     return values.to(dtype)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """Where each chunk starts, for chunks of `sizes` one after the other (and the end, last)."""
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    return offsets
+
+
+def _runs(sizes: list[int]) -> list[tuple[int, int, int]]:
+    """(first chunk, number of chunks, size) of each run of consecutive chunks of one size."""
+    runs: list[tuple[int, int, int]] = []
+    for index, size in enumerate(sizes):
+        if runs and runs[-1][2] == size:
+            first, count, _ = runs[-1]
+            runs[-1] = (first, count + 1, size)
+        else:
+            runs.append((index, 1, size))
+    return runs
 
 
 def pack(quantized: Quantized) -> list[Tensor]:
@@ -163,13 +227,42 @@ def unpack(payloads: list[Tensor]) -> Quantized:
 
 
 def pack_flat(quantized: Quantized) -> Tensor:
-    """Return every chunk `pack`ed, one after the other, as one uint8 tensor (what one transfer sends)."""
-    return torch.cat(pack(quantized))
+    """Return every chunk `pack`ed, one after the other, as one uint8 tensor (what one transfer sends).
+
+    The bytes of ``torch.cat(pack(quantized))``, written run by run: chunks of one size are the rows of one view."""
+    sizes = quantized.sizes
+    payload = quantized.codes.new_empty(quantized.nbytes)
+    headers = torch.stack([quantized.minimum, quantized.step], dim=1).float().view(torch.uint8)
+    for first, rows, packed, codes in _packed_runs(payload, quantized.codes, sizes):
+        packed[:, :HEADER_BYTES].copy_(headers[first : first + rows])
+        packed[:, HEADER_BYTES:].copy_(codes)
+    return payload
 
 
 def unpack_flat(payload: Tensor, sizes: list[int]) -> Quantized:
-    """Rebuild a `Quantized` of chunks of `sizes` values from `pack_flat`'s tensor."""
-    return unpack(list(payload.split([HEADER_BYTES + size for size in sizes])))
+    """Rebuild a `Quantized` of chunks of `sizes` values from `pack_flat`'s tensor (run by run, as `pack_flat`)."""
+    codes = payload.new_empty(sum(sizes))
+    headers = payload.new_empty((len(sizes), HEADER_BYTES))
+    for first, rows, packed, out in _packed_runs(payload, codes, sizes):
+        headers[first : first + rows].copy_(packed[:, :HEADER_BYTES])
+        out.copy_(packed[:, HEADER_BYTES:])
+    bounds = headers.view(torch.float32)
+    return Quantized(codes, bounds[:, 0].clone(), bounds[:, 1].clone(), list(sizes))
+
+
+def _packed_runs(payload: Tensor, codes: Tensor, sizes: list[int]) -> list[tuple[int, int, Tensor, Tensor]]:
+    """Per run of chunks of one size: (first chunk, rows, its (rows, header + size) view of `payload`, its
+    (rows, size) view of the flat `codes`)."""
+    starts, offsets = _offsets([HEADER_BYTES + size for size in sizes]), _offsets(sizes)
+    return [
+        (
+            first,
+            rows,
+            payload[starts[first] :][: rows * (HEADER_BYTES + size)].view(rows, HEADER_BYTES + size),
+            codes[offsets[first] :][: rows * size].view(rows, size),
+        )
+        for first, rows, size in _runs(sizes)
+    ]
 
 
 def compressed_average(
