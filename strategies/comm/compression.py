@@ -12,7 +12,7 @@ to within half a step. A chunk whose values are all equal decodes exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -155,36 +155,22 @@ def _encode(
 
     Row by row or many rows at once, every value goes through the same float32 operations, so the codes are the
     same to the bit."""
-    offsets = _offsets(sizes)
     scratch = torch.empty(min(flat.numel(), max(BLOCK_VALUES, max(sizes))), device=flat.device)
-    for first, rows, size in _runs(sizes):
-        if size == 0:
-            continue
-        step_rows = max(1, BLOCK_VALUES // size)
-        for row in range(0, rows, step_rows):
-            count = min(step_rows, rows - row)
-            chunk = first + row
-            part = flat[offsets[chunk] :][: count * size].view(count, size)
-            code = torch.sub(part, lows[chunk : chunk + count, None], out=scratch[: count * size].view(count, size))
-            code.div_(steps[chunk : chunk + count, None]).round_().clamp_(0, LEVELS)
-            codes_of(chunk, count, size).copy_(code)
+    for chunk, count, start, size in _blocks(sizes):
+        part = flat[start:][: count * size].view(count, size)
+        code = torch.sub(part, lows[chunk : chunk + count, None], out=scratch[: count * size].view(count, size))
+        code.div_(steps[chunk : chunk + count, None]).round_().clamp_(0, LEVELS)
+        codes_of(chunk, count, size).copy_(code)
 
 
 def minmax_dequantize(quantized: Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
     """Return the flat values `quantized` stands for, in `dtype` (chunks of one size decoded together)."""
     codes, sizes = quantized.codes, quantized.sizes
     values = torch.empty(codes.numel(), device=codes.device)
-    offsets = _offsets(sizes)
-    for first, rows, size in _runs(sizes):
-        if size == 0:
-            continue
-        step_rows = max(1, BLOCK_VALUES // size)
-        for row in range(0, rows, step_rows):
-            count = min(step_rows, rows - row)
-            chunk = first + row
-            out = values[offsets[chunk] :][: count * size].view(count, size)
-            out.copy_(codes[offsets[chunk] :][: count * size].view(count, size))
-            out.mul_(quantized.step[chunk : chunk + count, None]).add_(quantized.minimum[chunk : chunk + count, None])
+    for chunk, count, start, size in _blocks(sizes):
+        out = values[start:][: count * size].view(count, size)
+        out.copy_(codes[start:][: count * size].view(count, size))
+        out.mul_(quantized.step[chunk : chunk + count, None]).add_(quantized.minimum[chunk : chunk + count, None])
     return values.to(dtype)
 
 
@@ -194,6 +180,19 @@ def _offsets(sizes: list[int]) -> list[int]:
     for size in sizes:
         offsets.append(offsets[-1] + size)
     return offsets
+
+
+def _blocks(sizes: list[int]) -> Iterator[tuple[int, int, int, int]]:
+    """(first chunk, number of chunks, first value, size) of each block of chunks of one size, about `BLOCK_VALUES`
+    values (or one chunk, if larger); empty chunks are skipped."""
+    offsets = _offsets(sizes)
+    for first, rows, size in _runs(sizes):
+        if size == 0:
+            continue
+        step_rows = max(1, BLOCK_VALUES // size)
+        for chunk in range(first, first + rows, step_rows):
+            count = min(step_rows, first + rows - chunk)
+            yield chunk, count, offsets[chunk], size
 
 
 def _runs(sizes: list[int]) -> list[tuple[int, int, int]]:

@@ -12,8 +12,10 @@ from syncline.strategies.comm.compression import (
     minmax_dequantize,
     minmax_quantize,
     pack,
+    pack_flat,
     quantize_packed,
     unpack,
+    unpack_flat,
 )
 
 
@@ -67,6 +69,31 @@ def test_packed_quantizing_and_decoding_are_pack_and_unpack_without_copies_to_th
     buffer = torch.full((values.numel() + 8 * chunks + 5,), 7, dtype=torch.uint8)
     quantize_packed(values, chunks, out=buffer)
     assert buffer[-5:].tolist() == [7] * 5
+
+
+@pytest.mark.parametrize("chunks", [1, 5, 782, 1200])
+def test_many_chunks_quantize_and_decode_as_each_chunk_alone_to_the_bit(chunks):
+    """The quantizer handles chunks of one size together (decentralized's 4,096-value chunks); every chunk must get
+    what quantizing it alone gives: its min, its step, round((x - min) / step). 1200 chunks of 1001 values
+    leaves some of one value and some empty."""
+    values = torch.randn(1001 if chunks == 1200 else 3_000_003, generator=torch.Generator().manual_seed(4)) * 7
+    quantized = minmax_quantize(values, chunks)
+    decoded = minmax_dequantize(quantized)
+    parts = torch.tensor_split(values, chunks)
+    assert quantized.sizes == [part.numel() for part in parts]
+    for index in sorted({0, 1, len(parts) // 2, len(parts) - 1} & set(range(len(parts)))):
+        part = parts[index]
+        if part.numel() == 0:
+            assert float(quantized.step[index]) == 1.0
+            continue
+        low, high = torch.aminmax(part)
+        step = (high - low) / LEVELS if high > low else torch.tensor(1.0)  # a constant chunk: step 1, codes 0
+        codes = ((part - low) / step).round().clamp(0, LEVELS).to(torch.uint8)
+        start = sum(quantized.sizes[:index])
+        assert torch.equal(quantized.minimum[index], low) and torch.equal(quantized.step[index], step)
+        assert torch.equal(quantized.codes[start : start + part.numel()], codes)
+        assert torch.equal(decoded[start : start + part.numel()], codes.float() * step + low)
+    assert torch.equal(unpack_flat(pack_flat(quantized), quantized.sizes).codes, quantized.codes)
 
 
 def test_error_feedback_sends_everything_eventually():
