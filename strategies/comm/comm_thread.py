@@ -31,7 +31,6 @@ start would need. The numbers do not change: each exchange computes what it comp
 
 from __future__ import annotations
 
-import collections
 import queue
 import threading
 from collections.abc import Callable
@@ -84,19 +83,21 @@ class CommThread:
         self._thread.join(self._timeout)
 
     def _run(self) -> None:
-        started: collections.deque[tuple[Callable[[Any], Any], Any, Future[Any]]] = collections.deque()
+        # A staged exchange whose start has run and whose finish waits: at most one (the next start goes first).
+        pending: tuple[Callable[[Any], Any], Any, Future[Any]] | None = None
         while True:
             try:
                 # Block for the next item only when no started exchange waits for its finish.
-                item = self._queue.get(block=not started)
+                item = self._queue.get(block=pending is None)
             except queue.Empty:
-                _settle(started.popleft())
+                _settle(pending)
+                pending = None
                 continue
-            if item is None or item.finish is None:
-                while started:  # a plain exchange or the end: finish the started ones first, in order
-                    _settle(started.popleft())
-                if item is None:
-                    return
+            if (item is None or item.finish is None) and pending is not None:
+                _settle(pending)  # a plain exchange or the end: the started one finishes first
+                pending = None
+            if item is None:
+                return
             try:
                 result = item.fn(*item.args)
             except BaseException as error:  # raised again by whoever waits on the future
@@ -105,9 +106,9 @@ class CommThread:
             if item.finish is None:
                 item.future.set_result(result)
                 continue
-            started.append((item.finish, result, item.future))
-            if len(started) > 1:  # at most one start ahead of the oldest finish
-                _settle(started.popleft())
+            if pending is not None:  # this start went ahead of the previous exchange's finish
+                _settle(pending)
+            pending = (item.finish, result, item.future)
 
 
 @dataclass
