@@ -28,7 +28,7 @@ STRATEGIES: dict[str, type[Strategy]] = {}
 
 #: Lightning's strategy names with a syncline equivalent, and that strategy with its options. Lightning's DDP is
 #: torch's `DistributedDataParallel`, here `native_ddp`; its spawn, fork and notebook variants differ only in
-#: how the processes start, and syncline starts them its own way (a launcher that runs the script again), so
+#: how the processes start, and syncline starts them its own way (torch's elastic agent, spawned workers), so
 #: they are `native_ddp` too. Names are matched case-insensitively, as Lightning does.
 LIGHTNING_STRATEGIES: dict[str, dict[str, Any]] = {
     "single_device": {"name": "single"},
