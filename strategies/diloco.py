@@ -173,18 +173,20 @@ class DiLoCo(ModelAveraging):
             self._thread = CommThread("syncline-diloco", self.timeout)
 
     def _cut_fragments(self) -> list[list[Tensor]]:
-        """Consecutive runs of parameters of about equal size, one per fragment (each parameter whole)."""
-        sizes = [p.numel() for p in self._params]
-        total, start, cuts = sum(sizes), 0, [[] for _ in range(self.fragments)]
-        for param, size in zip(self._params, sizes):
-            # The fragment that holds the parameter's middle value.
-            cuts[min(self.fragments - 1, (2 * start + size) * self.fragments // (2 * max(total, 1)))].append(param)
-            start += size
-        if any(not cut for cut in cuts):
+        """Consecutive runs of whole parameters, one per fragment, each about an equal share of what is left."""
+        params, cuts = list(self._params), []
+        if len(params) < self.fragments:
             raise OptionError(
-                f"DiLoCo(fragments={self.fragments}): the model's {len(sizes)} trainable parameters cannot be cut "
-                "into that many fragments of about equal size (each parameter stays whole); use fewer fragments."
+                f"DiLoCo(fragments={self.fragments}): the model has {len(params)} trainable parameters and a fragment "
+                "holds whole parameters; use at most that many fragments."
             )
+        for left in range(self.fragments, 0, -1):
+            share, size, cut = sum(p.numel() for p in params) / left, 0, []
+            # Take the next parameter while its middle value falls within the share, leaving one for each fragment.
+            while len(params) > left - 1 and (not cut or size + params[0].numel() / 2 <= share):
+                size += params[0].numel()
+                cut.append(params.pop(0))
+            cuts.append(cut)
         return cuts
 
     def stage_changed(self) -> None:
