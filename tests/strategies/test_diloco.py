@@ -50,6 +50,27 @@ def test_period_one_is_data_parallel_and_outer_sgd_at_rate_one_is_local_sgd():
     torch.testing.assert_close(ranks[0]["every"], ranks[1]["every"], rtol=0, atol=0)
 
 
+def _composed(rank: int, world_size: int) -> dict[str, Any]:
+    mixed = {"accumulate_grad_batches": 2, "precision": "bf16-mixed"}
+    _, ddp = fit(BucketedDDP(), PlainSGD, max_steps=6, **mixed)
+    _, every = fit(DiLoCo(period=1, outer_lr=1.0, outer_momentum=0.0), PlainSGD, max_steps=6, **mixed)
+    clipped = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+    _, local = fit(LocalSGD(period=3), max_steps=7, **clipped)
+    _, delayed = fit(DiLoCo(period=3, outer_lr=1.0, outer_momentum=0.0), max_steps=7, **clipped)
+    return {
+        name: flat_params(task)
+        for name, task in [("ddp", ddp), ("every", every), ("local", local), ("delayed", delayed)]
+    }
+
+
+def test_accumulation_clipping_and_mixed_precision_compose():
+    for result in run_distributed(_composed, world_size=2, timeout=120):
+        # Two micro-batches per inner step under bf16 autocast: still data parallel at period 1.
+        torch.testing.assert_close(result["every"], result["ddp"], rtol=1e-5, atol=1e-5)
+        # Each replica clips its own accumulated gradient, as local SGD's do.
+        torch.testing.assert_close(result["delayed"], result["local"], rtol=1e-5, atol=1e-5)
+
+
 def _algorithm_box(world: int, steps: int, period: int, fragments: list[list[int]], overlap: int, alpha: float):
     """Streaming DiLoCo as the paper's algorithm box, `world` replicas in one process (DiLoCo: one fragment, no
     overlap, alpha 0). Replica m trains on samples m, m + world, ... in batches of 4 (the unshuffled shard it gets
