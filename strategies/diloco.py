@@ -89,7 +89,7 @@ class DiLoCo(ModelAveraging):
         overlap_steps: inner steps an exchange runs behind before its result is merged (τ); None is 0 with one
             fragment (DiLoCo blocks) and 1 with several (streaming). Less than period / fragments.
         alpha: the mixing factor of the merge, the local fragment's weight (α); None is 0 without overlap (take
-            the global fragment) and 0.5 with it (the streaming paper's).
+            the global fragment) and 0.5 with it (an even mix).
         compression: how the outer gradient travels: "none" (float32), "bf16" or "uint8" (8-bit MinMax).
         error_feedback: with compression, carry what it dropped into the fragment's next outer gradient.
         comm_thread: run exchanges on a communication thread (False: at launch, blocking; the same numbers).
