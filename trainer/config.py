@@ -25,6 +25,7 @@ __all__ = [
     "BucketedDDPConf",
     "ByteGradConf",
     "DecentralizedConf",
+    "DiLoCoConf",
     "LocalSGDConf",
     "NativeDDPConf",
     "NativeDDPPostLocalSGDConf",
@@ -213,6 +214,28 @@ class DecentralizedConf:
 
 
 @dataclass
+class DiLoCoConf:
+    """``strategy=diloco``: `strategies.DiLoCo`, DiLoCo's outer Nesterov step every `period` inner steps (streaming
+    DiLoCo with `fragments` > 1)."""
+
+    _target_: str = "syncline.strategies.diloco.DiLoCo"
+    period: int = 100
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    fragments: int = 1
+    overlap_steps: int | None = None
+    alpha: float | None = None
+    compression: str = "none"
+    error_feedback: bool = True
+    comm_thread: bool = True
+    warmup_steps: int = 0
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    backend: str | None = None
+    timeout: float = 300.0
+
+
+@dataclass
 class AsyncModelAverageConf:
     """``strategy=async_model_average``: `strategies.AsyncModelAverage`, BAGUA's asynchronous averaging."""
 
@@ -293,6 +316,7 @@ STRATEGY_CONFS: dict[str, type] = {
     "qadam": QAdamConf,
     "local_sgd": LocalSGDConf,
     "decentralized": DecentralizedConf,
+    "diloco": DiLoCoConf,
     "async_model_average": AsyncModelAverageConf,
     "tensor_fusion": TensorFusionConf,
     "parameter_server": ParameterServerConf,
