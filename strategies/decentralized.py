@@ -37,7 +37,7 @@ from torch import Tensor
 from syncline.options import OptionError, check_int
 from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.compression import minmax_dequantize, minmax_quantize, pack_flat, unpack_flat
-from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
+from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into, write_range
 from syncline.strategies.comm.parameter_exchange import ParameterExchange, PrefetchedParameters
 from syncline.strategies.comm.transfers import all_gather_in_pieces, all_to_all_in_pieces, exchange
 from syncline.strategies.model_averaging import ModelAveraging, average_parameters
@@ -299,7 +299,7 @@ class Decentralized(PrefetchedParameters, ModelAveraging):
                 theirs, mine = self.estimates[str(partner)][group], self.estimates[f"mine@{partner}"][group]
                 theirs[start:end] += minmax_dequantize(unpack_flat(received, sizes), dtype)
                 new = values + (theirs[start:end] - mine[start:end]) / 2
-            _write_range(tensors, start, end, new)
+            write_range(tensors, start, end, new)
 
         return land
 
@@ -325,14 +325,3 @@ class Decentralized(PrefetchedParameters, ModelAveraging):
 
 def _chunks(flat: Tensor) -> int:
     return max(1, -(-flat.numel() // _CHUNK))
-
-
-@torch.no_grad()
-def _write_range(tensors: list[Tensor], start: int, end: int, values: Tensor) -> None:
-    """Write `values` into elements [start, end) of the flat concatenation of `tensors`."""
-    offset = 0
-    for tensor in tensors:
-        first, last = max(start, offset), min(end, offset + tensor.numel())
-        if first < last:
-            tensor.view(-1)[first - offset : last - offset].copy_(values[first - start : last - start])
-        offset += tensor.numel()

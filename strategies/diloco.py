@@ -11,8 +11,10 @@ DiLoCo, "Distributed Low-Communication training", with M replicas, H = `period` 
 
 Streaming DiLoCo cuts the parameters into F = `fragments` fragments and synchronizes fragment p on its own
 schedule, every H steps at offset t_p = p·H/F, so that each exchange carries 1/F of the model (peak bytes
-per step / F). The exchange runs behind the next τ = `overlap_steps` inner steps, and the new global
-fragment is merged into the local one, which moved meanwhile, with the mixing factor α = `alpha`:
+per step / F). A fragment is part p of each dtype's flat parameters, cut as `torch.tensor_split` cuts (the
+paper cuts by layers; every operation below is elementwise, so only the sizes differ). The exchange runs
+behind the next τ = `overlap_steps` inner steps, and the new global fragment is merged into the local one,
+which moved meanwhile, with the mixing factor α = `alpha`:
 
     after inner step t, for each fragment p:
         if t ≡ t_p (mod H):       Δ_p = mean_m(θ̃_p - θ_m,p)              # launched now, on the wire for τ steps
@@ -46,7 +48,7 @@ from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.comm_thread import CommThread
 from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
 from syncline.strategies.comm.counter import CommCounter
-from syncline.strategies.comm.flat import flatten, group_by_dtype, unflatten_into
+from syncline.strategies.comm.flat import flatten, group_by_dtype, write_range
 from syncline.strategies.model_averaging import ModelAveraging
 
 if TYPE_CHECKING:
@@ -60,9 +62,10 @@ COMPRESSIONS = ("none", "bf16", "uint8")
 
 @dataclass
 class _Fragment:
-    """The parameters one exchange synchronizes, their global copy θ̃ (flat, per dtype) and its outer optimizer."""
+    """What one exchange synchronizes: a range of the flat parameters of each dtype, its global copy θ̃, the outer
+    optimizer over that copy, and the step offset of its schedule."""
 
-    groups: list[list[Tensor]]
+    spans: list[tuple[int, int]]
     globals: list[Tensor]
     outer: torch.optim.SGD
     offset: int
@@ -156,51 +159,46 @@ class DiLoCo(ModelAveraging):
         self.error_feedback = error_feedback
         self.comm_thread = comm_thread
         self._feedback = ErrorFeedback()
-        #: Per fragment, its parameters grouped by dtype (`_cut_fragments`, at setup).
-        self._cuts: list[list[list[Tensor]]] = []
+        #: The parameters by dtype (at setup): each group's flat concatenation is cut into the fragments' ranges.
+        self._groups: list[list[Tensor]] = []
         self._fragments: list[_Fragment] = []
         self._in_flight: _InFlight | None = None
         self._thread: CommThread | None = None
 
     # --------------------------------------------------------------- lifecycle
     def after_setup(self, task: Task) -> None:
-        """Cut the parameters into fragments, start the outer loop from them, start the communication thread."""
+        """Group the parameters by dtype, start the outer loop from them, start the communication thread."""
         super().after_setup(task)
-        self._cuts = [group_by_dtype(params) for params in self._cut_fragments()]
+        self._groups = group_by_dtype(self._params)
+        smallest = min((sum(t.numel() for t in group) for group in self._groups), default=0)
+        if smallest < self.fragments:
+            raise OptionError(
+                f"DiLoCo(fragments={self.fragments}): the model has {smallest} trainable values of one dtype, fewer "
+                "than fragments; use fewer fragments."
+            )
         self._start_outer_loop()
         if self.comm_thread and self.world_size > 1 and self._thread is None:
             # Collective: every rank creates the thread's process group, in the same order.
             self._thread = CommThread("syncline-diloco", self.timeout)
 
-    def _cut_fragments(self) -> list[list[Tensor]]:
-        """Consecutive runs of whole parameters, one per fragment, each about an equal share of what is left."""
-        params, cuts = list(self._params), []
-        if len(params) < self.fragments:
-            raise OptionError(
-                f"DiLoCo(fragments={self.fragments}): the model has {len(params)} trainable parameters and a fragment "
-                "holds whole parameters; use at most that many fragments."
-            )
-        for left in range(self.fragments, 0, -1):
-            share, size, cut = sum(p.numel() for p in params) / left, 0, []
-            # Take the next parameter while its middle value falls within the share, leaving one for each fragment.
-            while len(params) > left - 1 and (not cut or size + params[0].numel() / 2 <= share):
-                size += params[0].numel()
-                cut.append(params.pop(0))
-            cuts.append(cut)
-        return cuts
-
     def stage_changed(self) -> None:
         """After the warm-up, the outer loop starts from the parameters the warm-up reached."""
-        if self.local and self._cuts:
+        if self.local and self._groups:
             self._start_outer_loop()
 
     def _start_outer_loop(self) -> None:
-        """θ̃ = θ for every fragment; fresh outer optimizers; no error remembered, nothing in flight."""
+        """θ̃ = θ for every fragment; fresh outer optimizers; no error remembered, nothing in flight.
+
+        Fragment p holds part p of each dtype's flat parameters cut as `torch.tensor_split` cuts (sizes differ by at
+        most one value), so each exchange carries 1/F of the model.
+        """
         momentum, self._fragments = self.outer_momentum, []
-        for index, groups in enumerate(self._cuts):
-            globals_ = [flatten(tensors) for tensors in groups]
+        flats = [flatten(group) for group in self._groups]
+        for index in range(self.fragments):
+            spans = [_part(flat.numel(), index, self.fragments) for flat in flats]
+            globals_ = [flat[start:end].clone() for flat, (start, end) in zip(flats, spans)]
             outer = torch.optim.SGD(globals_, lr=self.outer_lr, momentum=momentum, nesterov=momentum > 0)
-            self._fragments.append(_Fragment(groups, globals_, outer, index * self.period // self.fragments))
+            self._fragments.append(_Fragment(spans, globals_, outer, index * self.period // self.fragments))
         self._feedback.reset()
         self._in_flight = None
 
@@ -230,7 +228,10 @@ class DiLoCo(ModelAveraging):
     def _launch(self, index: int, local_step: int) -> None:
         """Δ_p = θ̃_p - θ_m,p, averaged over the ranks on the thread (or here, blocking)."""
         fragment = self._fragments[index]
-        deltas = [glob - flatten(tensors) for tensors, glob in zip(fragment.groups, fragment.globals)]
+        deltas = [
+            glob - flatten(group)[start:end]
+            for group, (start, end), glob in zip(self._groups, fragment.spans, fragment.globals)
+        ]
         if self._thread is not None:
             future = self._thread.submit(self._average, index, deltas, self._thread.group)
         else:
@@ -243,19 +244,25 @@ class DiLoCo(ModelAveraging):
         counter, world, averages = CommCounter(), dist.get_world_size(group), []
         for dtype_index, delta in enumerate(deltas):
             key = f"{index}.{dtype_index}"
-            if self.compression != "none" and self.error_feedback:
+            lossy = self.compression != "none"
+            if lossy and self.error_feedback:
                 delta = self._feedback.compensate(key, delta)
             if self.compression == "uint8":
-                # Collective: BAGUA's 8-bit scatter-reduce and all-gather (ByteGrad's), error feedback beside it.
+                # Collective: BAGUA's 8-bit scatter-reduce and all-gather (ByteGrad's exchange).
                 average, sent = compressed_average(delta, group, counter)
-            else:
-                wire = delta.to(torch.bfloat16) if self.compression == "bf16" else delta / world
-                sent = wire.clone() if self.compression == "bf16" else delta
+            elif self.compression == "bf16":
+                wire = delta.to(torch.bfloat16)
+                sent = wire.clone()
                 counter.add_tensors(wire)
-                # Collective: one flat all-reduce of the fragment's outer gradient (sum; bfloat16 divides after).
+                # Collective: the bfloat16 sum (float32's range: no overflow), divided after.
                 dist.all_reduce(wire, group=group)
-                average = wire.to(delta.dtype) / world if self.compression == "bf16" else wire
-            if self.compression != "none" and self.error_feedback:
+                average = wire.to(delta.dtype) / world
+            else:
+                average = delta / world  # divided before the sum, as `average_parameters`
+                counter.add_tensors(average)
+                # Collective: one flat all-reduce of the fragment's outer gradient.
+                dist.all_reduce(average, group=group)
+            if lossy and self.error_feedback:
                 self._feedback.remember(key, delta, sent)
             averages.append(average)
         return averages, counter.total_bytes
@@ -271,10 +278,10 @@ class DiLoCo(ModelAveraging):
         for glob, average in zip(fragment.globals, averages):
             glob.grad = average
         fragment.outer.step()
-        for glob, tensors in zip(fragment.globals, fragment.groups):
+        for group, (start, end), glob in zip(self._groups, fragment.spans, fragment.globals):
             glob.grad = None
             # lerp(θ̃, θ, α) = θ̃ + α (θ - θ̃): exactly θ̃ for α = 0.
-            unflatten_into(tensors, torch.lerp(glob, flatten(tensors), self.alpha))
+            write_range(group, start, end, torch.lerp(glob, flatten(group)[start:end], self.alpha))
 
     def _settle_in_flight(self) -> None:
         """Wait for the exchange in flight (every rank's thread ran it), keeping its result for its merge."""
@@ -324,3 +331,10 @@ class DiLoCo(ModelAveraging):
             f"fragments={self.fragments}, overlap_steps={self.overlap_steps}, alpha={self.alpha}, "
             f"compression={self.compression!r}, comm_thread={self.comm_thread})"
         )
+
+
+def _part(numel: int, index: int, parts: int) -> tuple[int, int]:
+    """[start, end) of part `index` of `numel` values cut in `parts` as `torch.tensor_split` cuts them."""
+    size, longer = divmod(numel, parts)
+    start = index * size + min(index, longer)
+    return start, start + size + (index < longer)

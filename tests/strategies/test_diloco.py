@@ -15,15 +15,13 @@ from syncline.strategies import BucketedDDP, DiLoCo, LocalSGD
 from syncline.strategies.comm.ranks import run_distributed
 from tests.trainer._tasks import Regressor, regression_data
 
-#: How the strategy cuts the shared regressor (weights 128, 16, 16, 1 values) into two fragments of about equal size.
-TWO_FRAGMENTS = [[0], [1, 2, 3]]
-
 
 def _equivalences(rank: int, world_size: int) -> dict[str, Any]:
     _, ddp = fit(BucketedDDP(), PlainSGD, max_steps=16)
     _, every = fit(DiLoCo(period=1, outer_lr=1.0, outer_momentum=0.0), PlainSGD, max_steps=16)
     _, local = fit(LocalSGD(period=4), max_steps=14)
     diloco, delayed = fit(DiLoCo(period=4, outer_lr=1.0, outer_momentum=0.0), max_steps=14)
+    halved, bf16 = fit(DiLoCo(period=4, outer_lr=1.0, outer_momentum=0.0, compression="bf16"), max_steps=14)
     streaming, _ = fit(DiLoCo(period=4, fragments=2, overlap_steps=0, outer_lr=1.0, outer_momentum=0.0), max_steps=14)
     return {
         "ddp": flat_params(ddp),
@@ -31,6 +29,8 @@ def _equivalences(rank: int, world_size: int) -> dict[str, Any]:
         "local": flat_params(local),
         "delayed": flat_params(delayed),
         "bytes": diloco.strategy.communication_stats()["comm/total_bytes"],
+        "bf16": flat_params(bf16),
+        "bf16_bytes": halved.strategy.communication_stats()["comm/total_bytes"],
         "streaming_bytes": streaming.strategy.communication_stats()["comm/total_bytes"],
         "model_bytes": model_bytes(delayed),
     }
@@ -45,8 +45,14 @@ def test_period_one_is_data_parallel_and_outer_sgd_at_rate_one_is_local_sgd():
         # each rank's own), after local steps 4, 8, 12 as local SGD; steps 13-14 are local in both.
         torch.testing.assert_close(result["delayed"], result["local"], rtol=1e-5, atol=1e-5)
         assert result["bytes"] == 3 * result["model_bytes"]
-        # Fragments exchanged at offsets 0 and 2 of 4: after steps 2 and 6, 10, 14 (fragment 1), 4, 8, 12 (fragment 0).
-        assert result["streaming_bytes"] == 3 * 128 * 4 + 4 * 33 * 4
+        # bfloat16 outer gradients (8 bits of mantissa; error feedback carries what they drop): half the bytes, weights
+        # within 2e-2 of float32's after 14 steps (about 4e-3 apart here).
+        assert result["bf16_bytes"] == 3 * result["model_bytes"] // 2
+        torch.testing.assert_close(result["bf16"], result["delayed"], rtol=0, atol=2e-2)
+        assert not torch.equal(result["bf16"], result["delayed"])
+        # The 161 values cut in fragments of 81 and 80, exchanged at offsets 0 and 2 of 4: fragment 0 after steps 4, 8,
+        # 12, fragment 1 after steps 2, 6, 10, 14.
+        assert result["streaming_bytes"] == 3 * 81 * 4 + 4 * 80 * 4
     torch.testing.assert_close(ranks[0]["every"], ranks[1]["every"], rtol=0, atol=0)
 
 
@@ -71,46 +77,46 @@ def test_accumulation_clipping_and_mixed_precision_compose():
         torch.testing.assert_close(result["delayed"], result["local"], rtol=1e-5, atol=1e-5)
 
 
-def _algorithm_box(world: int, steps: int, period: int, fragments: list[list[int]], overlap: int, alpha: float):
+def _algorithm_box(world: int, steps: int, period: int, fragments: int, overlap: int, alpha: float):
     """Streaming DiLoCo as the paper's algorithm box, `world` replicas in one process (DiLoCo: one fragment, no
     overlap, alpha 0). Replica m trains on samples m, m + world, ... in batches of 4 (the unshuffled shard it gets
-    in `fit`), with its own momentum SGD; the outer step is torch's Nesterov SGD at the paper's 0.7 and 0.9."""
+    in `fit`), with its own momentum SGD; fragment p is part p of the flat parameters (`tensor_split`); the outer
+    step is torch's Nesterov SGD at the paper's 0.7 and 0.9."""
     data = regression_data(64)
     replicas = []
     for _ in range(world):
         torch.manual_seed(0)
         task = Regressor(lr=0.05)
-        replicas.append((list(task.parameters()), task, task.configure_optimizers()))
-    first = replicas[0][0]
-    global_params = [[first[i].detach().clone() for i in fragment] for fragment in fragments]
-    outer = [torch.optim.SGD(g, lr=0.7, momentum=0.9, nesterov=True) for g in global_params]
+        replicas.append((task, task.configure_optimizers()))
+
+    def flat(task: nn.Module) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in task.parameters()])
+
+    parts = [part.clone() for part in flat(replicas[0][0]).tensor_split(fragments)]
+    bounds = [0, *torch.tensor([part.numel() for part in parts]).cumsum(0).tolist()]
+    outer = [torch.optim.SGD([part], lr=0.7, momentum=0.9, nesterov=True) for part in parts]
     in_flight = None
     for t in range(1, steps + 1):
-        for m, (_, task, optimizer) in enumerate(replicas):
+        for m, (task, optimizer) in enumerate(replicas):
             shard = list(range(m, 64, world))
             x, y = data[shard[4 * ((t - 1) % 8) :][:4]]
             optimizer.zero_grad()
             nn.functional.mse_loss(task(x), y).backward()
             optimizer.step()
-        for p, fragment in enumerate(fragments):
-            if t % period == p * period // len(fragments):
+        for p in range(fragments):
+            if t % period == p * period // fragments:
                 # Δ_p = mean_m(θ̃_p - θ_m,p), summed in rank order as the all-reduce of the pre-divided deltas.
-                deltas = [
-                    sum((g - params[i].detach()) / world for params, _, _ in replicas)
-                    for g, i in zip(global_params[p], fragment)
-                ]
-                in_flight = (p, t + overlap, deltas)
+                span = slice(bounds[p], bounds[p + 1])
+                in_flight = (p, t + overlap, sum((parts[p] - flat(task)[span]) / world for task, _ in replicas))
         if in_flight is not None and in_flight[1] == t:
-            p, _, deltas = in_flight
+            p, _, parts[p].grad = in_flight
             in_flight = None
-            for g, delta in zip(global_params[p], deltas):
-                g.grad = delta
             outer[p].step()
-            for params, _, _ in replicas:
-                with torch.no_grad():
-                    for g, i in zip(global_params[p], fragments[p]):
-                        params[i].copy_(torch.lerp(g, params[i], alpha))
-    return [torch.cat([p.detach().reshape(-1) for p in params]) for params, _, _ in replicas]
+            for task, _ in replicas:
+                merged = flat(task)
+                merged[bounds[p] : bounds[p + 1]] = torch.lerp(parts[p], merged[bounds[p] : bounds[p + 1]], alpha)
+                torch.nn.utils.vector_to_parameters(merged, task.parameters())
+    return [flat(task) for task, _ in replicas]
 
 
 def _boxes(rank: int, world_size: int) -> dict[str, Any]:
@@ -121,8 +127,8 @@ def _boxes(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_one_fragment_is_the_diloco_box_and_two_the_streaming_box():
     ranks = run_distributed(_boxes, world_size=2, timeout=120)
-    diloco = _algorithm_box(2, 14, 4, [[0, 1, 2, 3]], overlap=0, alpha=0.0)
-    streaming = _algorithm_box(2, 14, 4, TWO_FRAGMENTS, overlap=1, alpha=0.5)
+    diloco = _algorithm_box(2, 14, 4, fragments=1, overlap=0, alpha=0.0)
+    streaming = _algorithm_box(2, 14, 4, fragments=2, overlap=1, alpha=0.5)
     for rank, result in enumerate(ranks):
         # Every operation is the box's, in the same order: the same bits.
         torch.testing.assert_close(result["diloco"], diloco[rank], rtol=0, atol=0)
