@@ -1,4 +1,4 @@
-"""Every strategy against its link's bound, in the network lab (docs/performance.md, "Strategies on shaped links").
+"""Every strategy against its link's bound, in the network lab (docs/performance.md, section 9).
 
 For each node count and link rate the lab (`benchmarks/lab/cluster.py`) builds a cluster and runs one torchrun
 job across it; the job trains the default example's CharGPT, widened so that its gradients weigh several
