@@ -44,7 +44,6 @@ from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import OptionError, check_int, check_number
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.comm_thread import CommThread
 from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
 from syncline.strategies.comm.counter import CommCounter
@@ -209,12 +208,6 @@ class DiLoCo(ModelAveraging):
         if thread is not None:
             thread.close()
         super().teardown()
-
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """Blocking: serialized with compute; with overlap on the thread, behind the next inner steps."""
-        if self.overlap_steps and self.comm_thread:
-            return (WirePhase(1.0, "all", "an exchange runs behind the next overlap_steps inner steps"),)
-        return super().wire_phases()
 
     # -------------------------------------------------------------- the loop
     def average_after_step(self, local_step: int) -> None:

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from syncline.strategies import STRATEGIES
 from syncline.trainer import Trainer
 from syncline.trainer.cli import check_overrides
-from syncline.trainer.config import STRATEGY_CONFS, TrainerConf
+from syncline.trainer.config import TrainerConf, strategy_configs
 
 #: A run of a few seconds: a one-layer model on a little text, validated (and checkpointed) every 3 steps.
 SMALL = [
@@ -186,7 +186,7 @@ def test_trainer_conf_has_every_trainer_argument_with_its_default():
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_registered_strategy_has_a_config_matching_its_constructor(name):
-    conf = STRATEGY_CONFS[name]
+    conf = strategy_configs()[name]
     options = {f.name: f.default for f in dataclasses.fields(conf) if f.name != "_target_"}
     assert get_object(conf._target_) is STRATEGIES[name]
     signature = inspect.signature(STRATEGIES[name].__init__).parameters
