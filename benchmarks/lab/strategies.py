@@ -95,6 +95,10 @@ DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("powersgd", "powersgd", {"start_iter": 2}),
     ("qadam", "qadam", {"warmup_steps": 2}),
     ("local_sgd", "local_sgd", {"period": 4}),
+    # At local_sgd's period (a timed window of a few steps sees no exchange at H=50..500; the trade-off has those):
+    # blocking, and streaming with 2 fragments exchanged behind the next inner step.
+    ("diloco", "diloco", {"period": 4}),
+    ("streaming diloco", "diloco", {"period": 4, "fragments": 2}),
     ("decentralized", "decentralized", {}),
     ("decentralized all uint8", "decentralized", {"peers": "all", "compression": "uint8"}),
     ("decentralized all uint8 prefetch", "decentralized", {"peers": "all", "compression": "uint8", "prefetch": True}),
@@ -415,7 +419,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def grid_table(rows: list[dict[str, Any]]) -> str:
     """One row per strategy, one column per (nodes, link) cell: seconds per step, measured/link bound and
     measured/algorithmic bound."""
-    order = {"unshaped": 0, "1gbit": 1, "100mbit": 2}
+    order = {"unshaped": 0, "1gbit": 1, "100mbit": 2, "10mbit": 3}
     cells = sorted(dict.fromkeys((r["nodes"], r["rate"]) for r in rows), key=lambda c: (c[0], order.get(c[1], 3)))
     labels = list(dict.fromkeys(r["label"] for r in rows if r["label"] != "local (end)"))
     found = {(r["nodes"], r["rate"], r["label"]): r for r in rows}
