@@ -160,6 +160,12 @@ WIRE_PHASES: dict[str, Callable[[Any], tuple[WirePhase, ...]]] = {
         if strategy.prefetch
         else _AVERAGING
     ),
+    # Blocking, serialized with compute; with overlap on the thread, behind the next inner steps.
+    "diloco": lambda strategy: (
+        (WirePhase(1.0, "all", "an exchange runs behind the next overlap_steps inner steps"),)
+        if strategy.overlap_steps and strategy.comm_thread
+        else _AVERAGING
+    ),
     "async_model_average": lambda strategy: (
         WirePhase(1.0, "all", "a background thread averages while training goes on"),
     ),
