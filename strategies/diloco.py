@@ -307,9 +307,9 @@ class DiLoCo(ModelAveraging):
     # ------------------------------------------------------------- checkpoints
     def algorithm_state_dict(self) -> dict[str, Any]:
         """This rank's global copies, outer optimizer states, error feedback and averaged fragment in flight."""
-        self._settle_in_flight()
         in_flight = None
         if self._in_flight is not None:
+            # Host sync: the exchange finishes first (every rank's thread runs it), so the checkpoint holds its result.
             averages, nbytes = self._in_flight.future.wait()
             in_flight = {
                 "fragment": self._in_flight.fragment,
