@@ -44,7 +44,6 @@ from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import OptionError, check_int, check_number
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.comm_thread import CommThread
 from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
 from syncline.strategies.comm.counter import CommCounter
@@ -224,12 +223,6 @@ class DiLoCo(ModelAveraging):
             # leave it (a daemon) to the process, which is about to end.
             thread.close(_FAILED_JOIN_S if self._failed else None)
         super().teardown()
-
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """Blocking: serialized with compute; with overlap on the thread, behind the next inner steps."""
-        if self.overlap_steps and self.comm_thread:
-            return (WirePhase(1.0, "all", "an exchange runs behind the next overlap_steps inner steps"),)
-        return super().wire_phases()
 
     # -------------------------------------------------------------- the loop
     def average_after_step(self, local_step: int) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "read_checkpoint",
     "restore_model",
     "restore_training",
+    "resume_summary",
     "save_last_checkpoint",
     "open_checkpoint",
     "worker_result",
@@ -314,6 +315,35 @@ def restore_training(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     mine = rng_states[trainer.global_rank] if trainer.global_rank < len(rng_states) else rng_states[0]
     loop.resume_rng = mine["now"]
     trainer.state.epoch_start_rng = mine["epoch_start"]
+    rank_zero_info(resume_summary(trainer, checkpoint))
+
+
+def resume_summary(trainer: Trainer, checkpoint: dict[str, Any]) -> str:
+    """Say which file a resumed fit read, where in training it continues, and what it restored."""
+    state, optim = trainer.state, trainer.optim
+    source = checkpoint.get("loaded_from", "the checkpoint")
+    where = f"epoch {state.current_epoch}, global step {state.global_step}"
+    if state.batch_idx:
+        where += f", after batch {state.batch_idx} of the epoch"
+    restored = ["the weights"]
+    if optim is not None:
+        optimizers = [type(o).__name__ for o in optim.optimizers]
+        restored.append(f"optimizer state ({', '.join(optimizers)})")
+        schedulers = len(checkpoint.get("lr_schedulers") or [])
+        if schedulers:
+            restored.append(f"{schedulers} learning-rate scheduler{'s' if schedulers > 1 else ''}")
+    restored.append("the progress and random generators")
+    if any((checkpoint.get("strategy") or {}).get("by_rank") or []):
+        restored.append(f"the {trainer.strategy.name} strategy's state")
+    if _own_accumulated_grads(trainer, checkpoint) is not None:
+        restored.append("the open accumulation window's gradients")
+    saved_callbacks = checkpoint.get("callbacks", {})
+    callbacks = [type(c).__name__ for c in trainer.callbacks if c.state_key in saved_callbacks]
+    if callbacks:
+        restored.append(f"callbacks ({', '.join(dict.fromkeys(callbacks))})")
+    if checkpoint.get("loggers") and trainer.loggers:
+        restored.append(f"the loggers' folder {trainer.log_dir}")
+    return f"Resumed from {source} at {where}; restored {', '.join(restored)}."
 
 
 #: What a resume of `fit` cannot do without.
