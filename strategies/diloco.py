@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 
 __all__ = ["COMPRESSIONS", "DiLoCo"]
 
+#: Seconds the communication thread gets to stop after this rank's stage failed.
+_FAILED_JOIN_S = 2.0
 #: How the outer gradient may travel: float32 as it is, bfloat16, or 8-bit MinMax codes (ByteGrad's exchange).
 COMPRESSIONS = ("none", "bf16", "uint8")
 
@@ -90,7 +92,8 @@ class DiLoCo(ModelAveraging):
         fragments: fragments of the model exchanged on staggered schedules (F; 1 is DiLoCo, more is streaming
             DiLoCo). Must divide `period`.
         overlap_steps: inner steps an exchange runs behind before its result is merged (τ); None is 0 with one
-            fragment (DiLoCo blocks) and 1 with several (streaming). Less than period / fragments.
+            fragment (DiLoCo blocks) and 1 with several (streaming; 0 where period / fragments is 1). Less than
+            period / fragments.
         alpha: the mixing factor of the merge, the local fragment's weight (α); None is 0 without overlap (take
             the global fragment) and 0.5 with it (an even mix).
         compression: how the outer gradient travels: "none" (float32), "bf16" or "uint8" (8-bit MinMax).
@@ -130,9 +133,10 @@ class DiLoCo(ModelAveraging):
                 f"DiLoCo(period={period}, fragments={fragments}): fragments must divide period (fragment f is "
                 f"exchanged at offset f*period/fragments); e.g. period={period - period % fragments or fragments}."
             )
-        if overlap_steps is None:
-            overlap_steps = 0 if fragments == 1 else 1
         spacing = period // fragments
+        if overlap_steps is None:
+            # Streaming overlaps one inner step, where its schedule leaves one between two exchanges.
+            overlap_steps = 0 if fragments == 1 else min(1, spacing - 1)
         check_int("DiLoCo", "overlap_steps", overlap_steps, 0, meaning="inner steps an exchange runs behind")
         if overlap_steps >= spacing:
             raise OptionError(
@@ -164,11 +168,14 @@ class DiLoCo(ModelAveraging):
         self._fragments: list[_Fragment] = []
         self._in_flight: _InFlight | None = None
         self._thread: CommThread | None = None
+        #: Set when this rank's stage failed: its peers may be gone, so nobody waits for the thread.
+        self._failed = False
 
     # --------------------------------------------------------------- lifecycle
     def after_setup(self, task: Task) -> None:
         """Group the parameters by dtype, start the outer loop from them, start the communication thread."""
         super().after_setup(task)
+        self._failed = False
         self._groups = group_by_dtype(self._params)
         smallest = min((sum(t.numel() for t in group) for group in self._groups), default=0)
         if smallest < self.fragments:
@@ -202,12 +209,20 @@ class DiLoCo(ModelAveraging):
         self._feedback.reset()
         self._in_flight = None
 
+    def on_stage_failure(self) -> None:
+        """Drop the exchange in flight and wait only briefly for the thread: its peers may be gone."""
+        self._failed = True
+        self._in_flight = None
+        super().on_stage_failure()
+
     def teardown(self) -> None:
         """Let an exchange in flight finish (a checkpoint after the fit keeps it), stop the thread, then the core's."""
         self._settle_in_flight()
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.close()
+            # After a failure the thread's collective may wait for a peer that is gone, until the group's timeout:
+            # leave it (a daemon) to the process, which is about to end.
+            thread.close(_FAILED_JOIN_S if self._failed else None)
         super().teardown()
 
     # -------------------------------------------------------------- the loop
@@ -285,9 +300,9 @@ class DiLoCo(ModelAveraging):
     # ------------------------------------------------------------- checkpoints
     def algorithm_state_dict(self) -> dict[str, Any]:
         """This rank's global copies, outer optimizer states, error feedback and averaged fragment in flight."""
-        self._settle_in_flight()
         in_flight = None
         if self._in_flight is not None:
+            # Host sync: the exchange finishes first (every rank's thread runs it), so the checkpoint holds its result.
             averages, sent = self._in_flight.future.wait()
             in_flight = {
                 "fragment": self._in_flight.fragment,
