@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.checkpoint_files import find_top_k_files, remove_stale_temporaries
 from syncline.options import check_int
+from syncline.trainer.checkpoint import check_writable_folder
 from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -189,6 +190,8 @@ class ModelCheckpoint(Callback):
 
     def _tidy_directory(self) -> tuple[dict[str, float], str, float | None] | Exception:
         try:
+            # Before any training: a folder that cannot be written would otherwise cost the whole run.
+            check_writable_folder(self._dir())
             remove_stale_temporaries(self._dir())
             kept = {path: score for path, score in self.best_k_models.items() if os.path.exists(path)}
             if self._resumed:
