@@ -38,6 +38,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint file is missing, unreadable or not a syncline checkpoint."""
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint file at the path given: a `FileNotFoundError` too, as Lightning raises it."""
+
+
 def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Write `checkpoint` to `path` so that a crash never leaves a truncated or missing file.
 
@@ -161,7 +165,7 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"Checkpoint not found: {path} (check ckpt_path).")
+        raise CheckpointNotFoundError(f"Checkpoint file not found: {path} (check ckpt_path).")
     if path.stat().st_size == 0:
         raise CheckpointError(f"Cannot read checkpoint {path}: the file is empty (0 bytes). {_UNREADABLE}")
     _verify(path)

@@ -83,6 +83,12 @@ class TrainerConf:
     # A bool or a number of batches (Lightning's `fast_dev_run=True` or `=7`).
     fast_dev_run: bool | int = False
     overfit_batches: int | float = 0.0
+    enable_model_summary: bool = True
+    inference_mode: bool = False
+    detect_anomaly: bool = False
+    reload_dataloaders_every_n_epochs: int = 0
+    # "DD:HH:MM:SS" or a dict of timedelta's arguments (OmegaConf has no str-or-dict type; the Timer checks it).
+    max_time: Any = None
 
 
 @dataclass

@@ -307,6 +307,7 @@ class FitLoop:
     def run_batch(self, batch: Any, batch_idx: int, is_last: bool) -> None:
         """Train on one micro-batch, then validate, step plateau schedulers and check for preemption."""
         self.stepped = False
+        self.trainer.is_last_batch = is_last
         if batch is JOINED:
             # Accumulation is 1 under join: every other rank's batch ends a window, so this one does too.
             self.shadow_batch(batch_idx)

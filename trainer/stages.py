@@ -12,6 +12,7 @@ import torch
 
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.prediction_writer import BasePredictionWriter
+from syncline.options import MisconfigurationException
 from syncline.trainer import persistence
 from syncline.trainer.data import eval_dataloaders, limit_batches, prepare_loader, prepare_loaders, with_batch_indices
 from syncline.trainer.datamodule import merged_hparams, prepare_and_setup
@@ -39,9 +40,13 @@ def fit_stage(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ck
     limit = trainer.limit_train_batches
     trainer.num_training_batches = limit_batches(trainer.train_dataloader, limit, "limit_train_batches")
     val = val_dataloaders if val_dataloaders is not None else source.val_dataloader()
+    if val is not None and not has_step(task, "validation_step"):
+        rank_zero_warn("You passed in a `val_dataloader` but have no `validation_step`. Skipping val loop.")
+        val = None
     trainer.val_dataloaders, trainer.num_val_batches = prepare_loaders(
         trainer, val, trainer.limit_val_batches, "limit_val_batches"
     )
+    _check_val_check_interval(trainer)
     task.configure_model()  # after setup, before the weights are restored and the strategy wraps the task
     if checkpoint is not None:
         # As in Lightning: the task's and the callbacks' state before configure_optimizers.
@@ -68,6 +73,34 @@ def fit_stage(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ck
     trainer.dispatcher.fire(Callback.on_fit_end)
 
 
+def has_step(task: Task, name: str) -> bool:
+    """Whether `task` defines the step method `name` (not left at the base class's, and not set to None)."""
+    from syncline.trainer.task import Task
+
+    return getattr(task, name, None) is not None and overrides(task, Task, name)
+
+
+def _check_eval_step(task: Task, stage: str) -> None:
+    """Refuse `validate`/`test` without their step, and `predict` with ``predict_step = None``, as Lightning."""
+    if stage == "predict":
+        if task.predict_step is None:
+            raise MisconfigurationException("`predict_step` cannot be None to run `Trainer.predict`")
+        return
+    name = "validation_step" if stage == "validate" else "test_step"
+    if not has_step(task, name):
+        raise MisconfigurationException(f"No `{name}()` method defined to run `Trainer.{stage}`.")
+
+
+def _check_val_check_interval(trainer: Trainer) -> None:
+    """Refuse an int `val_check_interval` longer than the epoch when there is validation, as Lightning does."""
+    interval, batches = trainer.val_check_interval, trainer.num_training_batches
+    if isinstance(interval, int) and interval > batches and any(trainer.num_val_batches):
+        raise ValueError(
+            f"`val_check_interval` ({interval}) must be less than or equal to the number of the training batches "
+            f"({batches}). If you want to disable validation set `limit_val_batches` to 0.0 instead."
+        )
+
+
 def evaluation_stage(
     trainer: Trainer, stage: str, dataloaders: Any, ckpt_path: Any, return_predictions: bool | None = None
 ) -> Any:
@@ -78,6 +111,7 @@ def evaluation_stage(
     prediction writer writes at the epoch's end.
     """
     task = trainer.task
+    _check_eval_step(task, stage)
     checkpoint = persistence.open_checkpoint(trainer, ckpt_path, resume=False)
     prepare_and_setup(trainer, stage, checkpoint)
     source = trainer.datamodule if trainer.datamodule is not None else task
@@ -85,6 +119,7 @@ def evaluation_stage(
     loaders, num_batches = prepare_loaders(
         trainer, eval_dataloaders(source, stage, dataloaders), getattr(trainer, name), name
     )
+    trainer.evaluation.loaders[stage] = list(loaders)
     writers = [callback for callback in trainer.callbacks if isinstance(callback, BasePredictionWriter)]
     if stage == "predict" and writers:
         loaders = [with_batch_indices(loader) for loader in loaders]  # after sharding: this rank's indices

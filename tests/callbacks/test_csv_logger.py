@@ -22,7 +22,7 @@ def test_header_grows_and_the_file_is_rewritten(tmp_path):
     logger.log_metrics({"a": 2.0}, 1)
     logger.log_metrics({"b": 3.5, "a": 0.25}, 2)
     logger.log_metrics({"a": 4.0}, 3)
-    assert (tmp_path / "csv_logs" / "version_0" / "metrics.csv").read_text() == (
+    assert (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text() == (
         "step,a,b\n0,1.0,\n1,2.0,\n2,0.25,3.5\n3,4.0,\n"
     )
 
@@ -56,7 +56,7 @@ def test_hparams_yaml(tmp_path):
 def test_versions_increment(tmp_path):
     CSVLogger(tmp_path).log_metrics({"a": 1.0}, 0)
     CSVLogger(tmp_path).log_metrics({"a": 1.0}, 0)
-    assert sorted(p.name for p in (tmp_path / "csv_logs").iterdir()) == ["version_0", "version_1"]
+    assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0", "version_1"]
 
 
 def test_resume_continues_the_file_without_the_rows_after_the_checkpoint(tmp_path):
