@@ -18,6 +18,7 @@ import os
 import shutil
 import struct
 import tempfile
+from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
@@ -253,7 +254,10 @@ _UNREADABLE = (
 
 
 def to_primitive(value: Any) -> Any:
-    """Return `value` as plain dicts, lists, strings and numbers (for checkpoints and loggers)."""
+    """Return `value` as plain dicts, lists, strings and numbers (for checkpoints and loggers); an
+    `argparse.Namespace` is a dict, anything else (a class, a complex number) its text."""
+    if isinstance(value, Namespace):
+        value = vars(value)
     if isinstance(value, dict) or hasattr(value, "items"):
         return {str(k): to_primitive(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

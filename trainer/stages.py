@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,18 +35,10 @@ def fit_stage(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ck
     task, strategy = trainer.task, trainer.strategy
     checkpoint = persistence.open_checkpoint(trainer, ckpt_path, resume=True)
     prepare_and_setup(trainer, "fit", checkpoint)
-    source = trainer.datamodule if trainer.datamodule is not None else task
-    loader = train_dataloaders if train_dataloaders is not None else source.train_dataloader()
-    trainer.train_dataloader = prepare_loader(trainer, loader)
-    limit = trainer.limit_train_batches
-    trainer.num_training_batches = limit_batches(trainer.train_dataloader, limit, "limit_train_batches")
-    val = val_dataloaders if val_dataloaders is not None else source.val_dataloader()
-    if val is not None and not has_step(task, "validation_step"):
-        rank_zero_warn("You passed in a `val_dataloader` but have no `validation_step`. Skipping val loop.")
-        val = None
-    trainer.val_dataloaders, trainer.num_val_batches = prepare_loaders(
-        trainer, val, trainer.limit_val_batches, "limit_val_batches"
-    )
+    _load_fit_data(trainer, train_dataloaders, val_dataloaders, warn=True)
+    if trainer.reload_dataloaders_every_n_epochs:
+        loop = trainer.fit_loop
+        loop.reload_data = functools.partial(_reload_fit_data, trainer, train_dataloaders, val_dataloaders)
     _check_val_check_interval(trainer)
     task.configure_model()  # after setup, before the weights are restored and the strategy wraps the task
     if checkpoint is not None:
@@ -71,6 +64,32 @@ def fit_stage(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ck
             logger.log_hyperparams(hparams)
     trainer.fit_loop.train()
     trainer.dispatcher.fire(Callback.on_fit_end)
+
+
+def _load_fit_data(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, warn: bool) -> None:
+    """Ask for the training and validation loaders (those given to `fit`, else the DataModule's or the task's)."""
+    task = trainer.task
+    source = trainer.datamodule if trainer.datamodule is not None else task
+    loader = train_dataloaders if train_dataloaders is not None else source.train_dataloader()
+    trainer.train_dataloader = prepare_loader(trainer, loader)
+    limit = trainer.limit_train_batches
+    trainer.num_training_batches = limit_batches(trainer.train_dataloader, limit, "limit_train_batches")
+    val = val_dataloaders if val_dataloaders is not None else source.val_dataloader()
+    if val is not None and not has_step(task, "validation_step"):
+        if warn:
+            rank_zero_warn("You passed in a `val_dataloader` but have no `validation_step`. Skipping val loop.")
+        val = None
+    trainer.val_dataloaders, trainer.num_val_batches = prepare_loaders(
+        trainer, val, trainer.limit_val_batches, "limit_val_batches"
+    )
+
+
+def _reload_fit_data(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, epochs_run: int) -> None:
+    """Ask for the loaders again when `epochs_run` epochs of this fit are a multiple of
+    `reload_dataloaders_every_n_epochs` (Lightning's rule: every n epochs after the fit's first)."""
+    every = trainer.reload_dataloaders_every_n_epochs
+    if every and epochs_run and epochs_run % every == 0:
+        _load_fit_data(trainer, train_dataloaders, val_dataloaders, warn=False)
 
 
 def has_step(task: Task, name: str) -> bool:

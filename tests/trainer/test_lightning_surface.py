@@ -229,3 +229,70 @@ def test_default_predict_step_takes_lightnings_arguments():
     task = Forward()
     batch = regression_data(4).tensors
     torch.testing.assert_close(task.predict_step(batch, 0, dataloader_idx=0), task.net(batch[0]))
+
+
+def test_reload_dataloaders_every_n_epochs_asks_for_new_loaders():
+    asked = []
+
+    class Counting(Regressor):
+        def train_dataloader(self):
+            asked.append(("train", self.trainer.current_epoch))
+            return loader(regression_data(16))
+
+        def val_dataloader(self):
+            asked.append(("val", self.trainer.current_epoch))
+            return loader(regression_data(8))
+
+    Trainer(**quiet(max_epochs=5, reload_dataloaders_every_n_epochs=2, num_sanity_val_steps=0)).fit(Counting())
+    assert asked == [(kind, epoch) for epoch in (0, 2, 4) for kind in ("train", "val")]
+
+
+def test_ignore_in_a_subclass_drops_what_the_parent_saved():
+    class Parent(Regressor):
+        def __init__(self, lr: float = 0.1, features: int = 8) -> None:
+            super().__init__(lr=lr, features=features)
+            self.save_hyperparameters()
+
+    class Child(Parent):
+        def __init__(self, lr: float = 0.2, features: int = 8, note: str = "x") -> None:
+            super().__init__(lr=lr, features=features)
+            self.save_hyperparameters(ignore=["lr"])
+
+    assert dict(Child().hparams) == {"features": 8, "note": "x"}
+
+
+def test_hparams_yaml_holds_namespaces_classes_and_complex_numbers_as_lightning_can(tmp_path):
+    from argparse import Namespace
+
+    import yaml
+
+    from syncline.callbacks import CSVLogger
+
+    class Odd(Regressor):
+        def __init__(self, opts=Namespace(depth=2), kind=torch.optim.SGD, z=1 + 2j) -> None:  # noqa: B008
+            super().__init__()
+            self.save_hyperparameters()
+
+    logger = CSVLogger(tmp_path)
+    Trainer(**quiet(max_epochs=1, logger=logger)).fit(Odd(), loader(regression_data(8)))
+    saved = yaml.safe_load((tmp_path / "lightning_logs" / "version_0" / "hparams.yaml").read_text())
+    assert saved == {"opts": {"depth": 2}, "kind": "<class 'torch.optim.sgd.SGD'>", "z": "(1+2j)"}
+
+
+def test_a_mock_callback_sees_the_same_calls_as_a_real_one():
+    from unittest.mock import Mock
+
+    from syncline.callbacks import Callback
+
+    trainer_mock, task_mock = Mock(spec=Callback), Mock(spec=Callback)
+
+    class Configured(Regressor):
+        def configure_callbacks(self):
+            return [task_mock]
+
+    trainer = Trainer(**quiet(fast_dev_run=True, callbacks=[trainer_mock]))
+    trainer.fit(Configured(), loader(regression_data(8)), loader(regression_data(8)))
+    assert trainer.callbacks[-1] is task_mock
+    called = [call[0] for call in trainer_mock.method_calls]
+    assert called[:2] == ["setup", "on_fit_start"] and "on_train_batch_end" in called and called[-1] == "teardown"
+    assert [call[0] for call in task_mock.method_calls] == called
