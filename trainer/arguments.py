@@ -16,7 +16,7 @@ from syncline.callbacks.callback import Callback
 from syncline.callbacks.logger import Logger
 from syncline.options import OptionError, check_int, check_number
 from syncline.strategies.comm.join import Joinable
-from syncline.strategies.registry import resolve_strategy
+from syncline.strategies.registry import LIGHTNING_STRATEGIES, resolve_strategy
 from syncline.strategies.strategy import Strategy
 from syncline.trainer.debugging import check_debugging_flags
 from syncline.trainer.nonfinite import NONFINITE_LOSS
@@ -46,12 +46,6 @@ __all__ = [
 TIMELINE_ENV = "SYNCLINE_TIMELINE"
 #: The accelerators `Trainer(accelerator=...)` accepts, and the device type each means.
 ACCELERATORS = {"auto": None, "cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
-
-#: Lightning's strategy names, with the syncline strategy closest to each (torch's own DDP).
-LIGHTNING_STRATEGIES: dict[str, dict[str, Any]] = {
-    "ddp": {"name": "native_ddp"},
-    "ddp_find_unused_parameters_true": {"name": "native_ddp", "find_unused_parameters": True},
-}
 
 
 def check_options(options: dict[str, Any]) -> None:
@@ -203,11 +197,7 @@ def resolve_devices(devices: int | str, accelerator: str) -> int:
 
 def strategy_of(strategy: str | Strategy, devices: int, accumulate_grad_batches: int, uneven_inputs: str) -> Strategy:
     """Return the Strategy `strategy` names (Lightning's "ddp" is `native_ddp`), checked against the other options."""
-    if isinstance(strategy, str) and strategy in LIGHTNING_STRATEGIES:
-        spec = dict(LIGHTNING_STRATEGIES[strategy])
-        resolved = resolve_strategy(spec.pop("name"), devices, **spec)
-    else:
-        resolved = resolve_strategy(strategy, devices)
+    resolved = resolve_strategy(strategy, devices)  # Lightning's names too, case-insensitively
     if uneven_inputs == "join":
         _check_joinable(resolved, accumulate_grad_batches)
     if devices > 1 and not resolved.multi_process:

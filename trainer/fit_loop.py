@@ -424,10 +424,15 @@ class FitLoop:
         if not signum:
             return
         path = persistence.save_last_checkpoint(self.trainer)  # collective
-        raise TrainingPreempted(
+        stop = TrainingPreempted(
             f"Stopped by {signal.Signals(signum).name} after step {self.state.global_step}; saved {path}. "
-            f'Resume with ckpt_path="last" (exit status {PREEMPTED_EXIT_CODE}).'
+            f'Resume with ckpt_path="last" (exit status {PREEMPTED_EXIT_CODE}).',
+            announced=True,
         )
+        # Said here, on rank 0 of the processes that trained, so that a plain script, which exits 75 on the
+        # uncaught SystemExit without a word, says it as well as the command line.
+        rank_zero_info(f"preempted: {stop}")
+        raise stop
 
     def shadow_batch(self, batch_idx: int) -> None:
         """On a rank whose data ran out, match the collectives of the others' step, then step alike."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from syncline.callbacks.callback import Callback
+from syncline.callbacks.versioned_logger import VersionedLogger
 from syncline.trainer.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
@@ -35,9 +36,11 @@ __all__ = [
     "best_checkpoint",
     "checkpoint_state",
     "find_last_checkpoint",
+    "last_checkpoint_folders",
     "read_checkpoint",
     "restore_model",
     "restore_training",
+    "resume_summary",
     "save_last_checkpoint",
     "open_checkpoint",
     "worker_result",
@@ -157,8 +160,9 @@ def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
         path = find_last_checkpoint(trainer) if ckpt_path == "last" else str(ckpt_path)
     if path is None:
         rank_zero_warn(
-            f'ckpt_path="last" found no checkpoint (no last*.ckpt) under {trainer.default_root_dir} or the '
-            "ModelCheckpoint directories; no checkpoint is loaded. Save one with ModelCheckpoint(save_last=True)."
+            f'ckpt_path="last" is set, but there is no last checkpoint (last*.ckpt) in this run\'s checkpoint '
+            f"folders ({', '.join(str(f) for f in last_checkpoint_folders(trainer))}); no checkpoint is loaded and "
+            "training starts from scratch. Save one with ModelCheckpoint(save_last=True)."
         )
         return None
     if trainer.ckpt_read == "rank_zero" and trainer.world_size > 1:
@@ -227,20 +231,50 @@ def best_checkpoint(trainer: Trainer) -> str:
 
 
 def find_last_checkpoint(trainer: Trainer) -> str | None:
-    """Return rank 0's newest ``last*.ckpt`` under the run's directories, or None when there is none.
+    """Return rank 0's newest ``last*.ckpt`` in this run's checkpoint folders, or None when there is none.
 
-    Only last checkpoints count, as in Lightning: a top-k file is never taken for the last one. A
-    collective: only rank 0 searches, and every rank gets its answer.
+    Only last checkpoints count, as in Lightning: a top-k file is never taken for the last one. Only this
+    trainer's folders are searched (`last_checkpoint_folders`), so another experiment's file beside them
+    is never resumed. A collective: only rank 0 searches, and every rank gets its answer.
     """
     newest = None
     if trainer.is_global_zero:
-        roots = {Path(trainer.default_root_dir)}
-        roots.update(Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None))
-        found = [p for root in roots if root.is_dir() for p in root.rglob("last*.ckpt")]
+        found = [
+            path
+            for folder in last_checkpoint_folders(trainer)
+            if folder.is_dir()
+            for path in folder.glob("last*.ckpt")
+            if path.is_file()
+        ]
         if found:
             newest = str(max(found, key=lambda p: p.stat().st_mtime))
     # Collective: every rank resumes from the file rank 0 chose, or none does.
     return trainer.strategy.broadcast_object(newest)
+
+
+def last_checkpoint_folders(trainer: Trainer) -> list[Path]:
+    """Return the folders where this trainer writes its last checkpoints, each searched without its subfolders.
+
+    A ModelCheckpoint's `dirpath` when given. Without one it saves in ``<log_dir>/checkpoints``, and a resume
+    continues the checkpointed run's version folder, so every ``<save_dir>/<name>/<version>/checkpoints`` of
+    the first logger counts (only the given version's when the logger has one), or
+    ``<default_root_dir>/checkpoints`` without a logger. With no ModelCheckpoint, a preemption saves in
+    `default_root_dir` itself.
+    """
+    callbacks = trainer.checkpoint_callbacks
+    if not callbacks:
+        return [Path(trainer.default_root_dir)]
+    folders: list[Path] = []
+    for callback in callbacks:
+        given = getattr(callback, "_given_dirpath", None)
+        if given is not None:
+            folders.append(Path(given))
+        elif isinstance(trainer.logger, VersionedLogger) and trainer.logger._given_version is None:
+            runs = Path(trainer.logger.root_dir)
+            folders.extend(sorted(runs.glob("*/checkpoints")) if runs.is_dir() else [])
+        else:
+            folders.append(Path(trainer.log_dir, "checkpoints"))
+    return list(dict.fromkeys(folders))
 
 
 def restore_model(trainer: Trainer, checkpoint: dict[str, Any], callbacks: bool) -> None:
@@ -309,6 +343,35 @@ def restore_training(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     mine = rng_states[trainer.global_rank] if trainer.global_rank < len(rng_states) else rng_states[0]
     loop.resume_rng = mine["now"]
     trainer.state.epoch_start_rng = mine["epoch_start"]
+    rank_zero_info(resume_summary(trainer, checkpoint))
+
+
+def resume_summary(trainer: Trainer, checkpoint: dict[str, Any]) -> str:
+    """Say which file a resumed fit read, where in training it continues, and what it restored."""
+    state, optim = trainer.state, trainer.optim
+    source = checkpoint.get("loaded_from", "the checkpoint")
+    where = f"epoch {state.current_epoch}, global step {state.global_step}"
+    if state.batch_idx:
+        where += f", after batch {state.batch_idx} of the epoch"
+    restored = ["the weights"]
+    if optim is not None:
+        optimizers = [type(o).__name__ for o in optim.optimizers]
+        restored.append(f"optimizer state ({', '.join(optimizers)})")
+        schedulers = len(checkpoint.get("lr_schedulers") or [])
+        if schedulers:
+            restored.append(f"{schedulers} learning-rate scheduler{'s' if schedulers > 1 else ''}")
+    restored.append("the progress and random generators")
+    if any((checkpoint.get("strategy") or {}).get("by_rank") or []):
+        restored.append(f"the {trainer.strategy.name} strategy's state")
+    if _own_accumulated_grads(trainer, checkpoint) is not None:
+        restored.append("the open accumulation window's gradients")
+    saved_callbacks = checkpoint.get("callbacks", {})
+    callbacks = [type(c).__name__ for c in trainer.callbacks if c.state_key in saved_callbacks]
+    if callbacks:
+        restored.append(f"callbacks ({', '.join(dict.fromkeys(callbacks))})")
+    if checkpoint.get("loggers") and trainer.loggers:
+        restored.append(f"the loggers' folder {trainer.log_dir}")
+    return f"Resumed from {source} at {where}; restored {', '.join(restored)}."
 
 
 #: What a resume of `fit` cannot do without.
