@@ -160,9 +160,11 @@ class TensorBoardLogger(VersionedLogger):
     def save(self) -> None:
         """Write ``hparams.yaml`` if the run has a directory and the file is missing (the events are flushed
         by the writer's own schedule and at `finalize`)."""
-        written = os.path.isfile(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE))
-        if self.hparams and os.path.isdir(self.log_dir) and not written:
-            self.save_hparams_file({})
+        # The Trainer calls this at every logging step: no file system call unless there is something to write.
+        if self.hparams and not self._hparams_written and os.path.isdir(self.log_dir):
+            if not os.path.isfile(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE)):
+                self.save_hparams_file({})
+            self._hparams_written = True
 
     @rank_zero_only
     def finalize(self, status: str) -> None:

@@ -64,6 +64,8 @@ class VersionedLogger(Logger):
         self.resuming = False
         #: Set by subclasses once they have written to `log_dir`; the version is fixed from then on.
         self._started = False
+        #: Whether ``hparams.yaml`` holds `hparams` (so `save` has nothing to write).
+        self._hparams_written = False
 
     @property
     def save_dir(self) -> str:
@@ -114,6 +116,7 @@ class VersionedLogger(Logger):
         self._started = True
         with open(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), "w") as file:
             yaml.safe_dump(self.hparams, file, sort_keys=False)
+        self._hparams_written = True
 
 
 def _next_version(root: Path) -> int:

@@ -58,7 +58,20 @@ def check_options(options: dict[str, Any]) -> None:
     check_int("Trainer", "max_steps", options["max_steps"], -1, meaning="-1 for no limit")
     check_int("Trainer", "min_epochs", options["min_epochs"], 0, none_ok=True)
     check_int("Trainer", "min_steps", options["min_steps"], 0, none_ok=True)
-    check_int("Trainer", "check_val_every_n_epoch", options["check_val_every_n_epoch"], 1)
+    check_int(
+        "Trainer",
+        "check_val_every_n_epoch",
+        options["check_val_every_n_epoch"],
+        1,
+        none_ok=True,
+        meaning="None: validate every val_check_interval batches counted across epochs",
+    )
+    if options["check_val_every_n_epoch"] is None and isinstance(options["val_check_interval"], float):
+        raise OptionError(
+            f"Trainer(check_val_every_n_epoch=None, val_check_interval={options['val_check_interval']!r}): "
+            "val_check_interval must be an int (training batches, counted across epochs) when "
+            "check_val_every_n_epoch=None."
+        )
     check_int("Trainer", "reload_dataloaders_every_n_epochs", options["reload_dataloaders_every_n_epochs"], 0)
     check_int("Trainer", "accumulate_grad_batches", options["accumulate_grad_batches"], 1)
     check_number("Trainer", "gradient_clip_val", options["gradient_clip_val"], above=0, none_ok=True)

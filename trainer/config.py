@@ -64,7 +64,7 @@ class TrainerConf:
     limit_val_batches: int | float | None = None
     limit_test_batches: int | float | None = None
     limit_predict_batches: int | float | None = None
-    check_val_every_n_epoch: int = 1
+    check_val_every_n_epoch: int | None = 1
     num_sanity_val_steps: int = 2
     use_distributed_sampler: bool = True
     seed: int | None = None

@@ -236,7 +236,11 @@ class FitLoop:
         """Whether validation runs after training batch `batch_idx` of this epoch."""
         if not any(self.trainer.num_val_batches):
             return False
-        if (self.state.current_epoch + 1) % self.trainer.check_val_every_n_epoch:
+        every_n_epochs = self.trainer.check_val_every_n_epoch
+        if every_n_epochs is None:
+            # Lightning's check_val_every_n_epoch=None: an int interval counts batches across epochs.
+            batch_idx += self.state.current_epoch * self.trainer.num_training_batches
+        elif (self.state.current_epoch + 1) % every_n_epochs:
             return False  # not an epoch that validates, as Lightning's check_val_every_n_epoch
         if is_last and isinstance(self.trainer.val_check_interval, float):
             return True

@@ -113,10 +113,12 @@ def _check_eval_step(task: Task, stage: str) -> None:
 def _check_val_check_interval(trainer: Trainer) -> None:
     """Refuse an int `val_check_interval` longer than the epoch when there is validation, as Lightning does."""
     interval, batches = trainer.val_check_interval, trainer.num_training_batches
-    if isinstance(interval, int) and interval > batches and any(trainer.num_val_batches):
+    counted_per_epoch = trainer.check_val_every_n_epoch is not None
+    if isinstance(interval, int) and interval > batches and counted_per_epoch and any(trainer.num_val_batches):
         raise ValueError(
             f"`val_check_interval` ({interval}) must be less than or equal to the number of the training batches "
-            f"({batches}). If you want to disable validation set `limit_val_batches` to 0.0 instead."
+            f"({batches}). If you want to disable validation set `limit_val_batches` to 0.0 instead. If you want "
+            "to validate based on the total training batches, set `check_val_every_n_epoch=None`."
         )
 
 

@@ -77,7 +77,8 @@ class Trainer:
         limit_val_batches: likewise for validation.
         limit_test_batches: likewise for `test`.
         limit_predict_batches: likewise for `predict`.
-        check_val_every_n_epoch: validate in every this-many-th epoch only.
+        check_val_every_n_epoch: validate in every this-many-th epoch only; None: an int `val_check_interval`
+            counts training batches across epochs (Lightning's).
         num_sanity_val_steps: validation batches run before training to catch errors early.
         use_distributed_sampler: shard the data across processes with a `DistributedSampler`.
         accelerator: "auto" (CUDA when there is a GPU, else the CPU), "cpu", or "gpu"/"cuda"; with
@@ -130,7 +131,7 @@ class Trainer:
         limit_val_batches: int | float | None = None,
         limit_test_batches: int | float | None = None,
         limit_predict_batches: int | float | None = None,
-        check_val_every_n_epoch: int = 1,
+        check_val_every_n_epoch: int | None = 1,
         num_sanity_val_steps: int = 2,
         use_distributed_sampler: bool = True,
         seed: int | None = None,

@@ -296,3 +296,21 @@ def test_a_mock_callback_sees_the_same_calls_as_a_real_one():
     called = [call[0] for call in trainer_mock.method_calls]
     assert called[:2] == ["setup", "on_fit_start"] and "on_train_batch_end" in called and called[-1] == "teardown"
     assert [call[0] for call in task_mock.method_calls] == called
+
+
+def test_check_val_every_n_epoch_none_counts_batches_across_epochs():
+    from syncline import MisconfigurationException
+
+    seen = []
+
+    class Recording(Regressor):
+        def on_validation_start(self):
+            seen.append(self.trainer.global_step)
+
+    # 3 batches an epoch, validation every 5 batches of the whole run: after steps 5 and 10, the second
+    # inside epoch 3 (Lightning's total batch index), and never at an epoch's end otherwise.
+    trainer = Trainer(**quiet(max_epochs=4, val_check_interval=5, check_val_every_n_epoch=None, num_sanity_val_steps=0))
+    trainer.fit(Recording(), loader(regression_data(24)), loader(regression_data(8)))
+    assert seen == [5, 10]
+    with pytest.raises(MisconfigurationException, match="val_check_interval must be an int"):
+        Trainer(**quiet(check_val_every_n_epoch=None, val_check_interval=0.5))
