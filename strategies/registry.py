@@ -10,6 +10,7 @@ from syncline.strategies.async_model_average import AsyncModelAverage
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.bytegrad import ByteGrad
 from syncline.strategies.decentralized import Decentralized
+from syncline.strategies.diloco import DiLoCo
 from syncline.strategies.local_sgd import LocalSGD
 from syncline.strategies.native_ddp import NativeDDP
 from syncline.strategies.parameter_server import ParameterServer
@@ -64,6 +65,7 @@ register_strategy(AsyncModelAverage)
 register_strategy(TensorFusion)
 register_strategy(ParameterServer)
 register_strategy(ShardedParameterServer)
+register_strategy(DiLoCo)
 
 
 def resolve_strategy(strategy: str | Strategy, devices: int = 1, **kwargs: Any) -> Strategy:

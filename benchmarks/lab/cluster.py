@@ -66,7 +66,7 @@ __all__ = [
 
 SUBNET = "10.77.0"
 MASTER_PORT = 29500
-#: tbf's bucket and queue: a 256 kB burst and up to 500 ms of queue, as in the issue that specified the lab.
+#: tbf's bucket and queue: a 256 kB burst and up to 500 ms of queue.
 BURST = "256kb"
 LATENCY = "500ms"
 _INSIDE = "--inside-lab"
