@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import signal
@@ -107,8 +108,7 @@ class FitLoop:
         """Return what fires `hook` with the loop's arguments, or a function that does nothing if none listens."""
         if not self.trainer.dispatcher.listens(hook):
             return _nothing
-        fire = self.trainer.dispatcher.fire
-        return lambda *args: fire(hook, *args)
+        return functools.partial(self.trainer.dispatcher.fire, hook)  # picklable: the launcher sends the Trainer
 
     # ------------------------------------------------------------------ epochs
     def train(self) -> None:
