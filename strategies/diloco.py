@@ -48,6 +48,7 @@ from syncline.strategies.comm.comm_thread import CommThread
 from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
 from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.flat import flatten, group_by_dtype, write_range
+from syncline.strategies.comm.transfers import all_reduce
 from syncline.strategies.model_averaging import ModelAveraging
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class _InFlight:
 
     fragment: int
     apply_at: int
-    future: Future[tuple[list[Tensor], int]]
+    future: Future[tuple[list[Tensor], CommCounter]]
 
 
 class DiLoCo(ModelAveraging):
@@ -247,8 +248,9 @@ class DiLoCo(ModelAveraging):
             future.set_result(self._average(index, deltas, None))
         self._in_flight = _InFlight(index, local_step + self.overlap_steps, future)
 
-    def _average(self, index: int, deltas: list[Tensor], group: Any) -> tuple[list[Tensor], int]:
-        """Return the mean over ranks of each outer gradient of fragment `index`, and the bytes sent."""
+    def _average(self, index: int, deltas: list[Tensor], group: Any) -> tuple[list[Tensor], CommCounter]:
+        """Return the mean over ranks of each outer gradient of fragment `index`, and the bytes sent (counted apart:
+        they join the strategy's count at the merge, so a step's bytes do not depend on the thread's timing)."""
         counter, world, averages = CommCounter(), dist.get_world_size(group), []
         for dtype_index, delta in enumerate(deltas):
             key = f"{index}.{dtype_index}"
@@ -261,27 +263,25 @@ class DiLoCo(ModelAveraging):
             elif self.compression == "bf16":
                 wire = delta.to(torch.bfloat16)
                 sent = wire.clone()
-                counter.add_tensors(wire)
                 # Collective: the bfloat16 sum (float32's range: no overflow), divided after.
-                dist.all_reduce(wire, group=group)
+                all_reduce(wire, counter, group=group)
                 average = wire.to(delta.dtype) / world
             else:
                 average = delta / world  # divided before the sum, as `average_parameters`
-                counter.add_tensors(average)
                 # Collective: one flat all-reduce of the fragment's outer gradient.
-                dist.all_reduce(average, group=group)
+                all_reduce(average, counter, group=group)
             if lossy and self.error_feedback:
                 self._feedback.remember(key, delta, sent)
             averages.append(average)
-        return averages, counter.total_bytes
+        return averages, counter
 
     def _merge(self) -> None:
         """θ̃_p = OuterOpt_p(θ̃_p, Δ_p); θ_m,p = α θ_m,p + (1 - α) θ̃_p."""
         in_flight, self._in_flight = self._in_flight, None
         assert in_flight is not None
         # Host sync: wait for the thread's exchange (done already when it overlapped enough steps).
-        averages, nbytes = in_flight.future.wait()
-        self.comm_counter.add(nbytes)
+        averages, sent = in_flight.future.wait()
+        self.comm_counter.absorb(sent)
         fragment = self._fragments[in_flight.fragment]
         for glob, average in zip(fragment.globals, averages):
             glob.grad = average
@@ -303,12 +303,12 @@ class DiLoCo(ModelAveraging):
         in_flight = None
         if self._in_flight is not None:
             # Host sync: the exchange finishes first (every rank's thread runs it), so the checkpoint holds its result.
-            averages, nbytes = self._in_flight.future.wait()
+            averages, sent = self._in_flight.future.wait()
             in_flight = {
                 "fragment": self._in_flight.fragment,
                 "apply_at": self._in_flight.apply_at,
                 "averages": [a.detach().cpu().clone() for a in averages],
-                "bytes": nbytes,
+                "bytes": sent.total_bytes,
             }
         return {
             **super().algorithm_state_dict(),
@@ -329,8 +329,10 @@ class DiLoCo(ModelAveraging):
         self._in_flight = None
         if state["in_flight"] is not None:
             saved = state["in_flight"]
-            future: Future[tuple[list[Tensor], int]] = Future()
-            future.set_result(([a.to(self.root_device) for a in saved["averages"]], int(saved["bytes"])))
+            sent = CommCounter()
+            sent.load_state_dict({"step_bytes": 0, "total_bytes": int(saved["bytes"])})
+            future: Future[tuple[list[Tensor], CommCounter]] = Future()
+            future.set_result(([a.to(self.root_device) for a in saved["averages"]], sent))
             self._in_flight = _InFlight(int(saved["fragment"]), int(saved["apply_at"]), future)
 
     def __repr__(self) -> str:

@@ -64,7 +64,7 @@ class TrainerConf:
     limit_val_batches: int | float | None = None
     limit_test_batches: int | float | None = None
     limit_predict_batches: int | float | None = None
-    check_val_every_n_epoch: int = 1
+    check_val_every_n_epoch: int | None = 1
     num_sanity_val_steps: int = 2
     use_distributed_sampler: bool = True
     seed: int | None = None
@@ -77,6 +77,12 @@ class TrainerConf:
     # A bool or a number of batches (Lightning's `fast_dev_run=True` or `=7`).
     fast_dev_run: bool | int = False
     overfit_batches: int | float = 0.0
+    enable_model_summary: bool = True
+    inference_mode: bool = False
+    detect_anomaly: bool = False
+    reload_dataloaders_every_n_epochs: int = 0
+    # "DD:HH:MM:SS" or a dict of timedelta's arguments (OmegaConf has no str-or-dict type; the Timer checks it).
+    max_time: Any = None
 
 
 @dataclass

@@ -10,7 +10,14 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.versioned_logger import VersionedLogger
-from syncline.trainer.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, require_entries, to_primitive
+from syncline.trainer.checkpoint import (
+    FORMAT_VERSION,
+    CheckpointError,
+    CheckpointNotFoundError,
+    load_checkpoint,
+    require_entries,
+    to_primitive,
+)
 from syncline.trainer.datamodule import datamodule_checkpoint
 from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
 from syncline.trainer.state import training_rng
@@ -42,6 +49,10 @@ __all__ = [
 
 class CheckpointPathError(CheckpointError, ValueError):
     """`ckpt_path` names no checkpoint ("best" without one, an unknown word); a ValueError, as in Lightning."""
+
+
+class _UnknownCheckpointPath(CheckpointPathError, CheckpointNotFoundError):
+    """`ckpt_path` is neither a file nor a name: a `FileNotFoundError` too, as Lightning's missing file."""
 
 
 def checkpoint_state(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
@@ -139,9 +150,9 @@ def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
         and not Path(ckpt_path).exists()
         and not any(c in str(ckpt_path) for c in "/\\.")
     ):
-        raise CheckpointPathError(
-            f"ckpt_path={str(ckpt_path)!r} is neither a file nor one of the names: "
-            "'best' (the ModelCheckpoint's best), 'last' (the newest last checkpoint), a path, or None."
+        raise _UnknownCheckpointPath(
+            f"Checkpoint file not found: {ckpt_path}. ckpt_path={str(ckpt_path)!r} is neither a file nor one of "
+            "the names: 'best' (the ModelCheckpoint's best), 'last' (the newest last checkpoint), a path, or None."
         )
     if ckpt_path == "best":
         path: str | None = best_checkpoint(trainer)
@@ -156,19 +167,20 @@ def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
         return None
     if trainer.ckpt_read == "rank_zero" and trainer.world_size > 1:
         return _read_on_rank_zero(trainer, path)
-    checkpoint, problem = None, None
+    checkpoint, problem, missing = None, None, False
     try:
         checkpoint = load_checkpoint(path)
     except CheckpointError as error:
-        problem = str(error)
+        problem, missing = str(error), isinstance(error, FileNotFoundError)
     # Collective: every rank learns which ranks could read the file, so all load or all raise.
     problems = trainer.strategy.all_gather_object(problem)
     failed = [rank for rank, problem in enumerate(problems) if problem is not None]
     if failed and trainer.world_size == 1:
-        raise CheckpointError(problems[0])
+        raise (CheckpointNotFoundError if missing else CheckpointError)(problems[0])
     if failed:
         ranks = ", ".join(str(rank) for rank in failed)
-        raise CheckpointError(
+        everywhere = len(failed) == trainer.world_size and missing  # the file is missing on every rank
+        raise (CheckpointNotFoundError if everywhere else CheckpointError)(
             f"Checkpoint {path} cannot be read on rank(s) {ranks} of {trainer.world_size}: {problems[failed[0]]} "
             "Every rank reads the checkpoint: put it on a file system all nodes share, copy it to the same "
             'path on every node, or pass Trainer(ckpt_read="rank_zero") to read it on rank 0 alone.'
@@ -206,7 +218,7 @@ def best_checkpoint(trainer: Trainer) -> str:
         )
     path = getattr(callback, "best_model_path", "")
     if not path and trainer.fast_dev_run:
-        stage = trainer.state.stage or "test"
+        stage = trainer.state.fn or "test"
         raise CheckpointPathError(
             f'You cannot execute `.{stage}(ckpt_path="best")` with `fast_dev_run=True` (it saves no checkpoint). '
             f"Please pass an exact checkpoint path to `.{stage}(ckpt_path=...)`, or the task itself."
@@ -258,7 +270,7 @@ def last_checkpoint_folders(trainer: Trainer) -> list[Path]:
         if given is not None:
             folders.append(Path(given))
         elif isinstance(trainer.logger, VersionedLogger) and trainer.logger._given_version is None:
-            runs = Path(trainer.logger.save_dir, trainer.logger.name)
+            runs = Path(trainer.logger.root_dir)
             folders.extend(sorted(runs.glob("*/checkpoints")) if runs.is_dir() else [])
         else:
             folders.append(Path(trainer.log_dir, "checkpoints"))
@@ -286,9 +298,25 @@ def restore_model(trainer: Trainer, checkpoint: dict[str, Any], callbacks: bool)
     if not callbacks:
         return
     saved_callbacks = checkpoint.get("callbacks", {})
+    found = {id(c): _saved_key(c, saved_callbacks) for c in trainer.callbacks}
+    absent = [key for key, state in saved_callbacks.items() if state and key not in found.values()]
+    if absent:
+        rank_zero_warn(
+            "Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided "
+            f"during `Trainer` instantiation. Please add the following callbacks: {absent}."
+        )
     for callback in trainer.callbacks:
-        if callback.state_key in saved_callbacks:
-            callback.load_state_dict(saved_callbacks[callback.state_key])
+        key = found[id(callback)]
+        if key is not None:
+            callback.load_state_dict(saved_callbacks[key])
+
+
+def _saved_key(callback: Callback, saved: dict[str, Any]) -> str | None:
+    """Return the key of `callback`'s state in a checkpoint's ``callbacks`` (its current or an older one)."""
+    for key in (callback.state_key, *getattr(callback, "legacy_state_keys", ())):
+        if key in saved:
+            return key
+    return None
 
 
 def restore_training(trainer: Trainer, checkpoint: dict[str, Any]) -> None:

@@ -53,7 +53,7 @@ def test_short_run_writes_logs_checkpoints_and_resolved_config(tmp_path):
     assert config.trainer.max_steps == 3
     assert config.trainer.seed == config.seed == 1234  # resolved, not "${seed}"
     assert config.task._target_ == "syncline.examples.char_gpt.CharGPT"
-    log_dir = out / "logs" / "version_0"
+    log_dir = out / "lightning_logs" / "version_0"
     assert list(log_dir.glob("events.out.tfevents.*"))
     assert (log_dir / "checkpoints" / "last.ckpt").is_file()
 
@@ -80,8 +80,8 @@ def test_two_devices_share_one_output_directory_and_config(tmp_path):
     assert result.stdout.count("sample after 3 steps") == 1  # rank 0 alone prints
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert len(list(out.rglob("config.yaml"))) == 2  # ours, and Hydra's own under .hydra/
-    assert [p.name for p in (out / "logs").iterdir()] == ["version_0"]
-    checkpoint = torch.load(out / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert [p.name for p in (out / "lightning_logs").iterdir()] == ["version_0"]
+    checkpoint = torch.load(out / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["progress"]["global_step"] == 3
     assert len(checkpoint["rng"]) == 2  # both ranks' random streams
     assert checkpoint["strategy"]["name"] == "local_sgd"
@@ -144,7 +144,7 @@ def test_trainer_values_are_checked_as_task_arguments_are(override, expected):
 def test_missing_checkpoint_names_the_path(tmp_path):
     missing = tmp_path / "nowhere" / "model.ckpt"
     result = _cli(f"hydra.run.dir={tmp_path / 'run'}", f"ckpt_path={missing}", *SMALL, cwd=tmp_path, timeout=60)
-    _assert_short_error(result, 1, str(missing), "CheckpointError")
+    _assert_short_error(result, 1, str(missing), "CheckpointNotFoundError", "Checkpoint file not found")
 
 
 @pytest.mark.parametrize(
