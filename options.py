@@ -16,10 +16,26 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["OptionError", "check_arguments", "check_backend", "check_int", "check_number", "check_passthrough"]
+__all__ = [
+    "MisconfigurationException",
+    "OptionError",
+    "check_arguments",
+    "check_backend",
+    "check_int",
+    "check_number",
+    "check_passthrough",
+]
 
 
-class OptionError(ValueError):
+class MisconfigurationException(ValueError):
+    """A Trainer, task or callback is used in a way it does not allow (Lightning's exception of this name).
+
+    A Lightning program's ``except MisconfigurationException`` catches syncline's errors in the situations
+    where Lightning raises it; it is a `ValueError` too, as the value or the combination is what is wrong.
+    """
+
+
+class OptionError(MisconfigurationException):
     """An option of the Trainer, a callback or a strategy has a value it does not allow."""
 
 

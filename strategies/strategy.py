@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from syncline.options import check_arguments
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.events import CommEvents
 
@@ -311,11 +310,6 @@ class Strategy(ABC):
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Restore the whole optimizer state that `optimizer_state_dict` returned (each rank keeps its part)."""
         optimizer.load_state_dict(state)
-
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """What the algorithm's communication may overlap, once past any warm-up (`comm/bound.py`): the lab's
-        algorithmic bound. None here: one process sends nothing."""
-        return ()
 
     def communication_stats(self) -> dict[str, float]:
         """Counters of the last optimizer step: at least `comm/bytes` and `comm/total_bytes`."""

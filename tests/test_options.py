@@ -60,7 +60,7 @@ BAD = [
     (lambda: Trainer(ckpt_read="rank0"), "Trainer(ckpt_read='rank0'): ckpt_read must be one of every_rank, rank_zero"),
     (lambda: ModelCheckpoint(save_top_k=-2), "ModelCheckpoint(save_top_k=-2): save_top_k must be an int >= -1"),
     (lambda: ModelCheckpoint(every_n_train_steps=-1), "ModelCheckpoint(every_n_train_steps=-1)"),
-    (lambda: EarlyStopping("loss", patience=0), "EarlyStopping(patience=0): patience must be an int >= 1"),
+    (lambda: EarlyStopping("loss", patience=-1), "EarlyStopping(patience=-1): patience must be an int >= 0"),
     (lambda: EarlyStopping("loss", min_delta=-0.1), "EarlyStopping(min_delta=-0.1): min_delta must be"),
     (lambda: ProgressBar(refresh_rate=-1), "ProgressBar(refresh_rate=-1): refresh_rate must be an int >= 0"),
     (lambda: CSVLogger(".", version=-1), "CSVLogger(version=-1): version must be None or an int >= 0"),

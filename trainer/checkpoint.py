@@ -19,6 +19,7 @@ import os
 import shutil
 import struct
 import tempfile
+from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,10 @@ def check_writable_folder(directory: str | os.PathLike[str], owner: str = "Model
         for parent in made:  # deepest first
             with contextlib.suppress(OSError):
                 parent.rmdir()
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint file at the path given: a `FileNotFoundError` too, as Lightning raises it."""
 
 
 def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> None:
@@ -196,7 +201,7 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"Checkpoint not found: {path} (check ckpt_path).")
+        raise CheckpointNotFoundError(f"Checkpoint file not found: {path} (check ckpt_path).")
     if path.stat().st_size == 0:
         raise CheckpointError(f"Cannot read checkpoint {path}: the file is empty (0 bytes). {_UNREADABLE}")
     _verify(path)
@@ -284,7 +289,10 @@ _UNREADABLE = (
 
 
 def to_primitive(value: Any) -> Any:
-    """Return `value` as plain dicts, lists, strings and numbers (for checkpoints and loggers)."""
+    """Return `value` as plain dicts, lists, strings and numbers (for checkpoints and loggers); an
+    `argparse.Namespace` is a dict, anything else (a class, a complex number) its text."""
+    if isinstance(value, Namespace):
+        value = vars(value)
     if isinstance(value, dict) or hasattr(value, "items"):
         return {str(k): to_primitive(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
