@@ -17,6 +17,7 @@ import yaml
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.checkpoint_files import find_top_k_files, remove_stale_temporaries
 from syncline.options import MisconfigurationException, check_int
+from syncline.trainer.checkpoint import check_writable_folder
 from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
@@ -207,6 +208,8 @@ class ModelCheckpoint(Callback):
 
     def _tidy_directory(self) -> tuple[dict[str, float], str, float | None] | Exception:
         try:
+            # Before any training: a folder that cannot be written would otherwise cost the whole run.
+            check_writable_folder(self._dir())
             remove_stale_temporaries(self._dir())
             kept = {path: score for path, score in self.best_k_models.items() if os.path.exists(path)}
             if self._resumed:

@@ -48,6 +48,7 @@ from syncline.strategies.comm.comm_thread import CommThread
 from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
 from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.flat import flatten, group_by_dtype, write_range
+from syncline.strategies.comm.transfers import all_reduce
 from syncline.strategies.model_averaging import ModelAveraging
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
 
 __all__ = ["COMPRESSIONS", "DiLoCo"]
 
+#: Seconds the communication thread gets to stop after this rank's stage failed.
+_FAILED_JOIN_S = 2.0
 #: How the outer gradient may travel: float32 as it is, bfloat16, or 8-bit MinMax codes (ByteGrad's exchange).
 COMPRESSIONS = ("none", "bf16", "uint8")
 
@@ -76,7 +79,7 @@ class _InFlight:
 
     fragment: int
     apply_at: int
-    future: Future[tuple[list[Tensor], int]]
+    future: Future[tuple[list[Tensor], CommCounter]]
 
 
 class DiLoCo(ModelAveraging):
@@ -89,7 +92,8 @@ class DiLoCo(ModelAveraging):
         fragments: fragments of the model exchanged on staggered schedules (F; 1 is DiLoCo, more is streaming
             DiLoCo). Must divide `period`.
         overlap_steps: inner steps an exchange runs behind before its result is merged (τ); None is 0 with one
-            fragment (DiLoCo blocks) and 1 with several (streaming). Less than period / fragments.
+            fragment (DiLoCo blocks) and 1 with several (streaming; 0 where period / fragments is 1). Less than
+            period / fragments.
         alpha: the mixing factor of the merge, the local fragment's weight (α); None is 0 without overlap (take
             the global fragment) and 0.5 with it (an even mix).
         compression: how the outer gradient travels: "none" (float32), "bf16" or "uint8" (8-bit MinMax).
@@ -129,9 +133,10 @@ class DiLoCo(ModelAveraging):
                 f"DiLoCo(period={period}, fragments={fragments}): fragments must divide period (fragment f is "
                 f"exchanged at offset f*period/fragments); e.g. period={period - period % fragments or fragments}."
             )
-        if overlap_steps is None:
-            overlap_steps = 0 if fragments == 1 else 1
         spacing = period // fragments
+        if overlap_steps is None:
+            # Streaming overlaps one inner step, where its schedule leaves one between two exchanges.
+            overlap_steps = 0 if fragments == 1 else min(1, spacing - 1)
         check_int("DiLoCo", "overlap_steps", overlap_steps, 0, meaning="inner steps an exchange runs behind")
         if overlap_steps >= spacing:
             raise OptionError(
@@ -163,11 +168,14 @@ class DiLoCo(ModelAveraging):
         self._fragments: list[_Fragment] = []
         self._in_flight: _InFlight | None = None
         self._thread: CommThread | None = None
+        #: Set when this rank's stage failed: its peers may be gone, so nobody waits for the thread.
+        self._failed = False
 
     # --------------------------------------------------------------- lifecycle
     def after_setup(self, task: Task) -> None:
         """Group the parameters by dtype, start the outer loop from them, start the communication thread."""
         super().after_setup(task)
+        self._failed = False
         self._groups = group_by_dtype(self._params)
         smallest = min((sum(t.numel() for t in group) for group in self._groups), default=0)
         if smallest < self.fragments:
@@ -201,12 +209,20 @@ class DiLoCo(ModelAveraging):
         self._feedback.reset()
         self._in_flight = None
 
+    def on_stage_failure(self) -> None:
+        """Drop the exchange in flight and wait only briefly for the thread: its peers may be gone."""
+        self._failed = True
+        self._in_flight = None
+        super().on_stage_failure()
+
     def teardown(self) -> None:
         """Let an exchange in flight finish (a checkpoint after the fit keeps it), stop the thread, then the core's."""
         self._settle_in_flight()
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.close()
+            # After a failure the thread's collective may wait for a peer that is gone, until the group's timeout:
+            # leave it (a daemon) to the process, which is about to end.
+            thread.close(_FAILED_JOIN_S if self._failed else None)
         super().teardown()
 
     # -------------------------------------------------------------- the loop
@@ -232,8 +248,9 @@ class DiLoCo(ModelAveraging):
             future.set_result(self._average(index, deltas, None))
         self._in_flight = _InFlight(index, local_step + self.overlap_steps, future)
 
-    def _average(self, index: int, deltas: list[Tensor], group: Any) -> tuple[list[Tensor], int]:
-        """Return the mean over ranks of each outer gradient of fragment `index`, and the bytes sent."""
+    def _average(self, index: int, deltas: list[Tensor], group: Any) -> tuple[list[Tensor], CommCounter]:
+        """Return the mean over ranks of each outer gradient of fragment `index`, and the bytes sent (counted apart:
+        they join the strategy's count at the merge, so a step's bytes do not depend on the thread's timing)."""
         counter, world, averages = CommCounter(), dist.get_world_size(group), []
         for dtype_index, delta in enumerate(deltas):
             key = f"{index}.{dtype_index}"
@@ -246,27 +263,25 @@ class DiLoCo(ModelAveraging):
             elif self.compression == "bf16":
                 wire = delta.to(torch.bfloat16)
                 sent = wire.clone()
-                counter.add_tensors(wire)
                 # Collective: the bfloat16 sum (float32's range: no overflow), divided after.
-                dist.all_reduce(wire, group=group)
+                all_reduce(wire, counter, group=group)
                 average = wire.to(delta.dtype) / world
             else:
                 average = delta / world  # divided before the sum, as `average_parameters`
-                counter.add_tensors(average)
                 # Collective: one flat all-reduce of the fragment's outer gradient.
-                dist.all_reduce(average, group=group)
+                all_reduce(average, counter, group=group)
             if lossy and self.error_feedback:
                 self._feedback.remember(key, delta, sent)
             averages.append(average)
-        return averages, counter.total_bytes
+        return averages, counter
 
     def _merge(self) -> None:
         """θ̃_p = OuterOpt_p(θ̃_p, Δ_p); θ_m,p = α θ_m,p + (1 - α) θ̃_p."""
         in_flight, self._in_flight = self._in_flight, None
         assert in_flight is not None
         # Host sync: wait for the thread's exchange (done already when it overlapped enough steps).
-        averages, nbytes = in_flight.future.wait()
-        self.comm_counter.add(nbytes)
+        averages, sent = in_flight.future.wait()
+        self.comm_counter.absorb(sent)
         fragment = self._fragments[in_flight.fragment]
         for glob, average in zip(fragment.globals, averages):
             glob.grad = average
@@ -285,15 +300,15 @@ class DiLoCo(ModelAveraging):
     # ------------------------------------------------------------- checkpoints
     def algorithm_state_dict(self) -> dict[str, Any]:
         """This rank's global copies, outer optimizer states, error feedback and averaged fragment in flight."""
-        self._settle_in_flight()
         in_flight = None
         if self._in_flight is not None:
-            averages, nbytes = self._in_flight.future.wait()
+            # Host sync: the exchange finishes first (every rank's thread runs it), so the checkpoint holds its result.
+            averages, sent = self._in_flight.future.wait()
             in_flight = {
                 "fragment": self._in_flight.fragment,
                 "apply_at": self._in_flight.apply_at,
                 "averages": [a.detach().cpu().clone() for a in averages],
-                "bytes": nbytes,
+                "bytes": sent.total_bytes,
             }
         return {
             **super().algorithm_state_dict(),
@@ -314,8 +329,10 @@ class DiLoCo(ModelAveraging):
         self._in_flight = None
         if state["in_flight"] is not None:
             saved = state["in_flight"]
-            future: Future[tuple[list[Tensor], int]] = Future()
-            future.set_result(([a.to(self.root_device) for a in saved["averages"]], int(saved["bytes"])))
+            sent = CommCounter()
+            sent.load_state_dict({"step_bytes": 0, "total_bytes": int(saved["bytes"])})
+            future: Future[tuple[list[Tensor], CommCounter]] = Future()
+            future.set_result(([a.to(self.root_device) for a in saved["averages"]], sent))
             self._in_flight = _InFlight(int(saved["fragment"]), int(saved["apply_at"]), future)
 
     def __repr__(self) -> str:

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel import DistributedDataParallel
 
-from syncline.options import OptionError, check_int, check_number
+from syncline.options import OptionError, check_int, check_number, check_passthrough
 from syncline.strategies.comm.autograd_graph import grad_accumulators, parameters_reached
 from syncline.strategies.comm.backward_sync import BackwardSyncControl
 from syncline.strategies.comm.join import Joinable
@@ -126,6 +126,10 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         #: Post-local SGD's replicas differ between averagings: checkpoints keep every rank's weights.
         self.replicas_differ = comm_hook == "post_local_sgd"
         self._relaxation: TorchRelaxation | None = None
+        # Refused here, before any process starts, rather than by torch inside every worker.
+        check_passthrough("NativeDDP", DistributedDataParallel.__init__, ddp_kwargs, "torch's DistributedDataParallel")
+        for name in ("module", "device_ids") & ddp_kwargs.keys():
+            raise OptionError(f"NativeDDP({name}=...): NativeDDP passes {name} to DistributedDataParallel itself.")
         if "bucket_cap_mb" in ddp_kwargs:
             check_number("NativeDDP", "bucket_cap_mb", ddp_kwargs["bucket_cap_mb"], minimum=0, meaning="MiB per bucket")
         if ddp_kwargs.get("broadcast_buffers") is True:

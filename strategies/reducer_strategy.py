@@ -352,7 +352,8 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         With `find_unused_parameters`, a parameter is unused when the graph of `loss` does not reach
         it, whatever else the forward computed from it.
         """
-        self.apply_pending_updates()  # before autograd writes into the buckets again
+        if self.in_flight is not None:
+            self.in_flight.land_all()  # before autograd writes into the buckets again
         self.before_backward(sync)
         reducer = self.reducer
         averages = self._backward_syncs(sync) and self.syncs_gradients()
@@ -417,7 +418,8 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         A parameter that the next step does not use on any rank ends it with `.grad` None, so weight
         decay and momentum leave frozen and unused parameters where they are, as in one process.
         """
-        self.apply_pending_updates()  # a deferred step still reads the averages in the buckets
+        if self.in_flight is not None:
+            self.in_flight.land_all()  # a deferred step still reads the averages in the buckets
         self.before_zero_grad(optimizer)
         self.reducer.zero_grad(self.optimizer_parameters(optimizer))
 

@@ -14,7 +14,7 @@ import torch
 
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.logger import Logger
-from syncline.options import OptionError, check_int, check_number
+from syncline.options import OptionError, check_arguments, check_int, check_number
 from syncline.strategies.comm.join import Joinable
 from syncline.strategies.registry import LIGHTNING_STRATEGIES, resolve_strategy
 from syncline.strategies.strategy import Strategy
@@ -54,6 +54,10 @@ def check_options(options: dict[str, Any]) -> None:
     Raises:
         OptionError: a value the argument does not allow; the message names it and what is allowed.
     """
+    from syncline.trainer.trainer import Trainer
+
+    # Types first (a flag is True or False, never a truthy string such as "no"); then the values.
+    check_arguments("Trainer", Trainer.__init__, {k: v for k, v in options.items() if k != "self"})
     check_int("Trainer", "max_epochs", options["max_epochs"], -1, none_ok=True, meaning="-1 for no limit")
     check_int("Trainer", "max_steps", options["max_steps"], -1, meaning="-1 for no limit")
     check_int("Trainer", "min_epochs", options["min_epochs"], 0, none_ok=True)

@@ -12,6 +12,7 @@ so a file never runs code. Files of format 1 (a bare ``torch.save`` zip, no trai
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -24,7 +25,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "load_checkpoint", "require_entries", "save_checkpoint", "to_primitive"]
+__all__ = [
+    "CheckpointError",
+    "check_writable_folder",
+    "load_checkpoint",
+    "require_entries",
+    "save_checkpoint",
+    "to_primitive",
+]
 
 #: Format version written into every checkpoint, checked when one is read.
 FORMAT_VERSION = 2
@@ -37,6 +45,33 @@ TMP_PREFIX, TMP_SUFFIX = ".", ".tmp"
 
 class CheckpointError(RuntimeError):
     """A checkpoint file is missing, unreadable or not a syncline checkpoint."""
+
+
+def check_writable_folder(directory: str | os.PathLike[str], owner: str = "ModelCheckpoint") -> None:
+    """Raise unless a checkpoint can be written into `directory` (created if needed); leave nothing behind.
+
+    Tried for real (a file is created and removed, folders that did not exist are made and removed), not
+    judged by permission bits, which say nothing of a read-only mount, of root, or of access lists.
+
+    Raises:
+        CheckpointError: naming the folder, the reason and the fix.
+    """
+    folder = Path(directory)
+    made = [parent for parent in (folder, *folder.parents) if not parent.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f"{TMP_PREFIX}write-check.", suffix=TMP_SUFFIX, dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise CheckpointError(
+            f"{owner} cannot write checkpoints into {folder}: {error.strerror or error}. Make the folder "
+            "writable, or pass another dirpath (or default_root_dir)."
+        ) from None
+    finally:
+        for parent in made:  # deepest first
+            with contextlib.suppress(OSError):
+                parent.rmdir()
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

@@ -148,16 +148,16 @@ WIRE_PHASES: dict[str, Callable[[Any], tuple[WirePhase, ...]]] = {
         WirePhase(1.0, "none", "the momentum's per-rank chunks need the whole backward; the step needs them"),
     ),
     "local_sgd": lambda strategy: _AVERAGING,
-    # Blocking: serialized with compute; with overlap on the thread, behind the next inner steps.
-    "diloco": lambda strategy: (
-        (WirePhase(1.0, "all", "an exchange runs behind the next overlap_steps inner steps"),)
-        if strategy.overlap_steps and strategy.comm_thread
-        else _AVERAGING
-    ),
     # With prefetch, the exchange runs behind the next forward; else serialized as the averaging family's.
     "decentralized": lambda strategy: (
         (WirePhase(1.0, "forward", "the averaged differences land per layer in the next forward"),)
         if strategy.prefetch
+        else _AVERAGING
+    ),
+    # Blocking, serialized with compute; with overlap on the thread, behind the next inner steps.
+    "diloco": lambda strategy: (
+        (WirePhase(1.0, "all", "an exchange runs behind the next overlap_steps inner steps"),)
+        if strategy.overlap_steps and strategy.comm_thread
         else _AVERAGING
     ),
     "async_model_average": lambda strategy: (

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 
-from syncline.options import check_number
+from syncline.options import check_backend, check_number
 from syncline.strategies.comm import worker_guard
 from syncline.strategies.comm.collective_log import COLLECTIVES, diagnosis_wait
 from syncline.strategies.comm.counter import CommCounter, count_bytes
@@ -224,6 +224,7 @@ class ProcessGroupStrategy(Strategy):
 
     def __init__(self, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         check_number(type(self).__name__, "timeout", timeout, above=0, meaning="seconds a collective may take")
+        check_backend(type(self).__name__, backend)
         self.backend = backend
         self.timeout = timeout
 
