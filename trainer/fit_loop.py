@@ -64,6 +64,8 @@ class FitLoop:
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         #: RNG state of the checkpoint being resumed, applied at the point in the loop it was taken.
         self.resume_rng: dict[str, Any] | None = None
+        #: The strategy's comm/* counters for the loggers (nothing for a one-process strategy).
+        self.communication_stats: Callable[[], dict[str, float]] = dict
         #: Asks for the fit's loaders again (`Trainer(reload_dataloaders_every_n_epochs=n)`), given the epochs run.
         self.reload_data: Callable[[int], None] | None = None
         #: The epoch this fit started (or resumed) at.
@@ -96,6 +98,9 @@ class FitLoop:
         self._stepped_optimizer = optim.optimizer
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         self.resume_rng = None
+        # Decided once per fit: a one-process strategy communicates nothing and logs no comm/* values (as
+        # Lightning logs none); a data-parallel one logs its counters, in a world of one too.
+        self.communication_stats = trainer.strategy.communication_stats if trainer.strategy.multi_process else dict
         interval, batches = trainer.val_check_interval, trainer.num_training_batches
         if isinstance(interval, float):
             finite_fraction = interval < 1.0 and batches != math.inf
@@ -429,7 +434,7 @@ class FitLoop:
             return
         logs = trainer.results.pop_step_logs()
         if logs:
-            trainer.log_metrics({**logs, **trainer.strategy.communication_stats()})
+            trainer.log_metrics({**logs, **self.communication_stats()})
 
     def stop_if_preempted(self) -> None:
         """At a step boundary: if any rank was signalled, write last.ckpt on every rank and stop.
