@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from syncline.callbacks.callback import Callback
-from syncline.trainer.rank_zero import rank_zero_info
+from syncline.rank_zero import rank_zero_info
 from syncline.trainer.state import isolated_rng
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.rank_zero import rank_zero_warn
 
 T = TypeVar("T")
 

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.versioned_logger import VersionedLogger
+from syncline.rank_zero import rank_zero_info, rank_zero_warn
 from syncline.trainer.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
@@ -19,7 +20,6 @@ from syncline.trainer.checkpoint import (
     to_primitive,
 )
 from syncline.trainer.datamodule import datamodule_checkpoint
-from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
 from syncline.trainer.state import training_rng
 
 if TYPE_CHECKING:

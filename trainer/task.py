@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from syncline.rank_zero import rank_zero_warn
 from syncline.trainer.hooks import DataHooks, ModelHooks
 from syncline.trainer.hparams import AttributeDict, HyperparametersMixin, build_from_hparams, read_for_loading
-from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from torchmetrics import Metric
