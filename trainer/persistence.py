@@ -10,8 +10,7 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.versioned_logger import VersionedLogger
-from syncline.rank_zero import rank_zero_info, rank_zero_warn
-from syncline.trainer.checkpoint import (
+from syncline.checkpoint_file import (
     FORMAT_VERSION,
     CheckpointError,
     CheckpointNotFoundError,
@@ -19,6 +18,7 @@ from syncline.trainer.checkpoint import (
     require_entries,
     to_primitive,
 )
+from syncline.rank_zero import rank_zero_info, rank_zero_warn
 from syncline.trainer.datamodule import datamodule_checkpoint
 from syncline.trainer.state import training_rng
 

@@ -158,7 +158,7 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
             TypeError: the saved hyperparameters (or `kwargs`) do not fit the constructor.
             ValueError: `hparams_file` is not a YAML file.
         """
-        from syncline.trainer.checkpoint import require_entries
+        from syncline.checkpoint_file import require_entries
 
         checkpoint = read_for_loading(checkpoint_path, map_location)
         require_entries(checkpoint, ("state_dict",), checkpoint_path)

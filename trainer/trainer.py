@@ -14,6 +14,7 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback, CallbackDispatcher
 from syncline.callbacks.logger import Logger
+from syncline.checkpoint_file import save_checkpoint
 from syncline.strategies.comm.launcher import launch, launched_by_torchrun
 from syncline.strategies.strategy import Strategy
 from syncline.trainer import persistence
@@ -28,7 +29,6 @@ from syncline.trainer.arguments import (
     resolve_devices,
     strategy_of,
 )
-from syncline.trainer.checkpoint import save_checkpoint
 from syncline.trainer.datamodule import DataModule, check_datamodule
 from syncline.trainer.debugging import apply_debugging_flags
 from syncline.trainer.evaluation import EvaluationLoop

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from syncline.callbacks import CSVLogger, ModelCheckpoint
-from syncline.trainer.checkpoint import CheckpointError, load_checkpoint
+from syncline.checkpoint_file import CheckpointError, load_checkpoint
 from tests.callbacks._tasks import Scripted, make_loader, make_trainer
 
 

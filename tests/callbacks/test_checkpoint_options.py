@@ -10,7 +10,7 @@ import yaml
 
 from syncline import MisconfigurationException
 from syncline.callbacks import Callback, EarlyStopping, ModelCheckpoint
-from syncline.trainer.checkpoint import load_checkpoint
+from syncline.checkpoint_file import load_checkpoint
 from tests.callbacks._tasks import Scripted, make_loader, make_trainer
 
 

@@ -10,7 +10,7 @@ import pytest
 from syncline import MisconfigurationException
 from syncline.callbacks import Timer
 from syncline.callbacks import timer as timer_module
-from syncline.trainer.checkpoint import load_checkpoint
+from syncline.checkpoint_file import load_checkpoint
 from tests.callbacks._tasks import Scripted, make_loader, make_trainer
 
 

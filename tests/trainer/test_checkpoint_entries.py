@@ -13,9 +13,9 @@ import stat
 import pytest
 import torch
 
+from syncline.checkpoint_file import CheckpointError, load_checkpoint, save_checkpoint
 from syncline.strategies import LocalSGD
 from syncline.trainer import Trainer
-from syncline.trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 
