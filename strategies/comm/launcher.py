@@ -42,7 +42,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from syncline.strategies.comm import launch_reaper, worker_guard
-from syncline.strategies.comm.loopback_rendezvous import LOOPBACK_BACKEND, register
+from syncline.trainer.loopback_rendezvous import LOOPBACK_BACKEND, register
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
