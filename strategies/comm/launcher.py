@@ -41,7 +41,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from syncline.strategies.comm import launch_reaper, worker_guard
+from syncline.strategies.comm import worker_guard
+from syncline.trainer import launch_reaper
 from syncline.trainer.loopback_rendezvous import LOOPBACK_BACKEND, register
 
 if TYPE_CHECKING:
