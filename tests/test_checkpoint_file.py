@@ -16,8 +16,8 @@ import torch
 
 from syncline.callbacks import ModelCheckpoint
 from syncline.checkpoint_file import CheckpointError, load_checkpoint, save_checkpoint
-from syncline.strategies.comm.launcher import WorkerFailedError
 from syncline.trainer import Trainer
+from syncline.trainer.launcher import WorkerFailedError
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 from tests.trainer.test_cli import SMALL, _assert_short_error, _cli
 

@@ -42,9 +42,9 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from syncline.checkpoint_file import CheckpointError
 from syncline.options import OptionError
 from syncline.rank_zero import rank_zero_only
-from syncline.strategies.comm.launcher import WorkerFailedError
 from syncline.trainer.arguments import check_options, resolve_devices
 from syncline.trainer.config import TrainerConf  # importing it registers the structured configs in Hydra
+from syncline.trainer.launcher import WorkerFailedError
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 from syncline.trainer.seed import seed_everything
 from syncline.trainer.trainer import Trainer
