@@ -11,7 +11,7 @@ import torch
 from syncline.callbacks import ModelCheckpoint
 from syncline.callbacks.checkpoint import _Plan
 from syncline.checkpoint_file import load_checkpoint
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from tests.callbacks._tasks import FakeRank, Scripted, make_loader, make_trainer
 

@@ -120,6 +120,6 @@ def _fit_two_ranks(rank, world_size, tmp):
 
 
 def test_rank_zeros_clock_stops_every_rank_at_the_same_step(tmp_path):
-    from syncline.strategies.comm.ranks import run_distributed
+    from syncline.testing import run_distributed
 
     assert run_distributed(_fit_two_ranks, world_size=2, args=(str(tmp_path),), timeout=120) == [2, 2]

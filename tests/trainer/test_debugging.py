@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 from syncline.callbacks import EarlyStopping, ModelCheckpoint
 from syncline.checkpoint_file import CheckpointError
 from syncline.options import OptionError
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, regression_data
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from syncline.callbacks import Callback
 from syncline.strategies import STRATEGIES, BucketedDDP, NativeDDP
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
