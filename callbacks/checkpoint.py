@@ -92,6 +92,7 @@ class ModelCheckpoint(Callback):
 
     #: Saving lands a step in flight itself (`checkpoint_state`); nothing else here reads the weights.
     reads_parameters = False
+    acts_on_monitor = True
 
     CHECKPOINT_NAME_LAST = "last"
     FILE_EXTENSION = ".ckpt"

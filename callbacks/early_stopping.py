@@ -68,6 +68,7 @@ class EarlyStopping(Callback):
 
     #: Reads metrics, never the weights.
     reads_parameters = False
+    acts_on_monitor = True
 
     def __init__(
         self,

@@ -208,7 +208,7 @@ class Trainer:
         self.eval_results = ResultCollection(False, self.strategy, self.callback_metrics, self.progress_bar_metrics)
         #: The collection `self.log` writes to now (the evaluation one while evaluating).
         self.results = self.train_results
-        self.dispatcher = CallbackDispatcher(self, None, self.callbacks)
+        self.dispatcher = CallbackDispatcher(self, None, self.callbacks, task_base=Task)
         #: The precision of the stage in progress (it depends on the device, known once a stage starts).
         self.precision: Precision | None = None
         #: The optimizer and schedulers of the task being fitted (None outside `fit`).
