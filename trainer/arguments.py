@@ -266,7 +266,7 @@ def build_callbacks(
 ) -> list[Callback]:
     """Return the callbacks, with a ProgressBar, a ModelSummary and a ModelCheckpoint unless switched off;
     checkpoints last."""
-    from syncline.callbacks.checkpoint import ModelCheckpoint
+    from syncline.callbacks.model_checkpoint import ModelCheckpoint
     from syncline.callbacks.model_summary import ModelSummary
     from syncline.callbacks.progress import ProgressBar
     from syncline.callbacks.timeline import CommunicationTimeline
@@ -307,7 +307,7 @@ def merge_task_callbacks(
     Raises:
         TypeError: something returned is not a `Callback`.
     """
-    from syncline.callbacks.checkpoint import ModelCheckpoint
+    from syncline.callbacks.model_checkpoint import ModelCheckpoint
 
     if not returned:
         return callbacks

@@ -285,7 +285,7 @@ class Trainer:
     @property
     def checkpoint_callbacks(self) -> list[Callback]:
         """The ModelCheckpoint callbacks."""
-        from syncline.callbacks.checkpoint import ModelCheckpoint
+        from syncline.callbacks.model_checkpoint import ModelCheckpoint
 
         return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
 

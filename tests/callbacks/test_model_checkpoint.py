@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from syncline.callbacks import ModelCheckpoint
-from syncline.callbacks.checkpoint import _Plan
+from syncline.callbacks.model_checkpoint import _Plan
 from syncline.checkpoint_file import load_checkpoint
 from syncline.testing import run_distributed
 from syncline.trainer import Trainer
