@@ -101,7 +101,7 @@ def _fit_freezing(rank, world_size, strategy):
 
 @pytest.mark.parametrize("strategy", ["bucketed_ddp", "native_ddp"])
 def test_a_layer_frozen_by_a_callback_stays_where_one_process_leaves_it_under_adamw(strategy):
-    """Issue 9: a frozen layer must get .grad None, not a zero view that AdamW's decay keeps moving."""
+    """A frozen layer must get .grad None, not a zero view that AdamW's decay keeps moving."""
     results = run_distributed(_fit_freezing, world_size=2, args=(strategy,), timeout=120)
     torch.manual_seed(0)
     task = AdamWRegressor()
