@@ -19,7 +19,7 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback
 from syncline.rank_zero import rank_zero_info
-from syncline.trainer.state import isolated_rng
+from syncline.rng import isolated_rng
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task

@@ -85,8 +85,8 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
             rank, its error and its traceback.
         TrainingPreempted: the workers stopped on a preemption signal and saved a checkpoint.
     """
+    from syncline.rng import capture_rng
     from syncline.trainer.preemption import TrainingPreempted
-    from syncline.trainer.state import capture_rng
 
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         # We are a worker importing the user's script, and the script launches workers at import time
@@ -348,8 +348,8 @@ def _loopback_interface() -> str | None:
 
 def _worker(stage: str, payload: str, stop_file: str) -> dict[str, Any] | None:
     """Entry point of one launched process: run the stage; return rank 0's result, record this rank's error."""
+    from syncline.rng import restore_rng
     from syncline.trainer.preemption import TrainingPreempted
-    from syncline.trainer.state import restore_rng
 
     loopback = _loopback_interface()
     if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:

@@ -19,8 +19,8 @@ from syncline.checkpoint_file import (
     to_primitive,
 )
 from syncline.rank_zero import rank_zero_info, rank_zero_warn
+from syncline.rng import training_rng
 from syncline.trainer.datamodule import datamodule_checkpoint
-from syncline.trainer.state import training_rng
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
