@@ -79,6 +79,7 @@ class TrainerConf:
     nonfinite_loss: str = "raise"
     uneven_inputs: str = "check"
     max_restarts: int = 0
+    recovery: str = "checkpoint"
     preemption_signal: str | None = "SIGTERM"
     # A bool or a number of batches (Lightning's `fast_dev_run=True` or `=7`).
     fast_dev_run: bool | int = False
