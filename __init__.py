@@ -5,10 +5,18 @@ top-level folders install as `syncline.trainer`, `syncline.strategies`, `synclin
 `syncline.examples`, and nothing else lands at the top level of site-packages.
 """
 
+from syncline.options import MisconfigurationException
 from syncline.trainer import DataModule, Task, Trainer
 
 #: Lightning's names, so that a Lightning program runs after ``import lightning as L`` becomes ``import syncline as L``.
 LightningModule = Task
 LightningDataModule = DataModule
 
-__all__ = ["DataModule", "LightningDataModule", "LightningModule", "Task", "Trainer"]
+__all__ = [
+    "DataModule",
+    "LightningDataModule",
+    "LightningModule",
+    "MisconfigurationException",
+    "Task",
+    "Trainer",
+]

@@ -1,7 +1,7 @@
 """Framework overhead: `Trainer.fit` against the same hand-written loop on a tiny MLP.
 
 Both run in this process, interleaved (raw, trainer, raw, trainer, ...) so machine drift cancels, on
-one thread. The workload is the core issue's: batch 32, 32 features, 3000 steps, `self.log` every step,
+one thread. The workload: batch 32, 32 features, 3000 steps, `self.log` every step,
 a progress bar on. Steady-state time per step is taken after a warm-up of 200 steps.
 
     python -m benchmarks trainer            # 5 repeats

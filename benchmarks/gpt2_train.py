@@ -90,6 +90,8 @@ class StudyRecorder(Callback):
         #: (global step, seconds the validation took, validation loss) per validation.
         self.validations: list[tuple[int, float, float]] = []
         self.comm: dict[str, float] = {}
+        #: The most bytes one optimizer step handed to collectives (`comm/bytes`).
+        self.peak_comm_bytes = 0.0
         self._val_start = 0.0
         self._stepping = False
 
@@ -104,6 +106,7 @@ class StudyRecorder(Callback):
         if self._stepping:
             self.step_ends.append(time.perf_counter())
             self.comm = dict(trainer.strategy.communication_stats())
+            self.peak_comm_bytes = max(self.peak_comm_bytes, self.comm.get("comm/bytes", 0.0))
         self._stepping = False
 
     def on_validation_start(self, trainer, task):

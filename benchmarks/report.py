@@ -311,7 +311,7 @@ def _paired(p: dict) -> str:
 
 
 def headline_table(results: dict) -> str:
-    """The headline ratios the issue asks for, with the spread each comes with."""
+    """The headline ratios (the paper's claims and the framework's overhead), with the spread each comes with."""
     h, sections = results["headline"], results["sections"]
     rows = []
     if "ddp" in h:

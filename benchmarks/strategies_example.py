@@ -75,7 +75,7 @@ def _scalars(run_dir: Path) -> dict[str, list[tuple[float, int, float]]]:
     """Every scalar of the run's TensorBoard events as (wall time, step, value), by tag."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(next(run_dir.glob("logs/version_*"))))
+    events = EventAccumulator(str(next(run_dir.glob("lightning_logs/version_*"))))
     events.Reload()
     return {tag: [(e.wall_time, e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 

@@ -7,10 +7,12 @@ from syncline.callbacks.early_stopping import EarlyStopping, EarlyStoppingReason
 from syncline.callbacks.equivalence import EquivalenceCheck, EquivalenceError
 from syncline.callbacks.logger import Logger
 from syncline.callbacks.lr_monitor import LearningRateMonitor
+from syncline.callbacks.model_summary import ModelSummary
 from syncline.callbacks.prediction_writer import BasePredictionWriter
 from syncline.callbacks.progress import ProgressBar
 from syncline.callbacks.tensorboard import TensorBoardLogger
 from syncline.callbacks.timeline import CommunicationTimeline
+from syncline.callbacks.timer import Timer
 from syncline.callbacks.versioned_logger import VersionedLogger
 
 __all__ = [
@@ -26,7 +28,9 @@ __all__ = [
     "LearningRateMonitor",
     "Logger",
     "ModelCheckpoint",
+    "ModelSummary",
     "ProgressBar",
     "TensorBoardLogger",
+    "Timer",
     "VersionedLogger",
 ]

@@ -12,10 +12,13 @@ from datetime import timedelta
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.checkpoint_files import find_top_k_files, remove_stale_temporaries
-from syncline.options import check_int
-from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.options import MisconfigurationException, check_int
+from syncline.trainer.checkpoint import check_writable_folder
+from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -69,6 +72,11 @@ class ModelCheckpoint(Callback):
         save_weights_only: write the weights, hyperparameters and DataModule state only (no optimizer,
             progress, RNG or callback state): `load_from_checkpoint` reads the file, `fit(ckpt_path=...)` refuses it.
         auto_insert_metric_name: render template fields as ``name=value``.
+        save_on_exception: when `fit` raises, save a checkpoint named by `filename` (and ``last`` with
+            `save_last`) of the state at the error, as Lightning does; one-process runs only (on several, the
+            other ranks may be inside a collective the failed one never joins).
+        enable_version_counter: give a file whose name another file has a ``-v1``, ``-v2``... suffix; False
+            overwrites it.
 
     Nothing is saved under `Trainer(fast_dev_run=...)`, as in Lightning.
 
@@ -102,6 +110,8 @@ class ModelCheckpoint(Callback):
         auto_insert_metric_name: bool = True,
         train_time_interval: timedelta | None = None,
         save_weights_only: bool = False,
+        save_on_exception: bool = False,
+        enable_version_counter: bool = True,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint mode must be 'min' or 'max', got {mode!r}.")
@@ -109,14 +119,16 @@ class ModelCheckpoint(Callback):
         check_int("ModelCheckpoint", "every_n_epochs", every_n_epochs, 0, none_ok=True)
         check_int("ModelCheckpoint", "every_n_train_steps", every_n_train_steps, 0, none_ok=True)
         if train_time_interval is not None and (
-            not isinstance(train_time_interval, timedelta) or train_time_interval.total_seconds() <= 0
+            not isinstance(train_time_interval, timedelta) or train_time_interval.total_seconds() < 0
         ):
-            raise ValueError(
-                f"ModelCheckpoint(train_time_interval={train_time_interval!r}): pass a positive datetime.timedelta, "
-                "e.g. timedelta(minutes=30)."
+            raise MisconfigurationException(
+                f"ModelCheckpoint(train_time_interval={train_time_interval!r}): pass a datetime.timedelta >= 0, "
+                "e.g. timedelta(minutes=30) (0: after every optimizer step)."
             )
-        if sum(bool(trigger) for trigger in (every_n_epochs, every_n_train_steps, train_time_interval)) > 1:
-            raise ValueError(
+        # A time interval of 0 is a trigger too (a save after every step), as in Lightning.
+        triggers = (bool(every_n_epochs), bool(every_n_train_steps), train_time_interval is not None)
+        if sum(triggers) > 1:
+            raise MisconfigurationException(
                 f"ModelCheckpoint: every_n_epochs={every_n_epochs}, every_n_train_steps={every_n_train_steps} and "
                 f"train_time_interval={train_time_interval} are exclusive; pass one of them."
             )
@@ -129,11 +141,18 @@ class ModelCheckpoint(Callback):
         self.save_last = bool(save_last)
         self.every_n_train_steps = every_n_train_steps or 0
         self.train_time_interval = train_time_interval
-        no_trigger = not (every_n_train_steps or train_time_interval)
+        no_trigger = not every_n_train_steps and train_time_interval is None
         self.every_n_epochs = every_n_epochs if every_n_epochs is not None else int(no_trigger)
         self.save_on_train_epoch_end = save_on_train_epoch_end
         self.auto_insert_metric_name = auto_insert_metric_name
         self.save_weights_only = save_weights_only
+        self.save_on_exception = save_on_exception
+        self._enable_version_counter = enable_version_counter
+        if monitor is None and save_top_k not in (-1, 0, 1):
+            raise MisconfigurationException(
+                f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None) is not a valid configuration. No quantity "
+                "for top_k to track: pass a monitor, or save_top_k=-1 to keep every checkpoint."
+            )
 
         self.best_k_models: dict[str, float] = {}
         self.best_model_path = ""
@@ -155,16 +174,16 @@ class ModelCheckpoint(Callback):
 
     @property
     def state_key(self) -> str:
-        """Key of this callback's state, distinct for checkpoint callbacks with different settings."""
-        settings = {
-            "monitor": self.monitor,
-            "mode": self.mode,
-            "every_n_train_steps": self.every_n_train_steps,
-            "every_n_epochs": self.every_n_epochs,
-        }
-        if self.train_time_interval is not None:  # only then, so older checkpoints keep their key
-            settings["train_time_interval"] = self.train_time_interval
-        return f"{type(self).__qualname__}{settings}"
+        """Key of this callback's state, distinct for checkpoint callbacks with different settings (Lightning's)."""
+        return f"{type(self).__qualname__}{_settings(self)}"
+
+    @property
+    def legacy_state_keys(self) -> list[str]:
+        """Keys this callback's state had in checkpoints of earlier syncline versions (no time interval)."""
+        if self.train_time_interval is not None:
+            return []
+        settings = {k: v for k, v in _settings(self).items() if k != "train_time_interval"}
+        return [f"{type(self).__qualname__}{settings}"]
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Trainer, task: Task, stage: str) -> None:
@@ -189,12 +208,14 @@ class ModelCheckpoint(Callback):
 
     def _tidy_directory(self) -> tuple[dict[str, float], str, float | None] | Exception:
         try:
+            # Before any training: a folder that cannot be written would otherwise cost the whole run.
+            check_writable_folder(self._dir())
             remove_stale_temporaries(self._dir())
             kept = {path: score for path, score in self.best_k_models.items() if os.path.exists(path)}
             if self._resumed:
                 # A run killed after a top-k save and resumed from an older checkpoint does not list that
                 # file; each top-k file records its own score, so the list is rebuilt from the files.
-                kept.update(find_top_k_files(self._dir(), self.state_key))
+                kept.update(find_top_k_files(self._dir(), [self.state_key, *self.legacy_state_keys]))
             else:
                 self._warn_about_other_runs(kept)
             if self.save_top_k != -1:
@@ -254,7 +275,7 @@ class ModelCheckpoint(Callback):
 
     def on_validation_end(self, trainer: Trainer, task: Task) -> None:
         """Save after a validation that runs within the epoch, where epoch-end saving is off."""
-        if trainer.sanity_checking or trainer.state.stage != "fit":
+        if trainer.sanity_checking or trainer.state.fn != "fit":
             return
         self._validated = True
         if self._epoch_due(trainer) and not self._saves_on_train_epoch_end(trainer):
@@ -268,6 +289,37 @@ class ModelCheckpoint(Callback):
         path = self.last_checkpoint_path(trainer) if trainer.is_global_zero else None
         # Collective: the name is rank 0's (it looks at the directory), so every rank saves the same file.
         self._save_last(trainer, trainer.strategy.broadcast_object(path))
+
+    def on_exception(self, trainer: Trainer, task: Task, exception: BaseException) -> None:
+        """With `save_on_exception`, save the state at the error (one-process `fit` only)."""
+        if (
+            not self.save_on_exception
+            or trainer.state.fn != "fit"
+            or trainer.fast_dev_run
+            or trainer.sanity_checking
+            or trainer.global_step == self._last_global_step_saved
+        ):
+            return
+        if trainer.world_size > 1:
+            rank_zero_warn(
+                "ModelCheckpoint(save_on_exception=True) saves nothing with several processes: the other ranks "
+                "may be inside a collective the failed one never joins."
+            )
+            return
+        candidates = self._candidates(trainer)
+        path = self.format_checkpoint_name(candidates)
+        trainer.save_checkpoint(path, self.save_weights_only)
+        if self.save_last:
+            self._save_last(trainer, self.last_checkpoint_path(trainer))
+        rank_zero_info(
+            f"An {type(exception).__name__} was raised with message: {exception}, saved checkpoint to {path}"
+        )
+
+    def to_yaml(self, filepath: str | os.PathLike[str] | None = None) -> None:
+        """Write `best_k_models` (path: score) to `filepath`, by default ``<dirpath>/best_k_models.yaml`` (rank 0)."""
+        path = os.path.join(self._dir(), "best_k_models.yaml") if filepath is None else os.fspath(filepath)
+        with open(path, "w") as file:
+            yaml.dump({name: float(score) for name, score in self.best_k_models.items()}, file)
 
     def _epoch_due(self, trainer: Trainer) -> bool:
         return self.every_n_epochs > 0 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
@@ -332,7 +384,7 @@ class ModelCheckpoint(Callback):
         name = self._format(self.CHECKPOINT_NAME_LAST, self._candidates(trainer))
         path = os.path.join(self._dir(), name + self.FILE_EXTENSION)
         version = 1
-        while os.path.exists(path) and path != self.last_model_path:
+        while self._enable_version_counter and os.path.exists(path) and path != self.last_model_path:
             path = os.path.join(self._dir(), f"{name}-v{version}{self.FILE_EXTENSION}")
             version += 1
         return path
@@ -381,7 +433,7 @@ class ModelCheckpoint(Callback):
             drop = self._worst(kept)
             if not self._better(score, kept[drop]):
                 return
-        if path not in kept and path != drop:
+        if path not in kept and path != drop and self._enable_version_counter:
             path = _free_name(path, taken={self.last_model_path})
         if drop is not None:
             del kept[drop]
@@ -489,6 +541,16 @@ class ModelCheckpoint(Callback):
 
 def _real_dir(path: str | os.PathLike[str] | None) -> str | None:
     return None if path is None else os.path.realpath(os.path.expanduser(os.fspath(path)))
+
+
+def _settings(callback: ModelCheckpoint) -> dict[str, Any]:
+    return {
+        "monitor": callback.monitor,
+        "mode": callback.mode,
+        "every_n_train_steps": callback.every_n_train_steps,
+        "every_n_epochs": callback.every_n_epochs,
+        "train_time_interval": callback.train_time_interval,
+    }
 
 
 def _free_name(path: str, taken: set[str]) -> str:

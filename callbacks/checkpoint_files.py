@@ -35,7 +35,7 @@ def remove_stale_temporaries(dirpath: str | os.PathLike[str]) -> list[str]:
     return sorted(removed)
 
 
-def find_top_k_files(dirpath: str | os.PathLike[str], state_key: str) -> dict[str, float]:
+def find_top_k_files(dirpath: str | os.PathLike[str], state_key: str | list[str]) -> dict[str, float]:
     """Return the top-k checkpoints in `dirpath` saved by a ModelCheckpoint with `state_key`, with their scores.
 
     Each top-k checkpoint stores its callback's bookkeeping, which already lists the file itself with its
@@ -53,7 +53,9 @@ def find_top_k_files(dirpath: str | os.PathLike[str], state_key: str) -> dict[st
         try:
             # mmap: the tensors stay on disk; only the small bookkeeping is read.
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            saved = checkpoint["callbacks"][state_key]["best_k_models"]
+            states = checkpoint["callbacks"]
+            key = next(key for key in ([state_key] if isinstance(state_key, str) else state_key) if key in states)
+            saved = states[key]["best_k_models"]
         except Exception:  # not ours, another callback's, or unreadable: leave it alone
             continue
         # Matched by file name, so a directory that was moved or mounted elsewhere still counts.

@@ -83,7 +83,7 @@ class EarlyStopping(Callback):
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"EarlyStopping mode must be 'min' or 'max', got {mode!r}.")
-        check_int("EarlyStopping", "patience", patience, 1, meaning="checks without improvement")
+        check_int("EarlyStopping", "patience", patience, 0, meaning="checks without improvement")
         check_number("EarlyStopping", "min_delta", min_delta, minimum=0, meaning="the least change that counts")
         check_number("EarlyStopping", "stopping_threshold", stopping_threshold, none_ok=True)
         check_number("EarlyStopping", "divergence_threshold", divergence_threshold, none_ok=True)
@@ -121,7 +121,7 @@ class EarlyStopping(Callback):
 
     def on_validation_end(self, trainer: Trainer, task: Task) -> None:
         """Check after a validation run during fit."""
-        if not self._on_epoch_end and not trainer.sanity_checking and trainer.state.stage == "fit":
+        if not self._on_epoch_end and not trainer.sanity_checking and trainer.state.fn == "fit":
             self._check(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, task: Task) -> None:

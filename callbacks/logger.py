@@ -20,11 +20,17 @@ class Logger(ABC):
         """Directory of this run's files."""
 
     @abstractmethod
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Record scalar `metrics` at optimizer step `step`."""
 
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
+    def log_hyperparams(self, params: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         """Record the run's hyperparameters."""
+
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        """Record the model's graph (loggers that can draw one)."""
+
+    def save(self) -> None:
+        """Write what is buffered (hyperparameters, rows) to disk."""
 
     def finalize(self, status: str) -> None:
         """Flush and close; `status` is "success", "failed" or "interrupted"."""
@@ -52,5 +58,5 @@ class DummyLogger(Logger):
         """The directory reported to callbacks; nothing is written there."""
         return self._log_dir
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Drop `metrics`."""

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.versioned_logger import VersionedLogger
-from syncline.trainer.rank_zero import rank_zero_only
+from syncline.trainer.rank_zero import rank_zero_only, rank_zero_warn
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -25,26 +25,37 @@ class TensorBoardLogger(VersionedLogger):
 
     Args:
         save_dir: root directory of all runs.
-        name: experiment name, a subdirectory of `save_dir`.
+        name: experiment name, a subdirectory of `save_dir` (None or "": the versions go in `save_dir`).
         version: run number; None picks the next free one.
+        log_graph: let `log_graph` add the model's graph (with ``example_input_array`` or the input given).
         default_hp_metric: log a placeholder ``hp_metric`` of -1 with the hyperparameters, so the
             HPARAMS tab has a metric column before you log a real one under that name.
+        prefix: put before every metric's name, joined by "-".
+        sub_dir: a subdirectory of the version directory for the event files.
+        **kwargs: passed to torch's `SummaryWriter` (``max_queue``, ``flush_secs``, ...).
     """
 
     def __init__(
         self,
         save_dir: str | os.PathLike[str],
-        name: str = "logs",
+        name: str | None = "lightning_logs",
         version: int | str | None = None,
+        log_graph: bool = False,
         default_hp_metric: bool = False,
+        prefix: str = "",
+        sub_dir: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
     ) -> None:
         # Import tensorboard now rather than at the first logged step: an import in the middle of
         # training leaves tens of thousands of young objects whose promotion later sets off a full
         # garbage collection (a pause of ~200 ms measured on the tiny-MLP benchmark).
         import torch.utils.tensorboard  # noqa: F401
 
-        super().__init__(save_dir, name, version)
+        super().__init__(save_dir, name, version, sub_dir)
         self.default_hp_metric = default_hp_metric
+        self._log_graph = log_graph
+        self._prefix = prefix
+        self._writer_options = kwargs
         self._writer: SummaryWriter | None = None
         self._purged = False
         self._epoch_step = -1
@@ -66,13 +77,15 @@ class TensorBoardLogger(VersionedLogger):
             if self._resumed_after is not None and self._resumed_after >= 0 and purge_step is not None:
                 purge_step = self._resumed_after + 1
             purge = purge_step if self.resuming and not self._purged else None
-            self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge)
+            self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge, **self._writer_options)
             self._started = self._purged = True
         return self._writer
 
     @rank_zero_only
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Add one scalar per metric at `step`."""
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Add one scalar per metric at `step` (None: the step after the last one written)."""
+        if step is None:
+            step = self._last_step + 1
         writer = self._open_writer(purge_step=step)
         self._last_step = max(self._last_step, step)
         for name, value in metrics.items():
@@ -82,7 +95,7 @@ class TensorBoardLogger(VersionedLogger):
                 if self._epoch_step == step:
                     continue
                 self._epoch_step = step
-            writer.add_scalar(name, value, step)
+            writer.add_scalar(f"{self._prefix}-{name}" if self._prefix else name, value, step)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the version and the last step written (what a resumed run keeps of this run's events)."""
@@ -97,18 +110,21 @@ class TensorBoardLogger(VersionedLogger):
             self._epoch_step = self._resumed_after
 
     @rank_zero_only
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
-        """Save `params` to ``hparams.yaml`` and as an HPARAMS-tab session of this run."""
+    def log_hyperparams(self, params: dict[str, Any] | Any, metrics: dict[str, float] | None = None) -> None:
+        """Save `params` (a dict or an `argparse.Namespace`) to ``hparams.yaml`` and as an HPARAMS-tab session of
+        this run, with `metrics` (e.g. ``{"hp_metric": ...}``) as its values."""
+        params = vars(params) if hasattr(params, "__dict__") and not isinstance(params, Mapping) else params
         if not params:
             return
-        self.save_hparams_file(params)
+        self.save_hparams_file(dict(params))
         if self.resuming:
             # The run that created this directory wrote the session already; writing now would open the
             # writer before the first resumed step is known, and that step is the purge step.
             return
         from torch.utils.tensorboard.summary import hparams
 
-        metrics = {"hp_metric": -1.0} if self.default_hp_metric else {}
+        if metrics is None:
+            metrics = {"hp_metric": -1.0} if self.default_hp_metric else {}
         experiment, start, end = hparams(_flatten(params), metrics)
         # The plugin's summaries go to this run's own event file, not a sub-run as `add_hparams` would.
         file_writer = self.experiment.file_writer
@@ -116,6 +132,39 @@ class TensorBoardLogger(VersionedLogger):
             file_writer.add_summary(summary)
         for name, value in metrics.items():
             self.experiment.add_scalar(name, value, 0)
+
+    @rank_zero_only
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        """Add `model`'s graph, traced on `input_array` (default: its ``example_input_array``), when the logger
+        was built with ``log_graph=True``."""
+        if not self._log_graph:
+            return
+        if input_array is None:
+            input_array = getattr(model, "example_input_array", None)
+        if input_array is None:
+            rank_zero_warn(
+                "Could not log the computational graph: neither `input_array` nor the model's `example_input_array` "
+                "is set."
+            )
+            return
+        tracing = getattr(model, "_jit_is_scripting", None)
+        if tracing is not None:
+            model._jit_is_scripting = True  # the tracer reads every property, `trainer` included
+        try:
+            self.experiment.add_graph(model, input_array)
+        finally:
+            if tracing is not None:
+                model._jit_is_scripting = tracing
+
+    @rank_zero_only
+    def save(self) -> None:
+        """Write ``hparams.yaml`` if the run has a directory and the file is missing (the events are flushed
+        by the writer's own schedule and at `finalize`)."""
+        # The Trainer calls this at every logging step: no file system call unless there is something to write.
+        if self.hparams and not self._hparams_written and os.path.isdir(self.log_dir):
+            if not os.path.isfile(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE)):
+                self.save_hparams_file({})
+            self._hparams_written = True
 
     @rank_zero_only
     def finalize(self, status: str) -> None:

@@ -26,12 +26,24 @@ class VersionedLogger(Logger):
 
     Args:
         save_dir: root directory of all runs.
-        name: experiment name, a subdirectory of `save_dir`.
+        name: experiment name, a subdirectory of `save_dir`; None or "" puts the versions in `save_dir` itself.
         version: run number; a string names the directory itself (as in Lightning); None picks the next free
             number.
+        sub_dir: a subdirectory of the version directory that `log_dir` names (Lightning's `sub_dir`).
+
+    As in Lightning, a subclass may override the `name` and `version` properties.
     """
 
-    def __init__(self, save_dir: str | os.PathLike[str], name: str, version: int | str | None = None) -> None:
+    #: The hyperparameters' file in `log_dir`.
+    NAME_HPARAMS_FILE = "hparams.yaml"
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        name: str | None,
+        version: int | str | None = None,
+        sub_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         if not isinstance(version, str):
             check_int(
                 type(self).__name__,
@@ -41,27 +53,48 @@ class VersionedLogger(Logger):
                 none_ok=True,
                 meaning="a name, or None for the next free one",
             )
-        self.save_dir = str(save_dir)
-        self.name = name
+        self._save_dir = os.path.expanduser(os.fspath(save_dir))
+        self._name = name or ""
+        self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
+        #: The hyperparameters logged so far (what `save` writes to ``hparams.yaml``).
+        self.hparams: dict[str, Any] = {}
         self._given_version = version
         self._version = version
         #: Set by `load_state_dict` when this run continues the directory of a checkpointed run.
         self.resuming = False
         #: Set by subclasses once they have written to `log_dir`; the version is fixed from then on.
         self._started = False
+        #: Whether ``hparams.yaml`` holds `hparams` (so `save` has nothing to write).
+        self._hparams_written = False
+
+    @property
+    def save_dir(self) -> str:
+        """Root directory of all runs."""
+        return self._save_dir
+
+    @property
+    def name(self) -> str:
+        """The experiment's name: the subdirectory of `save_dir` ("" for none)."""
+        return self._name
+
+    @property
+    def root_dir(self) -> str:
+        """``save_dir/name``: the directory holding every version."""
+        return os.path.join(self.save_dir, self.name) if self.name else self.save_dir
 
     @property
     def version(self) -> int | str:
         """The run number N of ``version_N``, or the name given as a string (the directory's own name)."""
         if self._version is None:
-            self._version = _next_version(Path(self.save_dir, self.name))
+            self._version = _next_version(Path(self.root_dir))
         return self._version
 
     @property
     def log_dir(self) -> str:
-        """Directory of this run's files."""
+        """Directory of this run's files: ``root_dir/version_N`` (and `sub_dir`)."""
         version = self.version
-        return os.path.join(self.save_dir, self.name, version if isinstance(version, str) else f"version_{version}")
+        path = os.path.join(self.root_dir, version if isinstance(version, str) else f"version_{version}")
+        return os.path.join(path, self._sub_dir) if self._sub_dir is not None else path
 
     def state_dict(self) -> dict[str, Any]:
         """Return the version, so a resumed run writes to the same directory."""
@@ -78,10 +111,12 @@ class VersionedLogger(Logger):
 
     def save_hparams_file(self, params: dict[str, Any]) -> None:
         """Write `params` to ``log_dir/hparams.yaml``."""
+        self.hparams.update(params)
         os.makedirs(self.log_dir, exist_ok=True)
         self._started = True
-        with open(os.path.join(self.log_dir, "hparams.yaml"), "w") as file:
-            yaml.safe_dump(params, file, sort_keys=False)
+        with open(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), "w") as file:
+            yaml.safe_dump(self.hparams, file, sort_keys=False)
+        self._hparams_written = True
 
 
 def _next_version(root: Path) -> int:

@@ -1,6 +1,6 @@
 # Lightning's introductory example ("Lightning in 15 minutes": the LitAutoEncoder), ported to syncline.
-# What differs from Lightning's page: the imports, the names L.LightningModule and L.Trainer (Task and Trainer),
-# and the checkpoint's folder (logs/, not lightning_logs/). docs/from_lightning.md shows this file.
+# What differs from Lightning's page: the imports and the names L.LightningModule and L.Trainer (Task and Trainer).
+# docs/from_lightning.md shows this file.
 import os
 
 import torch
@@ -51,7 +51,7 @@ trainer = Trainer(limit_train_batches=100, max_epochs=1)  # Lightning: L.Trainer
 trainer.fit(model=autoencoder, train_dataloaders=train_loader)
 
 # load checkpoint
-checkpoint = "./logs/version_0/checkpoints/epoch=0-step=100.ckpt"  # Lightning: ./lightning_logs/version_0/...
+checkpoint = "./lightning_logs/version_0/checkpoints/epoch=0-step=100.ckpt"
 autoencoder = LitAutoEncoder.load_from_checkpoint(checkpoint, encoder=encoder, decoder=decoder)
 
 # choose your trained nn.Module

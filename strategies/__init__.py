@@ -4,6 +4,7 @@ from syncline.strategies.async_model_average import AsyncModelAverage
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.bytegrad import ByteGrad
 from syncline.strategies.decentralized import Decentralized
+from syncline.strategies.diloco import DiLoCo
 from syncline.strategies.local_sgd import LocalSGD
 from syncline.strategies.native_ddp import NativeDDP
 from syncline.strategies.parameter_server import ParameterServer
@@ -22,6 +23,7 @@ __all__ = [
     "BucketedDDP",
     "ByteGrad",
     "Decentralized",
+    "DiLoCo",
     "LocalSGD",
     "NativeDDP",
     "ParameterServer",

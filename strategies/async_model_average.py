@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from syncline.options import check_number
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.flat import flatten, flatten_by_dtype, unflatten_into
+from syncline.strategies.comm.transfers import all_reduce
 from syncline.strategies.model_averaging import ModelAveraging
 from syncline.trainer.rank_zero import rank_zero_warn
 
@@ -92,10 +92,6 @@ class AsyncModelAverage(ModelAveraging):
         self._failed = False
 
     # --------------------------------------------------------------- lifecycle
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """Behind the whole step: a background thread averages while the main thread trains."""
-        return (WirePhase(1.0, "all", "a background thread averages while training goes on"),)
-
     def after_setup(self, task: Task) -> None:
         """Make the averaging thread's own gloo process group."""
         super().after_setup(task)
@@ -103,11 +99,10 @@ class AsyncModelAverage(ModelAveraging):
         # Collective: every rank creates the averaging thread's group, in the same order.
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
 
-    def on_stage_failure(self) -> None:
+    def on_failure(self) -> None:
         """Wait only briefly for the averaging thread from now on: its peers may be gone or cut off."""
         self._failed = True
         self._stop.set()
-        super().on_stage_failure()
 
     def teardown(self) -> None:
         """Stop the averaging thread (bounded wait), then remove the reducer's hooks."""
@@ -115,10 +110,10 @@ class AsyncModelAverage(ModelAveraging):
         super().teardown()
 
     # -------------------------------------------------------------- train step
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
-        """Step under the lock (the thread never copies half a step), then apply a finished round."""
+    def apply_update(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
+        """Step under the lock: the thread never copies half a step (a finished round is applied after it)."""
         with self._lock:
-            super().optimizer_step(optimizer, step)
+            super().apply_update(optimizer, step)
 
     def average_after_step(self, local_step: int) -> None:
         """Apply the round the thread finished, if any; start the thread after the warm-up."""
@@ -154,20 +149,18 @@ class AsyncModelAverage(ModelAveraging):
                         break
                 flag = torch.tensor([1.0 if self._stop.is_set() else 0.0])
                 # Collective (averaging group): does any rank want to stop? Then all leave after this round.
-                dist.all_reduce(flag, group=self._group)
+                all_reduce(flag, self.comm_counter, group=self._group)
                 if flag.item() > 0:
                     return
                 with self._lock:
                     snapshot = flatten_by_dtype(self._params)
-                result, nbytes = [], 0
+                result = []
                 for tensors, then in snapshot:
                     average = then / world
                     # Collective (averaging group): one flat all-reduce of the parameters of this dtype.
-                    dist.all_reduce(average, group=self._group)
-                    nbytes += average.numel() * average.element_size()
+                    all_reduce(average, self.comm_counter, group=self._group)
                     result.append((tensors, average, then))
                 with self._lock:
-                    self.comm_counter.add(nbytes + flag.numel() * flag.element_size())
                     self.rounds += 1
                     self._applied.clear()
                     self._result = result

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from syncline.options import OptionError, check_int, check_number
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.bucket_autotune import AUTO, DEFAULT_CAPS_MB, BucketAutotune, distinct_caps
 from syncline.strategies.comm.deferred_update import DeferredUpdates
 from syncline.strategies.comm.hooks import CommHook
@@ -140,8 +139,12 @@ class BucketedDDP(ReducerStrategy):
         self._synced_cap_mb: float | None = None  # the cap of the last synchronized step, while autotuning
         self.deferred_update = deferred_update
         self.deferred_hold = deferred_hold
-        #: With `deferred_update`, the buckets whose optimizer step the next forward owes (after setup).
-        self.deferred: DeferredUpdates | None = None
+
+    @property
+    def deferred(self) -> DeferredUpdates | None:
+        """With `deferred_update`, the buckets whose optimizer step the next forward owes: the core's work in flight
+        (after setup; None otherwise)."""
+        return cast("DeferredUpdates | None", self.in_flight)
 
     def _check_bucket_cap(self, bucket_cap_mb: Any) -> None:
         # 0 is meaningful, as in torch's DDP: every parameter gets its own bucket.
@@ -191,33 +194,6 @@ class BucketedDDP(ReducerStrategy):
             return None  # the first synchronized backward observes the gradient order, and waits as usual
         return round(self.deferred_hold * len(self.reducer.buckets))
 
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """With `deferred_update`, the wire may run behind the whole step (forward, backward and optimizer step)."""
-        if self.deferred_update:
-            return (WirePhase(1.0, "all", "updates land per layer in the next forward (ByteScheduler)"),)
-        return super().wire_phases()
-
-    def apply_pending_updates(self) -> None:
-        """Take the optimizer step on every bucket the next forward would have stepped."""
-        if self.deferred is not None:
-            self.deferred.apply_all()
-
-    def training_step(self, task: Task, batch: Any, batch_idx: int) -> Any:
-        """Step the task's own parameters first (`training_step` may read them outside a forward), then the forward."""
-        if self.deferred is not None:
-            self.deferred.apply_parameters(task.parameters(recurse=False))
-        return super().training_step(task, batch, batch_idx)
-
-    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
-        """As the core's; with `deferred_update`, what is still pending is applied first, and a synchronized
-        backward returns with its buckets in flight."""
-        deferred = self.deferred
-        if deferred is not None:
-            deferred.apply_all()  # before autograd writes into the buckets again
-        super().backward(loss, sync=sync, retain_graph=retain_graph)
-        if deferred is not None:
-            deferred.defer(self.reducer.launched_buckets)
-
     def apply_update(self, optimizer: torch.optim.Optimizer, step: Any) -> None:
         """Take the step, or, with buckets in flight, record it for the next forward."""
         if self.deferred is not None and self.deferred.pending:
@@ -225,31 +201,11 @@ class BucketedDDP(ReducerStrategy):
         else:
             step()
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """Apply whatever the forward left pending, then reset the gradients as the core does."""
-        if self.deferred is not None:
-            self.deferred.apply_all()
-        super().zero_grad(optimizer)
-
     def clip_gradients(self, parameters: list[Tensor], max_norm: float, algorithm: str = "norm") -> Tensor:
         """Refuse with deferred updates (a task's own `configure_gradient_clipping` gets here too)."""
         if self.deferred_update:
             raise OptionError(f"BucketedDDP(deferred_update=True) cannot clip gradients: {_DEFERRED_NEEDS}.")
         return super().clip_gradients(parameters, max_norm, algorithm)
-
-    def on_stage_failure(self) -> None:
-        """Forget pending updates: their collectives may never complete."""
-        if self.deferred is not None:
-            self.deferred.pending.clear()
-        super().on_stage_failure()
-
-    def teardown(self) -> None:
-        """Apply what is pending (a fit that ended without the loop's final flush), then remove every hook."""
-        if self.deferred is not None:
-            self.deferred.apply_all()
-            self.deferred.remove_hooks()
-            self.deferred = None
-        super().teardown()
 
     # ---------------------------------------------------------------- autotune
     def _bucket_cap_at_setup(self) -> float:
@@ -266,14 +222,17 @@ class BucketedDDP(ReducerStrategy):
                     "BucketedDDP(deferred_update=True) cannot defer sparse gradients (nn.Embedding(sparse=True)), "
                     "which are averaged after every bucket; drop deferred_update or sparse=True."
                 )
-            self.deferred = DeferredUpdates(self.reducer, task)
+            self.in_flight = DeferredUpdates(self.reducer, task)
         if self.bucket_cap_mb == AUTO:
             caps = distinct_caps(self.autotune_caps_mb, self.reducer.gradient_group_bytes())
             self.autotune = BucketAutotune(caps, self.autotune_steps)
             self.reducer.set_bucket_cap(self.autotune.current_mb)
 
     def after_backward(self) -> None:
-        """While tuning, time the synchronized step; lay out the cap the tuner asks for."""
+        """With `deferred_update`, owe the step of the buckets still in flight; while tuning, time the synchronized
+        step and lay out the cap the tuner asks for."""
+        if self.deferred is not None:
+            self.deferred.defer(self.reducer.launched_buckets)
         tuner = self.autotune
         if tuner is None:
             return

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.comm_thread import CommThread
 from syncline.strategies.comm.compression import ErrorFeedback, Scatter, finish_average, start_scatter
 from syncline.strategies.comm.counter import CommCounter
@@ -162,12 +161,6 @@ class ByteGrad(ReducerStrategy):
         )
         self.error_feedback = error_feedback
         self.comm_thread = comm_thread
-
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """Behind the backward on the communication thread; inside the hook, serialized with it."""
-        if self.comm_thread:
-            return super().wire_phases()
-        return (WirePhase(1.0, "none", "each bucket's exchange blocks the backward inside the autograd hook"),)
 
     def after_setup(self, task: Task) -> None:
         """Start the communication thread and its group (with `comm_thread`, on several processes)."""

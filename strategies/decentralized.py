@@ -35,9 +35,8 @@ import torch
 from torch import Tensor
 
 from syncline.options import OptionError, check_int
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.compression import minmax_dequantize, minmax_quantize, pack_flat, unpack_flat
-from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
+from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into, write_range
 from syncline.strategies.comm.parameter_exchange import ParameterExchange, PrefetchedParameters
 from syncline.strategies.comm.transfers import all_gather_in_pieces, all_to_all_in_pieces, exchange
 from syncline.strategies.model_averaging import ModelAveraging, average_parameters
@@ -150,12 +149,6 @@ class Decentralized(PrefetchedParameters, ModelAveraging):
             self.exchange = ParameterExchange(task)
             self.exchange.set_layout([self._segment_params(index) for index in range(len(self._segments))])
 
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """With `prefetch`, the exchange runs behind the next forward; else serialized (`ModelAveraging`)."""
-        if self.exchange is not None or self.prefetch:
-            return (WirePhase(1.0, "forward", "the averaged differences land per layer in the next forward"),)
-        return super().wire_phases()
-
     # --------------------------------------------------------------- averaging
     def average_after_step(self, local_step: int) -> None:
         """Average with this round's peers every `period` local steps."""
@@ -193,9 +186,7 @@ class Decentralized(PrefetchedParameters, ModelAveraging):
     def _exchange(self, tensor: Tensor, partner: int) -> Tensor:
         """Send `tensor` to `partner` and receive its tensor of the same shape."""
         # Collective (point to point): both ends post their sends and receives before waiting on any.
-        received = exchange(tensor, partner)
-        self.comm_counter.add(tensor.numel() * tensor.element_size())
-        return received
+        return exchange(tensor, partner, counter=self.comm_counter)
 
     def _average_all_quantized(self) -> None:
         """x += mean_j(x̂_j) - x̂_i, every rank's difference all-gathered as uint8."""
@@ -204,8 +195,7 @@ class Decentralized(PrefetchedParameters, ModelAveraging):
             quantized = minmax_quantize(flat - self.estimates[str(rank)][index], chunks=_chunks(flat))
             payload = pack_flat(quantized)
             # Collective: every rank's quantized difference (all payloads have the same size).
-            gathered = all_gather_in_pieces(payload, world)[0].split(payload.numel())
-            self.comm_counter.add(payload.numel())
+            gathered = all_gather_in_pieces(payload, world, counter=self.comm_counter)[0].split(payload.numel())
             for peer, received in enumerate(gathered):
                 self.estimates[str(peer)][index] += minmax_dequantize(
                     unpack_flat(received, quantized.sizes), flat.dtype
@@ -260,17 +250,16 @@ class Decentralized(PrefetchedParameters, ModelAveraging):
             mine_key = str(rank) if partner is None else f"mine@{partner}"
             quantized = minmax_quantize(values - self.estimates[mine_key][group][start:end], chunks=chunks)
             payload = pack_flat(quantized)
-            self.comm_counter.add(payload.numel())
             if partner is None:
                 # Collective (asynchronous): every rank's quantized difference of this segment.
-                gathered, works = all_gather_in_pieces(payload, world, async_op=True)
+                gathered, works = all_gather_in_pieces(payload, world, async_op=True, counter=self.comm_counter)
             else:
                 self.estimates[mine_key][group][start:end] += minmax_dequantize(quantized, flat.dtype)
                 gathered = torch.empty_like(payload)
                 sends: list[Tensor | None] = [payload if peer == partner else None for peer in range(world)]
                 receives: list[Tensor | None] = [gathered if peer == partner else None for peer in range(world)]
                 # Collective (point to point, asynchronous): this segment's differences, both ways.
-                works = all_to_all_in_pieces(sends, receives, async_op=True)
+                works = all_to_all_in_pieces(sends, receives, async_op=True, counter=self.comm_counter)
             finish = self._landing(tensors, group, start, end, values, quantized.sizes, gathered, partner)
             self.exchange.launch(index, works, finish)
 
@@ -299,7 +288,7 @@ class Decentralized(PrefetchedParameters, ModelAveraging):
                 theirs, mine = self.estimates[str(partner)][group], self.estimates[f"mine@{partner}"][group]
                 theirs[start:end] += minmax_dequantize(unpack_flat(received, sizes), dtype)
                 new = values + (theirs[start:end] - mine[start:end]) / 2
-            _write_range(tensors, start, end, new)
+            write_range(tensors, start, end, new)
 
         return land
 
@@ -325,14 +314,3 @@ class Decentralized(PrefetchedParameters, ModelAveraging):
 
 def _chunks(flat: Tensor) -> int:
     return max(1, -(-flat.numel() // _CHUNK))
-
-
-@torch.no_grad()
-def _write_range(tensors: list[Tensor], start: int, end: int, values: Tensor) -> None:
-    """Write `values` into elements [start, end) of the flat concatenation of `tensors`."""
-    offset = 0
-    for tensor in tensors:
-        first, last = max(start, offset), min(end, offset + tensor.numel())
-        if first < last:
-            tensor.view(-1)[first - offset : last - offset].copy_(values[first - start : last - start])
-        offset += tensor.numel()

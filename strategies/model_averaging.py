@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from syncline.options import check_int
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.events import collective_span
 from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
+from syncline.strategies.comm.transfers import all_reduce
 from syncline.strategies.reducer_strategy import ReducerStrategy
 
 if TYPE_CHECKING:
@@ -47,9 +47,7 @@ def average_parameters(params: list[Tensor], group: Any = None, counter: CommCou
     for tensors, flat in flatten_by_dtype(params):
         flat /= size
         # Collective: one flat all-reduce of every parameter of this dtype.
-        dist.all_reduce(flat, group=group)
-        if counter is not None:
-            counter.add(flat.numel() * flat.element_size())
+        all_reduce(flat, counter, group=group)
         unflatten_into(tensors, flat)
 
 
@@ -103,11 +101,6 @@ class ModelAveraging(ReducerStrategy):
         if self.steps > self.warmup_steps:
             with collective_span(self.comm_events, "model averaging"):
                 self.average_after_step(self.steps - self.warmup_steps)
-
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """After the warm-up: serialized with compute. Averaging follows the optimizer step, and the next forward
-        needs the averaged parameters (the lab's wire time is already per step, a period's bytes over its steps)."""
-        return (WirePhase(1.0, "none", "averaging follows the step; the next forward needs its result"),)
 
     def average_after_step(self, local_step: int) -> None:
         """Average parameters after local step number `local_step` (1, 2, ...) as the algorithm says."""

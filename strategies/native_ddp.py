@@ -43,10 +43,9 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel import DistributedDataParallel
 
-from syncline.options import OptionError, check_int, check_number
+from syncline.options import OptionError, check_int, check_number, check_passthrough
 from syncline.strategies.comm.autograd_graph import grad_accumulators, parameters_reached
 from syncline.strategies.comm.backward_sync import BackwardSyncControl
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.join import Joinable
 from syncline.strategies.comm.process_group import ProcessGroupStrategy
 from syncline.strategies.comm.torch_relaxations import TORCH_HOOKS, TorchRelaxation
@@ -90,6 +89,16 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
 
     name = "native_ddp"
 
+    #: The options passed through to `DistributedDataParallel` (``**ddp_kwargs``) that the config lists, with torch's
+    #: defaults.
+    passthrough_options: dict[str, Any] = {
+        "bucket_cap_mb": 25.0,
+        "find_unused_parameters": False,
+        "gradient_as_bucket_view": False,
+        "broadcast_buffers": True,
+        "static_graph": False,
+    }
+
     def __init__(
         self,
         backend: str | None = None,
@@ -117,6 +126,10 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         #: Post-local SGD's replicas differ between averagings: checkpoints keep every rank's weights.
         self.replicas_differ = comm_hook == "post_local_sgd"
         self._relaxation: TorchRelaxation | None = None
+        # Refused here, before any process starts, rather than by torch inside every worker.
+        check_passthrough("NativeDDP", DistributedDataParallel.__init__, ddp_kwargs, "torch's DistributedDataParallel")
+        for name in ("module", "device_ids") & ddp_kwargs.keys():
+            raise OptionError(f"NativeDDP({name}=...): NativeDDP passes {name} to DistributedDataParallel itself.")
         if "bucket_cap_mb" in ddp_kwargs:
             check_number("NativeDDP", "bucket_cap_mb", ddp_kwargs["bucket_cap_mb"], minimum=0, meaning="MiB per bucket")
         if ddp_kwargs.get("broadcast_buffers") is True:
@@ -145,14 +158,6 @@ class NativeDDP(BackwardSyncControl, Joinable, ProcessGroupStrategy):
                 "of a manual step (one per optimizer) need not; drop static_graph"
             )
         return ""
-
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """torch's reducer: gradient buckets behind the backward; its relaxations as syncline's own."""
-        if self.comm_hook == "powersgd":
-            return (WirePhase(1.0, "none", "torch's PowerSGD hook: P then Q all-reduce per bucket"),)
-        if self.comm_hook == "post_local_sgd":
-            return (WirePhase(1.0, "none", "torch's averager follows the step; the next forward needs its result"),)
-        return (WirePhase(1.0, "backward", "torch's buckets launch as the backward produces them"),)
 
     @property
     def ddp(self) -> DistributedDataParallel:

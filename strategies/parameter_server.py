@@ -33,7 +33,6 @@ from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import OptionError, check_int
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.counter import CommCounter, count_bytes
 from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
 from syncline.strategies.comm.hooks import GradBucket
@@ -45,7 +44,7 @@ from syncline.strategies.comm.parameter_exchange import (
     steps_per_parameter,
 )
 from syncline.strategies.comm.process_group import broadcast_coalesced
-from syncline.strategies.comm.transfers import all_to_all_in_pieces, future_of
+from syncline.strategies.comm.transfers import all_reduce, all_to_all_in_pieces, broadcast, future_of
 from syncline.strategies.reducer_strategy import ReducerStrategy
 
 if TYPE_CHECKING:
@@ -154,17 +153,6 @@ class ParameterServer(PrefetchedParameters, ReducerStrategy):
         """Whether this rank holds the optimizer state and steps."""
         return self.global_rank == self.server_rank
 
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """Gradients in behind the backward; parameters out behind the next forward with `prefetch`, else after the
-        step. The server's link carries (W-1) copies each way, in opposite directions: each phase takes the whole
-        wire time."""
-        return (
-            WirePhase(1.0, "backward", "gradient buckets reach the server during the backward"),
-            WirePhase(1.0, "forward", "the server's new parameters reach each layer before the forward does")
-            if self.prefetch
-            else WirePhase(1.0, "none", "the workers wait for the whole broadcast before the forward"),
-        )
-
     def check_world_size(self, world_size: int) -> None:
         """Check the server is a rank of a job of `world_size` processes."""
         if self.server_rank >= world_size:
@@ -181,8 +169,8 @@ class ParameterServer(PrefetchedParameters, ReducerStrategy):
             self.exchange = ParameterExchange(task)
 
     # -------------------------------------------------------------- train step
-    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
-        """Back-propagate `loss`, reducing the gradients onto the server when `sync` is true.
+    def before_backward(self, sync: bool) -> None:
+        """Before a backward that reduces the gradients onto the server.
 
         A manual optimization step may add a backward to gradients an earlier one reduced already: the server
         holds their average and the workers zeros, so the server multiplies its buffers by the world size
@@ -200,7 +188,6 @@ class ParameterServer(PrefetchedParameters, ReducerStrategy):
         if self.manual_optimization and self.is_server:
             for bucket in self.reducer.buckets:
                 bucket.buffer.mul_(self.world_size)
-        super().backward(loss, sync=sync, retain_graph=retain_graph)
 
     def after_backward(self) -> None:
         """The gradients are reduced onto the server: make every rank agree on their finiteness."""
@@ -236,13 +223,12 @@ class ParameterServer(PrefetchedParameters, ReducerStrategy):
         without waiting)."""
         if self.exchange is None:
             # Collective: the server's updated parameters to every rank, one broadcast per dtype.
-            broadcast_coalesced(self._params, src=self.server_rank)
+            broadcast_coalesced(self._params, src=self.server_rank, counter=self.comm_counter)
         else:
             # A worker's buckets, and the server's when its step was skipped (fp16) or taken whole.
             for index in self._order:
                 if index not in self._sent:
                     self._send(index)
-        self.comm_counter.add_tensors(*self._params)
 
     def _start_prefetch(self) -> bool:
         """Before a step with `prefetch`: lay out the broadcasts as the buckets are now; False without prefetch."""
@@ -267,7 +253,7 @@ class ParameterServer(PrefetchedParameters, ReducerStrategy):
         self._sent.add(index)
         flats = flatten_by_dtype(self._groups[index])
         # Collective (asynchronous): this bucket's parameters from the server, one broadcast per dtype.
-        works = [dist.broadcast(flat, src=self.server_rank, async_op=True) for _, flat in flats]
+        works = [broadcast(flat, self.server_rank, self.comm_counter) for _, flat in flats]
         if self.is_server:
             self.exchange.launch(index, works, None)  # its parameters hold the values already
             return
@@ -286,9 +272,8 @@ class ParameterServer(PrefetchedParameters, ReducerStrategy):
         else:
             flag = torch.zeros((), device=self.root_device)
         flag = flag.reshape(1)
-        self.comm_counter.add_tensors(flag)
         # Collective: the server's verdict to every rank (the workers contribute 0).
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        all_reduce(flag, self.comm_counter, op=dist.ReduceOp.MAX)
         if not self.is_server:
             # Host sync: the verdict decides what the workers' scratch gradients become.
             value = float("nan") if flag.item() else 0.0

@@ -31,7 +31,6 @@ from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import check_int, check_number
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.compression import ErrorFeedback
 from syncline.strategies.comm.counter import CommCounter, count_bytes
 from syncline.strategies.comm.flat import flatten, unflatten
@@ -201,12 +200,6 @@ class PowerSGD(ReducerStrategy):
         self.rank, self.start_iter = rank, start_iter
         self.error_feedback, self.warm_start = error_feedback, warm_start
         self.min_compression_rate = min_compression_rate
-
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """After the exact start: serialized with compute. A bucket's P and Q all-reduces are sequential, with the
-        orthogonalization between them, and the default 25 MiB bucket holds the whole model, so the exchange
-        follows the backward."""
-        return (WirePhase(1.0, "none", "P then Q all-reduce per bucket, the model in one bucket: after the backward"),)
 
     def stage(self) -> int:
         """0 for the first `start_iter` steps (exact all-reduce), then 1 (low rank)."""

@@ -8,29 +8,34 @@ runs in two stages:
     then, every optimizer step:
         m = beta1 m + (1 - beta1) (g + weight_decay p)      local gradient g, no gradient communication
                                                              (AdamW: p = p (1 - lr weight_decay) instead)
-        m = compressed average of m over ranks               8-bit scatter-reduce + all-gather, error feedback
+        m = compressed average of m over ranks               the reducer's buckets of momenta, each through
+                                                             ByteGrad's 8-bit hook (scatter-reduce + all-gather,
+                                                             error feedback per parameter)
         p = p - lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps)
 
 The momentum and the frozen variance live where torch's Adam keeps them (`optimizer.state[p]["exp_avg"]`,
 `["exp_avg_sq"]`, `["step"]`), so the optimizer's checkpoint holds them; they are equal on every rank,
-since every rank applies the same averaged momentum. What differs per rank, the error-feedback memory,
-is in this strategy's `state_dict`, beside the core's step counter.
+since every rank applies the same averaged momentum. What differs per rank, the error-feedback memory (keyed by
+parameter name), is in this strategy's `state_dict`, beside the core's step counter.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from syncline.options import check_int
-from syncline.strategies.comm.bound import WirePhase
-from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
+from syncline.strategies.bytegrad import ByteGradState, bytegrad_hook
+from syncline.strategies.comm.compression import ErrorFeedback
 from syncline.strategies.comm.events import collective_span
 from syncline.strategies.reducer_strategy import ReducerStrategy
 from syncline.strategies.strategy import replace_step
+
+if TYPE_CHECKING:
+    from syncline.trainer.task import Task
 
 __all__ = ["QAdam"]
 
@@ -72,16 +77,18 @@ class QAdam(ReducerStrategy):
         super().__init__(bucket_cap_mb, find_unused_parameters=find_unused_parameters, backend=backend, timeout=timeout)
         self.warmup_steps = warmup_steps
         self.error_feedback = ErrorFeedback()
+        #: The momentum buckets' hook state: ByteGrad's, with this strategy's error feedback.
+        self._momentum_state = ByteGradState(error_feedback=self.error_feedback)
+        self._names: dict[int, str] = {}
 
     @property
     def warming_up(self) -> bool:
         """Whether the next optimizer step is a warm-up step (exact gradients, torch's Adam)."""
         return self.steps < self.warmup_steps
 
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """After the warm-up: serialized with compute. The flat momentum is quantized in one chunk per rank, and rank
-        0's chunk (the front layers) is complete only when the backward ends; the update needs the average."""
-        return (WirePhase(1.0, "none", "the momentum's per-rank chunks need the whole backward; the step needs them"),)
+    def after_setup(self, task: Task) -> None:
+        """Name every parameter: the error feedback of its momentum is kept under its name."""
+        self._names = {id(param): name for name, param in task.named_parameters()}
 
     def stage(self) -> int:
         """0 during the warm-up, then 1 (frozen variance, compressed momentum)."""
@@ -126,14 +133,11 @@ class QAdam(ReducerStrategy):
                     grad = grad.add(param, alpha=group["weight_decay"])
                 state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
                 entries.append((group, param, state))
-        momenta = [state["exp_avg"] for _, _, state in entries]
-        corrected = self.error_feedback.compensate("momentum", torch.cat([m.reshape(-1).float() for m in momenta]))
+        momenta = [(self._names[id(param)], state["exp_avg"]) for _, param, state in entries]
+        self._split_legacy_memory(momenta)
         with collective_span(self.comm_events, "compressed momentum"):
-            # Collectives (inside): 8-bit all-to-all and all-gather of the flat momentum.
-            average, sent = compressed_average(corrected, None, self.comm_counter)
-        self.error_feedback.remember("momentum", corrected, sent)
-        for momentum, piece in zip(momenta, average.split([m.numel() for m in momenta])):
-            momentum.copy_(piece.view_as(momentum))
+            # Collectives (inside): per bucket of momenta, the 8-bit all-to-all and all-gather.
+            self.reducer.average_tensors(momenta, bytegrad_hook, self._momentum_state)
         for group, param, state in entries:
             beta1, beta2 = group["betas"]
             state["step"] += 1
@@ -148,6 +152,15 @@ class QAdam(ReducerStrategy):
     def load_algorithm_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's error-feedback memory."""
         self.error_feedback.load_state_dict(state["error_feedback"])
+
+    def _split_legacy_memory(self, momenta: list[tuple[str, Tensor]]) -> None:
+        """Cut a checkpoint's one flat memory of every momentum (kept under "momentum" by checkpoints written before
+        the momentum went through the buckets) into the per-parameter memories, in the optimizer's order."""
+        flat = self.error_feedback.memory.pop("momentum", None)
+        if flat is None:
+            return
+        for (name, _), piece in zip(momenta, flat.split([m.numel() for _, m in momenta])):
+            self.error_feedback.memory[name] = piece.clone()  # flat, as the hook keeps a bucket's slice
 
     def __repr__(self) -> str:
         return f"QAdam(warmup_steps={self.warmup_steps}, bucket_cap_mb={self.bucket_cap_mb})"

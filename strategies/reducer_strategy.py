@@ -10,9 +10,24 @@ needs, called at the moments their names say (as BAGUA's `Algorithm`, `bagua/tor
 
     setup(task)                 check_world_size(world_size) first (the launcher asks it too); then the
                                 reducer built and rank 0's weights on every rank -> after_setup(task)
-    backward(loss, sync)        the reducer averages gradients if syncs_gradients() -> after_backward()
+    training_step(task, ...)    work in flight lands on the task's own parameters -> before_forward(task);
+                                rank 0's buffers if a synchronized step changed them; the forward
+    backward(loss, sync)        work in flight lands                              -> before_backward(sync);
+                                the reducer averages gradients if syncs_gradients() -> after_backward()
     optimizer_step(opt, step)   apply_update(opt, step); steps += 1 (stages)     -> after_optimizer_step()
                                 the stage moved (stage())                        -> stage_changed()
+    zero_grad(opt)              work in flight lands                              -> before_zero_grad(opt);
+                                the reducer resets the gradients (bucket views kept)
+    on_stage_failure()          work in flight is forgotten                       -> on_failure()
+
+The algorithm never overrides the steps themselves (`training_step`, `backward`, `optimizer_step`,
+`zero_grad`): what it does around them is one of the hooks, so the order above holds for every strategy.
+
+Work a step leaves in flight for the next forward (deferred optimizer updates, prefetched parameter transfers) is
+one `LayerWaits` in `in_flight`, made by the algorithm in `after_setup`. Its forward pre-hooks land each bucket
+just before a layer uses it; the core lands the rest before `before_forward` (the task's own parameters), the
+backward and `zero_grad`, in `apply_pending_updates` (validation, checkpoints, the end of a fit) and at
+teardown, and forgets it, unlanded, when the stage fails.
 
 What a bucket sends is the comm hook, a plain function ``hook(state, bucket) -> Future[Tensor]``
 (`comm/hooks.py`, or the algorithm's own); what the algorithm sends outside the buckets (averaged
@@ -34,11 +49,11 @@ from torch.utils.hooks import RemovableHandle
 
 from syncline.options import OptionError, check_number
 from syncline.strategies.comm.backward_sync import BackwardSyncControl
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.bucket_autotune import AUTO
 from syncline.strategies.comm.events import CommEvents
 from syncline.strategies.comm.hooks import COMM_HOOKS, CommHook
 from syncline.strategies.comm.join import Joinable
+from syncline.strategies.comm.layer_waits import LayerWaits
 from syncline.strategies.comm.process_group import ProcessGroupStrategy, broadcast_coalesced
 from syncline.strategies.comm.reducer import Reducer
 from syncline.strategies.comm.reducer_errors import unsynced_message
@@ -131,6 +146,8 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         self.steps = 0
         self._stage = 0
         self._comm_events: CommEvents | None = None
+        #: Work the last step left in flight for the next forward to land per layer (None: the step finished).
+        self.in_flight: LayerWaits | None = None
         self._reducer: Reducer | None = None
         self._sparse_gradients = False
         self._step_check: RemovableHandle | None = None
@@ -183,6 +200,26 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
     def after_setup(self, task: Task) -> None:
         """Once the reducer exists and every rank holds rank 0's weights: the algorithm's own setup."""
 
+    def before_forward(self, task: Task) -> None:
+        """Before each micro-batch's forward, once the task's own parameters are landed and before rank 0's buffers
+        are broadcast."""
+
+    def before_backward(self, sync: bool) -> None:
+        """Before each backward, once the work in flight has landed; `sync` is the loop's (outside `no_sync`)."""
+
+    def before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before the gradients of `optimizer`'s parameters are reset, once the work in flight has landed."""
+
+    def on_failure(self) -> None:
+        """The failure moment: this rank's stage raised, and its peers may be gone, cut off or blocked waiting.
+
+        Called once, on the failing rank only, after the work in flight was forgotten and before the process group
+        announces the failure to the other ranks; `teardown` follows. It must neither run nor wait for a collective
+        (a peer may never answer) and must return promptly: stop background threads without waiting long, drop
+        state owed to peers. Afterwards the strategy may be torn down and set up again on a new process group from
+        a checkpoint, so it must leave nothing behind that `setup` does not rebuild.
+        """
+
     def syncs_gradients(self) -> bool:
         """Whether the coming synchronized backward averages gradients (False: the algorithm sends something else)."""
         return True
@@ -215,10 +252,6 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         """For deferred optimizer updates: how many buckets the coming synchronized backward keeps back to its end,
         returning without waiting for any (None, the default: the backward waits for every bucket)."""
         return None
-
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """The reducer's: gradient buckets on the wire during the backward."""
-        return (WirePhase(1.0, "backward", "buckets launch as the backward produces them; the step needs every one"),)
 
     def _bucket_cap_at_setup(self) -> float:
         """The cap the buckets are laid out with at setup."""
@@ -265,7 +298,12 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         self._enter_stage()
 
     def teardown(self) -> None:
-        """Remove the reducer's hooks; the process group stays for later stages."""
+        """Land the work in flight (a fit that ended without the loop's last flush), remove its hooks and the
+        reducer's; the process group stays for later stages."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is not None:
+            in_flight.land_all()
+            in_flight.remove_hooks()
         if self._reducer is not None:
             self._reducer.remove_hooks()
             self._reducer = None
@@ -275,10 +313,27 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         super().teardown()
 
     # -------------------------------------------------------------- train step
+    def on_stage_failure(self) -> None:
+        """Forget the work in flight (its collectives may never complete), then the algorithm's `on_failure`."""
+        if self.in_flight is not None:
+            self.in_flight.forget()
+        self.on_failure()
+        super().on_stage_failure()
+
+    def apply_pending_updates(self) -> None:
+        """Land every bucket of the work in flight: the parameters and optimizer state become every step's."""
+        if self.in_flight is not None:
+            self.in_flight.land_all()
+
+    # -------------------------------------------------------------- train step
     def training_step(self, task: Task, batch: Any, batch_idx: int) -> Any:
-        """Refresh buffers from rank 0 if a synchronized step changed them, then run the forward."""
-        if self._buffers_stale and self._broadcast_buffers():
-            self.comm_counter.add_tensors(*self._buffers)
+        """Land the task's own parameters (`training_step` may read them outside a forward), refresh buffers from
+        rank 0 if a synchronized step changed them, then run the forward."""
+        if self.in_flight is not None:
+            self.in_flight.land_parameters(task.parameters(recurse=False))
+        self.before_forward(task)
+        if self._buffers_stale:
+            self._broadcast_buffers()
         return call_training_step(task, batch, batch_idx)
 
     def _broadcast_buffers(self) -> bool:
@@ -287,7 +342,7 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
             return False
         # Collective: every rank's forward sees rank 0's buffers, as torch's DDP does (under join, the
         # highest rank's that still has data; the same broadcast on a joined rank and after the last round).
-        broadcast_coalesced(self._buffers, src=self.buffer_source)
+        broadcast_coalesced(self._buffers, src=self.buffer_source, counter=self.comm_counter)
         self._buffers_stale = False
         return True
 
@@ -297,6 +352,9 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
         With `find_unused_parameters`, a parameter is unused when the graph of `loss` does not reach
         it, whatever else the forward computed from it.
         """
+        if self.in_flight is not None:
+            self.in_flight.land_all()  # before autograd writes into the buckets again
+        self.before_backward(sync)
         reducer = self.reducer
         averages = self._backward_syncs(sync) and self.syncs_gradients()
         start = time.perf_counter()
@@ -312,14 +370,13 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
 
     def finish_join(self) -> None:
         """Give every rank the last joiner's buffers (the parameters are already equal)."""
-        if self._broadcast_buffers():  # collective: from the rank that had data last
-            self.comm_counter.add_tensors(*self._buffers)
+        self._broadcast_buffers()  # collective: from the rank that had data last
 
     def shadow_forward(self) -> None:
         """Shadow `training_step`'s buffer broadcast on a rank whose data ran out."""
         # Collective: the broadcast the ranks with data run before their forward, counted as they count it.
-        if self._buffers_stale and self._broadcast_buffers():
-            self.comm_counter.add_tensors(*self._buffers)
+        if self._buffers_stale:
+            self._broadcast_buffers()
 
     def shadow_backward(self) -> None:
         """Shadow a synchronized backward with zero gradients on a rank whose data ran out."""
@@ -355,12 +412,16 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
             self.stage_changed()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """Reset gradients as `optimizer.zero_grad()` does (to None), keeping bucket views attached.
+        """Reset the gradients of `optimizer`'s whole parameters as `optimizer.zero_grad()` does (to None), keeping
+        bucket views attached.
 
         A parameter that the next step does not use on any rank ends it with `.grad` None, so weight
         decay and momentum leave frozen and unused parameters where they are, as in one process.
         """
-        self.reducer.zero_grad([p for group in optimizer.param_groups for p in group["params"]])
+        if self.in_flight is not None:
+            self.in_flight.land_all()  # a deferred step still reads the averages in the buckets
+        self.before_zero_grad(optimizer)
+        self.reducer.zero_grad(self.optimizer_parameters(optimizer))
 
     def restore_gradients(self, parameters: list[Tensor], grads: list[Tensor | None]) -> None:
         """Put the checkpoint's gradients back and tell the reducer they hold values: a backward that does not

@@ -52,7 +52,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.counter import CommCounter, count_bytes
 from syncline.strategies.comm.hooks import GradBucket
 from syncline.strategies.comm.parameter_exchange import (
@@ -62,7 +61,7 @@ from syncline.strategies.comm.parameter_exchange import (
     front_first,
     step_in_buckets,
 )
-from syncline.strategies.comm.transfers import all_gather_in_pieces, all_to_all_in_pieces, future_of
+from syncline.strategies.comm.transfers import all_gather_in_pieces, all_reduce, all_to_all_in_pieces, future_of
 from syncline.strategies.reducer_strategy import ReducerStrategy
 
 if TYPE_CHECKING:
@@ -195,16 +194,6 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
         self._bucket_slices: list[list[Tensor]] = []
 
     # --------------------------------------------------------------- lifecycle
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """The reduce-scatter behind the backward; the all-gather behind the next forward with `prefetch`, else after
-        the step. Each sends (W-1)/W of the gradients from every node: half the step's wire time each."""
-        return (
-            WirePhase(0.5, "backward", "the reduce-scatter runs bucket by bucket during the backward"),
-            WirePhase(0.5, "forward", "the updated chunks reach each layer before the forward does")
-            if self.prefetch
-            else WirePhase(0.5, "none", "every rank waits for the whole all-gather before the forward"),
-        )
-
     def after_setup(self, task: Task) -> None:
         """Find this rank's slice of every bucket."""
         self._group_params, self._buckets_of, self._stepped = {}, {}, []
@@ -280,8 +269,8 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
         return [p for params in groups for p in params]
 
     # -------------------------------------------------------------- train step
-    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
-        """Back-propagate `loss`, reduce-scattering the gradients when `sync` is true.
+    def before_backward(self, sync: bool) -> None:
+        """Before a backward that reduce-scatters the gradients.
 
         A backward of a manual optimization step may add to gradients an earlier one reduce-scattered: each
         rank's buckets then hold the average in its own chunk and zeros elsewhere, so each rank multiplies them
@@ -299,7 +288,6 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
                 )
             for bucket in self.reducer.buckets:
                 bucket.buffer.mul_(self.world_size)
-        super().backward(loss, sync=sync, retain_graph=retain_graph)
 
     def after_backward(self) -> None:
         """The gradients are reduce-scattered: attach each slice's, and agree on their finiteness."""
@@ -321,9 +309,8 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
         squares = torch.zeros(1, dtype=torch.float32, device=self.root_device)
         if grads:
             squares += torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum()
-        self.comm_counter.add_tensors(squares)
         # Collective: the sum of every rank's squared norm is the squared norm of the whole gradient.
-        dist.all_reduce(squares)
+        all_reduce(squares, self.comm_counter)
         total = squares.sqrt().reshape(())
         # As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), never up.
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
@@ -355,10 +342,6 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
             return
         self._gather_parameters(self._stepped)
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """Reset the whole parameters' gradients (the buckets the slices' gradients view)."""
-        self.reducer.zero_grad(self.optimizer_parameters(optimizer))
-
     # ----------------------------------------------------------------- helpers
     def _slices_of(self, parameters: Iterable[Tensor]) -> list[Slice]:
         return [s for p in parameters for s in self._slices.get(id(p), [])]
@@ -378,9 +361,8 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
             return
         finite = torch.stack([torch.isfinite(s.grad).all() for s in slices]).all() if slices else torch.tensor(True)
         flag = finite.logical_not().float().reshape(1).to(self.root_device)
-        self.comm_counter.add_tensors(flag)
         # Collective: whether any rank's slice of the gradients holds inf or NaN.
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        all_reduce(flag, self.comm_counter, op=dist.ReduceOp.MAX)
         # Host sync: the verdict decides whether this rank's slice must carry the others' inf.
         if flag.item() and finite:
             for s in slices:
@@ -394,9 +376,8 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
             index = torch.tensor([self._param_index[id(s.param)] for s in slices], device=self.root_device)
             nonfinite = torch.stack([torch.isfinite(s.grad).all().logical_not() for s in slices]).float()
             bad.scatter_reduce_(0, index, nonfinite, "amax")
-        self.comm_counter.add_tensors(bad)
         # Collective: per parameter, whether any rank's slice of its gradient holds inf or NaN.
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        all_reduce(bad, self.comm_counter, op=dist.ReduceOp.MAX)
         # Host sync: the verdicts decide which slices must carry the others' inf.
         if bad.any().item():
             verdicts = bad.tolist()
@@ -436,9 +417,8 @@ class ShardedParameterServer(PrefetchedParameters, ReducerStrategy):
         mine = bucket.buffer.new_zeros(chunk, dtype=bucket.parameters[0].dtype)
         if pieces:
             torch.cat(pieces, out=mine[: stop - start])
-        self.comm_counter.add_tensors(mine)
         # Collective: asynchronous all-gather of every rank's updated chunk of this bucket.
-        return all_gather_in_pieces(mine, world_size, async_op=True)
+        return all_gather_in_pieces(mine, world_size, async_op=True, counter=self.comm_counter)
 
     @torch.no_grad()
     def _write_gathered(self, index: int, gathered: Tensor) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from syncline.strategies.comm.bound import WirePhase
+from syncline.options import check_arguments
 from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.events import CommEvents
 
@@ -40,6 +40,12 @@ class Strategy(ABC):
 
     #: Name under which the strategy is registered for Hydra (`strategy=<name>`).
     name: str = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Check every constructor argument against its annotation (`check_arguments`) before it runs."""
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _checked(cls.__dict__["__init__"])  # type: ignore[method-assign]
 
     #: Whether the backward after the next `training_step` synchronizes gradients. The loop sets it
     #: before each forward, because some strategies (torch's DDP) decide in the forward.
@@ -309,11 +315,6 @@ class Strategy(ABC):
         """Restore the whole optimizer state that `optimizer_state_dict` returned (each rank keeps its part)."""
         optimizer.load_state_dict(state)
 
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """What the algorithm's communication may overlap, once past any warm-up (`comm/bound.py`): the lab's
-        algorithmic bound. None here: one process sends nothing."""
-        return ()
-
     def communication_stats(self) -> dict[str, float]:
         """Counters of the last optimizer step: at least `comm/bytes` and `comm/total_bytes`."""
         return self.comm_counter.as_dict()
@@ -372,3 +373,20 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
         return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})
     return batch
+
+
+def _checked(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap a strategy's `__init__` so that its arguments' types are checked first, with one clear message."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def checked_init(self: Strategy, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        given = {name: value for name, value in bound.arguments.items() if name != "self"}
+        extra = {p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD}
+        for name in extra:
+            given.update(given.pop(name, {}))  # a pass-through to the parent is checked by the parent too
+        check_arguments(type(self).__name__, init, given)
+        init(self, *args, **kwargs)
+
+    return checked_init

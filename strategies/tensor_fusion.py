@@ -53,9 +53,9 @@ from torch.utils.hooks import RemovableHandle
 
 from syncline.options import check_number
 from syncline.strategies.comm.backward_sync import BackwardSyncControl
-from syncline.strategies.comm.bound import WirePhase
 from syncline.strategies.comm.flat import flatten, unflatten
 from syncline.strategies.comm.process_group import ProcessGroupStrategy, broadcast_coalesced
+from syncline.strategies.comm.transfers import all_reduce
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -197,10 +197,6 @@ class TensorFusion(BackwardSyncControl, ProcessGroupStrategy):
         self._init_runtime()
 
     # --------------------------------------------------------------- lifecycle
-    def wire_phases(self) -> tuple[WirePhase, ...]:
-        """Fused all-reduces of what is ready, behind the backward."""
-        return (WirePhase(1.0, "backward", "gradients are fused and reduced as the backward produces them"),)
-
     def setup(self, task: Task) -> None:
         """Copy rank 0's weights, hook every trainable parameter, make the thread's group and start it."""
         task.to(self.root_device)
@@ -340,9 +336,8 @@ class TensorFusion(BackwardSyncControl, ProcessGroupStrategy):
         fused = flatten(grads)
         # Divide before the all-reduce so low-precision sums cannot overflow.
         fused.div_(world)
-        self.comm_counter.add_tensors(fused)
         # Collective (fusion group): one all-reduce of every gradient fused in this buffer.
-        dist.all_reduce(fused, group=self._group)
+        all_reduce(fused, self.comm_counter, group=self._group)
         for param, grad, average in zip(params, grads, unflatten(fused, grads)):
             if param.grad is None:
                 param.grad = average.clone()

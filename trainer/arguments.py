@@ -14,25 +14,27 @@ import torch
 
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.logger import Logger
-from syncline.options import OptionError, check_int, check_number
+from syncline.options import OptionError, check_arguments, check_int, check_number
 from syncline.strategies.comm.join import Joinable
-from syncline.strategies.registry import resolve_strategy
+from syncline.strategies.registry import LIGHTNING_STRATEGIES, resolve_strategy
 from syncline.strategies.strategy import Strategy
 from syncline.trainer.debugging import check_debugging_flags
 from syncline.trainer.nonfinite import NONFINITE_LOSS
 from syncline.trainer.persistence import CKPT_READ
 from syncline.trainer.precision import PRECISIONS
 from syncline.trainer.preemption import PREEMPTION_SIGNALS
-from syncline.trainer.rank_zero import rank_zero_info
+from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
 from syncline.trainer.uneven import UNEVEN_INPUTS
 
 __all__ = [
     "ACCELERATORS",
     "LIGHTNING_STRATEGIES",
     "TIMELINE_ENV",
+    "add_timer",
     "build_callbacks",
     "build_loggers",
     "check_options",
+    "default_max_epochs",
     "device_type",
     "merge_task_callbacks",
     "resolve_devices",
@@ -45,12 +47,6 @@ TIMELINE_ENV = "SYNCLINE_TIMELINE"
 #: The accelerators `Trainer(accelerator=...)` accepts, and the device type each means.
 ACCELERATORS = {"auto": None, "cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
 
-#: Lightning's strategy names, with the syncline strategy closest to each (torch's own DDP).
-LIGHTNING_STRATEGIES: dict[str, dict[str, Any]] = {
-    "ddp": {"name": "native_ddp"},
-    "ddp_find_unused_parameters_true": {"name": "native_ddp", "find_unused_parameters": True},
-}
-
 
 def check_options(options: dict[str, Any]) -> None:
     """Check every argument of `Trainer.__init__` (its `locals()`), each with one clear message.
@@ -58,11 +54,29 @@ def check_options(options: dict[str, Any]) -> None:
     Raises:
         OptionError: a value the argument does not allow; the message names it and what is allowed.
     """
+    from syncline.trainer.trainer import Trainer
+
+    # Types first (a flag is True or False, never a truthy string such as "no"); then the values.
+    check_arguments("Trainer", Trainer.__init__, {k: v for k, v in options.items() if k != "self"})
     check_int("Trainer", "max_epochs", options["max_epochs"], -1, none_ok=True, meaning="-1 for no limit")
     check_int("Trainer", "max_steps", options["max_steps"], -1, meaning="-1 for no limit")
     check_int("Trainer", "min_epochs", options["min_epochs"], 0, none_ok=True)
     check_int("Trainer", "min_steps", options["min_steps"], 0, none_ok=True)
-    check_int("Trainer", "check_val_every_n_epoch", options["check_val_every_n_epoch"], 1)
+    check_int(
+        "Trainer",
+        "check_val_every_n_epoch",
+        options["check_val_every_n_epoch"],
+        1,
+        none_ok=True,
+        meaning="None: validate every val_check_interval batches counted across epochs",
+    )
+    if options["check_val_every_n_epoch"] is None and isinstance(options["val_check_interval"], float):
+        raise OptionError(
+            f"Trainer(check_val_every_n_epoch=None, val_check_interval={options['val_check_interval']!r}): "
+            "val_check_interval must be an int (training batches, counted across epochs) when "
+            "check_val_every_n_epoch=None."
+        )
+    check_int("Trainer", "reload_dataloaders_every_n_epochs", options["reload_dataloaders_every_n_epochs"], 0)
     check_int("Trainer", "accumulate_grad_batches", options["accumulate_grad_batches"], 1)
     check_number("Trainer", "gradient_clip_val", options["gradient_clip_val"], above=0, none_ok=True)
     check_int("Trainer", "log_every_n_steps", options["log_every_n_steps"], 1)
@@ -73,6 +87,12 @@ def check_options(options: dict[str, Any]) -> None:
         raise OptionError(f'Trainer(recovery={options["recovery"]!r}): use "checkpoint" or "live".')
     for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
         limit = options[name]
+        if limit == 1 and not isinstance(limit, bool):
+            # As Lightning says it: 1 and 1.0 mean different things, and a port may have meant the other.
+            what = "1 batch per epoch" if name == "limit_train_batches" else "1 batch"
+            if isinstance(limit, float):
+                what = "100% of the batches per epoch" if name == "limit_train_batches" else "100% of the batches"
+            rank_zero_info(f"`Trainer({name}={limit!r})` was configured so {what} will be used.")
         if isinstance(limit, float):
             check_number("Trainer", name, limit, minimum=0, meaning="a float is a fraction of the batches, up to 1.0")
             if limit > 1.0:
@@ -108,6 +128,43 @@ def check_options(options: dict[str, Any]) -> None:
             f"Unknown precision {precision!r}. Valid values: {', '.join(PRECISIONS)} (64-bit and '-true' half "
             "precisions are not supported)."
         )
+
+
+def default_max_epochs(max_epochs: int | None, max_steps: int, max_time: Any, callbacks: Any) -> int:
+    """Return `max_epochs` as Lightning settles it: unset, it is 1000 (with a warning) unless `max_steps`,
+    `max_time` or a `Timer` limits training, and -1 (no limit) then."""
+    if max_epochs is not None:
+        return max_epochs
+    from syncline.callbacks.timer import Timer
+
+    timed = max_time is not None or any(isinstance(c, Timer) for c in _as_list(callbacks))
+    if max_steps == -1 and not timed:
+        rank_zero_warn(
+            "`max_epochs` was not set. Setting it to 1000 epochs. To train without an epoch limit, set `max_epochs=-1`."
+        )
+        return 1000
+    return -1
+
+
+def _as_list(callbacks: Any) -> list[Any]:
+    if callbacks is None:
+        return []
+    return [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+
+
+def add_timer(callbacks: list[Callback], max_time: Any) -> None:
+    """Add a `Timer` that stops training after `max_time`, as `Trainer(max_time=...)` does in Lightning.
+
+    Raises:
+        OptionError: `max_time` is given and a Timer is among the callbacks too.
+    """
+    if max_time is None:
+        return
+    from syncline.callbacks.timer import Timer
+
+    if any(isinstance(c, Timer) for c in callbacks):
+        raise OptionError("Trainer(max_time=...) adds a Timer, and callbacks has one too: pass only one of them.")
+    callbacks.insert(0, Timer(duration=max_time, interval="step"))
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -159,11 +216,7 @@ def resolve_devices(devices: int | str, accelerator: str) -> int:
 
 def strategy_of(strategy: str | Strategy, devices: int, accumulate_grad_batches: int, uneven_inputs: str) -> Strategy:
     """Return the Strategy `strategy` names (Lightning's "ddp" is `native_ddp`), checked against the other options."""
-    if isinstance(strategy, str) and strategy in LIGHTNING_STRATEGIES:
-        spec = dict(LIGHTNING_STRATEGIES[strategy])
-        resolved = resolve_strategy(spec.pop("name"), devices, **spec)
-    else:
-        resolved = resolve_strategy(strategy, devices)
+    resolved = resolve_strategy(strategy, devices)  # Lightning's names too, case-insensitively
     if uneven_inputs == "join":
         _check_joinable(resolved, accumulate_grad_batches)
     if devices > 1 and not resolved.multi_process:
@@ -211,10 +264,12 @@ def build_loggers(logger: bool | Logger | Sequence[Logger], default_root_dir: st
 
 
 def build_callbacks(
-    callbacks: Sequence[Callback] | Callback | None, checkpointing: bool, progress_bar: bool
+    callbacks: Sequence[Callback] | Callback | None, checkpointing: bool, progress_bar: bool, summary: bool = True
 ) -> list[Callback]:
-    """Return the callbacks, with a ProgressBar and a ModelCheckpoint unless switched off; checkpoints last."""
+    """Return the callbacks, with a ProgressBar, a ModelSummary and a ModelCheckpoint unless switched off;
+    checkpoints last."""
     from syncline.callbacks.checkpoint import ModelCheckpoint
+    from syncline.callbacks.model_summary import ModelSummary
     from syncline.callbacks.progress import ProgressBar
     from syncline.callbacks.timeline import CommunicationTimeline
 
@@ -228,6 +283,8 @@ def build_callbacks(
         result.insert(0, ProgressBar())
     if not progress_bar:
         result = [c for c in result if not isinstance(c, ProgressBar)]
+    if summary and not any(isinstance(c, ModelSummary) for c in result):
+        result.append(ModelSummary())
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in result):
         result.append(ModelCheckpoint())
     trace = os.environ.get(TIMELINE_ENV)

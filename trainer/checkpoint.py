@@ -12,18 +12,27 @@ so a file never runs code. Files of format 1 (a bare ``torch.save`` zip, no trai
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 import shutil
 import struct
 import tempfile
+from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "load_checkpoint", "require_entries", "save_checkpoint", "to_primitive"]
+__all__ = [
+    "CheckpointError",
+    "check_writable_folder",
+    "load_checkpoint",
+    "require_entries",
+    "save_checkpoint",
+    "to_primitive",
+]
 
 #: Format version written into every checkpoint, checked when one is read.
 FORMAT_VERSION = 2
@@ -36,6 +45,37 @@ TMP_PREFIX, TMP_SUFFIX = ".", ".tmp"
 
 class CheckpointError(RuntimeError):
     """A checkpoint file is missing, unreadable or not a syncline checkpoint."""
+
+
+def check_writable_folder(directory: str | os.PathLike[str], owner: str = "ModelCheckpoint") -> None:
+    """Raise unless a checkpoint can be written into `directory` (created if needed); leave nothing behind.
+
+    Tried for real (a file is created and removed, folders that did not exist are made and removed), not
+    judged by permission bits, which say nothing of a read-only mount, of root, or of access lists.
+
+    Raises:
+        CheckpointError: naming the folder, the reason and the fix.
+    """
+    folder = Path(directory)
+    made = [parent for parent in (folder, *folder.parents) if not parent.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f"{TMP_PREFIX}write-check.", suffix=TMP_SUFFIX, dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise CheckpointError(
+            f"{owner} cannot write checkpoints into {folder}: {error.strerror or error}. Make the folder "
+            "writable, or pass another dirpath (or default_root_dir)."
+        ) from None
+    finally:
+        for parent in made:  # deepest first
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint file at the path given: a `FileNotFoundError` too, as Lightning raises it."""
 
 
 def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> None:
@@ -161,7 +201,7 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"Checkpoint not found: {path} (check ckpt_path).")
+        raise CheckpointNotFoundError(f"Checkpoint file not found: {path} (check ckpt_path).")
     if path.stat().st_size == 0:
         raise CheckpointError(f"Cannot read checkpoint {path}: the file is empty (0 bytes). {_UNREADABLE}")
     _verify(path)
@@ -249,7 +289,10 @@ _UNREADABLE = (
 
 
 def to_primitive(value: Any) -> Any:
-    """Return `value` as plain dicts, lists, strings and numbers (for checkpoints and loggers)."""
+    """Return `value` as plain dicts, lists, strings and numbers (for checkpoints and loggers); an
+    `argparse.Namespace` is a dict, anything else (a class, a complex number) its text."""
+    if isinstance(value, Namespace):
+        value = vars(value)
     if isinstance(value, dict) or hasattr(value, "items"):
         return {str(k): to_primitive(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -39,7 +39,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from syncline.options import OptionError
 from syncline.strategies.comm.launcher import WorkerFailedError
+from syncline.trainer.arguments import check_options, resolve_devices
 from syncline.trainer.checkpoint import CheckpointError
 from syncline.trainer.config import TrainerConf  # importing it registers the structured configs in Hydra
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
@@ -129,7 +131,7 @@ def check_overrides(args: Sequence[str]) -> str | None:
         return None
     try:
         cfg = line.compose()
-        problem = _check_target_keys(cfg, "task") or _check_target_keys(cfg, "data")
+        problem = _check_target_keys(cfg, "task") or _check_target_keys(cfg, "data") or _check_trainer_values(cfg)
     except Exception as error:
         return _describe(error, line)
     return problem
@@ -153,6 +155,8 @@ def run(cfg: DictConfig, output_dir: str) -> None:
     except KeyboardInterrupt:
         _exit("interrupted.", 130)
     except TrainingPreempted as stop:
+        if stop.announced:  # rank 0 has said what it saved and where
+            raise SystemExit(PREEMPTED_EXIT_CODE) from None
         _exit(f"preempted: {stop}", PREEMPTED_EXIT_CODE)
     except WorkerFailedError as error:
         # Its message is already the one report: the rank, its exception and its traceback.
@@ -280,6 +284,28 @@ def _check_target_keys(cfg: DictConfig, group: str) -> str | None:
                 f"{_did_you_mean(str(key), valid)}\nValid keys under '{group}': {', '.join(valid)}"
             )
     return _check_argument_types(cfg, group, target, task_class)
+
+
+def _check_trainer_values(cfg: DictConfig) -> str | None:
+    """Check the `trainer` values as the task's are (against `Trainer.__init__`'s annotations), then with the
+    Trainer's own option checks, so a bad value is one line before anything is built or saved."""
+    problem = _check_argument_types(cfg, "trainer", "Trainer", Trainer)
+    if problem is not None:
+        return problem
+    parameters = inspect.signature(Trainer).parameters
+    given = OmegaConf.to_container(cfg.trainer, resolve=True)
+    options = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+    options.update((key, value) for key, value in given.items() if key in parameters)  # type: ignore[union-attr]
+    try:
+        check_options(options)
+        resolve_devices(options["devices"], options["accelerator"])
+    except OptionError as error:
+        named = re.match(r"Trainer\((\w+)=", str(error))
+        mentioned = [key for key in given if re.search(rf"\b{key}\b", str(error))]  # type: ignore[union-attr]
+        key = named.group(1) if named else (mentioned[0] if mentioned else "")
+        shown = f" for trainer.{key}={given[key]}" if key in given else ""  # type: ignore[operator,index]
+        return f"error: bad value{shown}: {error}"
+    return None
 
 
 def _check_argument_types(cfg: DictConfig, group: str, target: str, task_class: Any) -> str | None:

@@ -4,11 +4,18 @@ The packaged YAML in ``trainer/conf`` picks the defaults (task, strategy, callba
 the default run; the dataclasses here give every key a type, so that a misspelled key or a value of the
 wrong type is an error before anything runs.
 
-A new strategy needs one dataclass with its `_target_` and its constructor's options, added to
-`STRATEGY_CONFS` under its registry name; it becomes selectable as ``strategy=<name>`` as soon as the
-class is in `strategies.STRATEGIES`.
+A strategy's config is generated from its constructor (`strategy_config`: its options, their types and
+defaults, and their help from its docstring), for every class in `strategies.STRATEGIES` when the CLI
+starts: registering a strategy is all it takes to make it selectable as ``strategy=<name>``.
 """
 
+import contextlib
+import dataclasses
+import inspect
+import re
+import sys
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,26 +25,13 @@ from omegaconf import II, MISSING
 from syncline.strategies.registry import STRATEGIES
 
 __all__ = [
-    "STRATEGY_CONFS",
-    "VARIANT_CONFS",
-    "AsyncModelAverageConf",
+    "VARIANTS",
     "AutoStrategyConf",
-    "BucketedDDPConf",
-    "ByteGradConf",
-    "DecentralizedConf",
-    "LocalSGDConf",
-    "NativeDDPConf",
-    "NativeDDPPostLocalSGDConf",
-    "NativeDDPPowerSGDConf",
-    "ParameterServerConf",
-    "PowerSGDConf",
-    "QAdamConf",
-    "ShardedParameterServerConf",
-    "SingleDeviceConf",
     "SynclineConf",
-    "TensorFusionConf",
     "TrainerConf",
     "register_configs",
+    "strategy_config",
+    "strategy_configs",
 ]
 
 
@@ -70,7 +64,7 @@ class TrainerConf:
     limit_val_batches: int | float | None = None
     limit_test_batches: int | float | None = None
     limit_predict_batches: int | float | None = None
-    check_val_every_n_epoch: int = 1
+    check_val_every_n_epoch: int | None = 1
     num_sanity_val_steps: int = 2
     use_distributed_sampler: bool = True
     seed: int | None = None
@@ -84,6 +78,12 @@ class TrainerConf:
     # A bool or a number of batches (Lightning's `fast_dev_run=True` or `=7`).
     fast_dev_run: bool | int = False
     overfit_batches: int | float = 0.0
+    enable_model_summary: bool = True
+    inference_mode: bool = False
+    detect_anomaly: bool = False
+    reload_dataloaders_every_n_epochs: int = 0
+    # "DD:HH:MM:SS" or a dict of timedelta's arguments (OmegaConf has no str-or-dict type; the Timer checks it).
+    max_time: Any = None
 
 
 @dataclass
@@ -95,210 +95,117 @@ class AutoStrategyConf:
     devices: int = II("trainer.devices")
 
 
-@dataclass
-class SingleDeviceConf:
-    """``strategy=single``: `strategies.SingleDevice`."""
-
-    _target_: str = "syncline.strategies.single_device.SingleDevice"
-    device: str | None = None
-
-
-@dataclass
-class BucketedDDPConf:
-    """``strategy=bucketed_ddp``: `strategies.BucketedDDP`, syncline's implementation of the DDP paper."""
-
-    _target_: str = "syncline.strategies.bucketed_ddp.BucketedDDP"
-    # A number of MiB, or "auto" (OmegaConf 2.3 has no float-or-str type; BucketedDDP checks the value).
-    bucket_cap_mb: Any = 25.0
-    first_bucket_mb: float = 1.0
-    find_unused_parameters: bool = False
-    gradient_as_bucket_view: bool = True
-    broadcast_buffers: bool = True
-    comm_hook: str | None = None
-    backend: str | None = None
-    timeout: float = 300.0
-    overlap: bool = True
-    static_graph: bool = False
-    # A list of MiB (the constructor's default is a tuple; BucketedDDP checks every value).
-    autotune_caps_mb: Any = (1.0, 5.0, 25.0, 100.0)
-    autotune_steps: int = 2
-    deferred_update: bool = False
-    deferred_hold: float = 0.5
-
-
-@dataclass
-class NativeDDPConf:
-    """``strategy=native_ddp``: `strategies.NativeDDP`, torch's `DistributedDataParallel` as reference."""
-
-    _target_: str = "syncline.strategies.native_ddp.NativeDDP"
-    backend: str | None = None
-    timeout: float = 300.0
-    # torch's relaxations: None, "powersgd" or "post_local_sgd" (strategy=native_ddp_powersgd, ...).
-    comm_hook: str | None = None
-    powersgd_rank: int = 4
-    start_iter: int | None = None
-    averaging_period: int = 4
-    # Passed through to DistributedDataParallel, with torch's defaults.
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    gradient_as_bucket_view: bool = False
-    broadcast_buffers: bool = True
-    static_graph: bool = False
-
-
-@dataclass
-class ByteGradConf:
-    """``strategy=bytegrad``: `strategies.ByteGrad`, BAGUA's 8-bit scatter-reduce of gradient buckets."""
-
-    _target_: str = "syncline.strategies.bytegrad.ByteGrad"
-    bucket_cap_mb: float = 25.0
-    error_feedback: bool = True
-    find_unused_parameters: bool = False
-    comm_thread: bool = True
-    backend: str | None = None
-    timeout: float = 300.0
-
-
-@dataclass
-class PowerSGDConf:
-    """``strategy=powersgd``: `strategies.PowerSGD`, low-rank factors per matrix gradient."""
-
-    _target_: str = "syncline.strategies.powersgd.PowerSGD"
-    rank: int = 4
-    start_iter: int = 10
-    error_feedback: bool = True
-    warm_start: bool = True
-    min_compression_rate: float = 2.0
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    backend: str | None = None
-    timeout: float = 300.0
-
-
-@dataclass
-class QAdamConf:
-    """``strategy=qadam``: `strategies.QAdam`, Adam warm-up, then frozen variance and 8-bit momentum."""
-
-    _target_: str = "syncline.strategies.qadam.QAdam"
-    warmup_steps: int = 100
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    backend: str | None = None
-    timeout: float = 300.0
-
-
-@dataclass
-class LocalSGDConf:
-    """``strategy=local_sgd``: `strategies.LocalSGD`, post-local SGD (parameters averaged every `period` steps)."""
-
-    _target_: str = "syncline.strategies.local_sgd.LocalSGD"
-    period: int = 4
-    warmup_steps: int = 0
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    backend: str | None = None
-    timeout: float = 300.0
-
-
-@dataclass
-class DecentralizedConf:
-    """``strategy=decentralized``: `strategies.Decentralized`, D-PSGD (averaging with peers only)."""
-
-    _target_: str = "syncline.strategies.decentralized.Decentralized"
-    peers: str = "shift_one"
-    period: int = 1
-    compression: str | None = None
-    prefetch: bool = False
-    backend: str | None = None
-    timeout: float = 300.0
-
-
-@dataclass
-class AsyncModelAverageConf:
-    """``strategy=async_model_average``: `strategies.AsyncModelAverage`, BAGUA's asynchronous averaging."""
-
-    _target_: str = "syncline.strategies.async_model_average.AsyncModelAverage"
-    interval_ms: float = 100.0
-    warmup_steps: int = 0
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    backend: str | None = None
-    timeout: float = 300.0
-
-
-@dataclass
-class TensorFusionConf:
-    """``strategy=tensor_fusion``: `strategies.TensorFusion`, Horovod's negotiated, dynamically fused all-reduce."""
-
-    _target_: str = "syncline.strategies.tensor_fusion.TensorFusion"
-    fusion_threshold_mb: float = 64.0
-    cycle_time_ms: float = 5.0
-    find_unused_parameters: bool = False
-    backend: str | None = None
-    timeout: float = 300.0
-
-
-@dataclass
-class ParameterServerConf:
-    """``strategy=parameter_server``: `strategies.ParameterServer`, gradients reduced to one rank that steps."""
-
-    _target_: str = "syncline.strategies.parameter_server.ParameterServer"
-    server_rank: int = 0
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    backend: str | None = None
-    timeout: float = 300.0
-    prefetch: bool = False
-
-
-@dataclass
-class ShardedParameterServerConf:
-    """``strategy=sharded_parameter_server``: `strategies.ShardedParameterServer`, each rank steps its slice."""
-
-    _target_: str = "syncline.strategies.sharded_parameter_server.ShardedParameterServer"
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    backend: str | None = None
-    timeout: float = 300.0
-    prefetch: bool = False
-
-
-@dataclass
-class NativeDDPPowerSGDConf(NativeDDPConf):
-    """``strategy=native_ddp_powersgd``: torch's DDP with torch's PowerSGD hook, at `powersgd`'s defaults."""
-
-    comm_hook: str | None = "powersgd"
-
-
-@dataclass
-class NativeDDPPostLocalSGDConf(NativeDDPConf):
-    """``strategy=native_ddp_post_local_sgd``: torch's post-local SGD hook and averager, at `local_sgd`'s defaults."""
-
-    comm_hook: str | None = "post_local_sgd"
-
-
-#: Registered configs that are options of a registered strategy, not strategies of their own.
-VARIANT_CONFS: dict[str, type] = {
-    "native_ddp_powersgd": NativeDDPPowerSGDConf,
-    "native_ddp_post_local_sgd": NativeDDPPostLocalSGDConf,
+#: Configs that are a registered strategy with other defaults, not strategies of their own.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "native_ddp_powersgd": ("native_ddp", {"comm_hook": "powersgd"}),
+    "native_ddp_post_local_sgd": ("native_ddp", {"comm_hook": "post_local_sgd"}),
 }
 
-#: The config of each strategy, by the name it has in `strategies.STRATEGIES` ("auto" is the Trainer's).
-STRATEGY_CONFS: dict[str, type] = {
-    "auto": AutoStrategyConf,
-    "single": SingleDeviceConf,
-    "bucketed_ddp": BucketedDDPConf,
-    "native_ddp": NativeDDPConf,
-    "bytegrad": ByteGradConf,
-    "powersgd": PowerSGDConf,
-    "qadam": QAdamConf,
-    "local_sgd": LocalSGDConf,
-    "decentralized": DecentralizedConf,
-    "async_model_average": AsyncModelAverageConf,
-    "tensor_fusion": TensorFusionConf,
-    "parameter_server": ParameterServerConf,
-    "sharded_parameter_server": ShardedParameterServerConf,
-}
+
+def strategy_config(cls: type, defaults: dict[str, Any] | None = None, name: str | None = None) -> type:
+    """Return the Hydra config of strategy class `cls`: a dataclass of its constructor's options.
+
+    Every argument of ``cls.__init__`` becomes a field with its default and, for `int`, `float`, `bool` and `str`
+    (or one of them or None), its type, so a wrong value is an error before anything runs; other types (a
+    number or "auto", a hook function, a tuple) are `Any` and checked by the constructor. An argument's help is
+    its line under "Args:" in the class docstring (the field's ``metadata["help"]``). Keyword arguments passed on
+    (``**kwargs``) are followed to the base class that takes them; a strategy that passes them to another library
+    lists them with their defaults in `passthrough_options`. `defaults` overrides some defaults (a variant).
+    """
+    fields: list[tuple[str, Any, Any]] = [("_target_", str, f"{cls.__module__}.{cls.__qualname__}")]
+    help_of = _args_help(cls)
+    for option, (hint, default) in _options(cls).items():
+        if defaults and option in defaults:
+            default = defaults[option]
+        metadata = {"help": help_of.get(option, "")}
+        fields.append((option, _config_type(hint), dataclasses.field(default=default, metadata=metadata)))
+    conf = dataclasses.make_dataclass(f"{name or cls.__name__}Conf", fields)
+    conf.__doc__ = f"``strategy={name or getattr(cls, 'name', cls.__name__)}``: `{cls.__qualname__}`, generated."
+    return conf
+
+
+def _options(cls: type) -> dict[str, tuple[Any, Any]]:
+    """Every option of `cls`'s constructor (name -> (type hint, default)), following ``**kwargs`` up the bases."""
+    options: dict[str, tuple[Any, Any]] = {}
+    for base in cls.__mro__:
+        init = base.__dict__.get("__init__")
+        if init is None:
+            continue
+        hints = _hints(init)
+        takes_more = False
+        for option, parameter in inspect.signature(init).parameters.items():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                takes_more = True
+            elif option != "self" and parameter.kind is not inspect.Parameter.VAR_POSITIONAL:
+                default = None if parameter.default is inspect.Parameter.empty else parameter.default
+                options.setdefault(option, (hints.get(option, Any), default))
+        if not takes_more:
+            break
+    for option, default in getattr(cls, "passthrough_options", {}).items():
+        options.setdefault(option, (type(default), default))
+    return options
+
+
+def _hints(function: Any) -> dict[str, Any]:
+    """The resolved annotations of `function` (an unresolvable one, a TYPE_CHECKING import, is left out)."""
+    try:
+        return typing.get_type_hints(function)
+    except NameError:
+        namespace = vars(sys.modules[function.__module__])
+        hints = {}
+        for option, annotation in function.__annotations__.items():
+            with contextlib.suppress(Exception):
+                hints[option] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
+        return hints
+
+
+_PLAIN = (int, float, bool, str)
+
+
+def _config_type(hint: Any) -> Any:
+    """The type OmegaConf checks for `hint`: a plain type, or one of them or None; anything else is Any."""
+    if hint in _PLAIN:
+        return hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        kinds = [kind for kind in typing.get_args(hint) if kind is not type(None)]
+        if len(kinds) == 1 and kinds[0] in _PLAIN:
+            return kinds[0] | None
+    return Any
+
+
+def _args_help(cls: type) -> dict[str, str]:
+    """Each argument's help from the "Args:" section of `cls`'s docstring (and its bases', for ``**kwargs``)."""
+    found: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        doc = inspect.getdoc(base) or ""
+        if "Args:" not in doc:
+            continue
+        current = None
+        for line in doc.split("Args:", 1)[1].splitlines()[1:]:
+            if not line.strip():
+                continue
+            if not line.startswith(" "):
+                break  # the next section (Raises:, ...)
+            match = re.match(r"    (\w+)(?: \(.*?\))?: (.*)", line)
+            if match:
+                current = match.group(1)
+                found[current] = match.group(2).strip()
+            elif current is not None:
+                found[current] += " " + line.strip()
+    return found
+
+
+def strategy_configs() -> dict[str, type]:
+    """The config of every registered strategy and variant, by name, generated from `strategies.STRATEGIES`."""
+    confs: dict[str, type] = {"auto": AutoStrategyConf}
+    confs.update({name: strategy_config(cls, name=_camel(name)) for name, cls in STRATEGIES.items()})
+    for name, (base, defaults) in VARIANTS.items():
+        confs[name] = strategy_config(STRATEGIES[base], defaults, name=_camel(name))
+    return confs
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
 
 
 @dataclass
@@ -320,14 +227,10 @@ class SynclineConf:
 
 
 def register_configs() -> None:
-    """Store the run's schema and every registered strategy's config in Hydra's ConfigStore."""
+    """Store the run's schema and the config of every strategy registered now in Hydra's ConfigStore."""
     store = ConfigStore.instance()
     store.store(name="syncline_schema", node=SynclineConf)
-    for name, conf in STRATEGY_CONFS.items():
-        # A config whose class is not registered (yet) would only fail later, at instantiation.
-        if name == "auto" or name in STRATEGIES:
-            store.store(group="strategy", name=name, node=conf)
-    for name, conf in VARIANT_CONFS.items():
+    for name, conf in strategy_configs().items():
         store.store(group="strategy", name=name, node=conf)
 
 

@@ -224,7 +224,7 @@ def prepare_loader(trainer: Trainer, loader: Any, evaluation: bool = False) -> A
 
     With `overfit_batches` during `fit`, the training and validation data are read in order, as in Lightning.
     """
-    if trainer.overfit_batches and trainer.state.stage == "fit":
+    if trainer.overfit_batches and trainer.state.fn == "fit":
         loader = without_shuffling(loader, "val" if evaluation else "train")
     if not (trainer.use_distributed_sampler and isinstance(loader, DataLoader)):
         return loader

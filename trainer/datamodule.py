@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+from collections.abc import Iterable, Sized
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from syncline.trainer.hooks import DataHooks
 from syncline.trainer.hparams import HyperparametersMixin, build_from_hparams, read_for_loading
@@ -50,12 +54,89 @@ class DataModule(DataHooks, HyperparametersMixin):
             datamodule.load_state_dict(checkpoint[cls.__qualname__])
         return datamodule
 
+    @classmethod
+    def from_datasets(
+        cls: type[DataModuleT],
+        train_dataset: Dataset | Iterable[Dataset] | None = None,
+        val_dataset: Dataset | Iterable[Dataset] | None = None,
+        test_dataset: Dataset | Iterable[Dataset] | None = None,
+        predict_dataset: Dataset | Iterable[Dataset] | None = None,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        **datamodule_kwargs: Any,
+    ) -> DataModuleT:
+        """Build a DataModule whose loaders read these datasets, as Lightning's ``from_datasets``.
+
+        Each dataset (or each of a list or dict of them) gets a `DataLoader` of `batch_size` and `num_workers`;
+        the training data is shuffled unless it is an `IterableDataset`. `batch_size` and `num_workers` also go
+        to the constructor when it takes them; `datamodule_kwargs` always do.
+        """
+
+        def loaders(datasets: Any, shuffle: bool) -> Any:
+            if isinstance(datasets, Dataset):
+                shuffled = shuffle and not isinstance(datasets, IterableDataset)
+                return DataLoader(datasets, batch_size=batch_size, shuffle=shuffled, num_workers=num_workers)
+            if isinstance(datasets, dict):
+                return {key: loaders(value, shuffle) for key, value in datasets.items()}
+            if isinstance(datasets, (list, tuple)):
+                return type(datasets)(loaders(value, shuffle) for value in datasets)
+            return datasets
+
+        parameters = inspect.signature(cls.__init__).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        special = {"batch_size": batch_size, "num_workers": num_workers}
+        datamodule = cls(**datamodule_kwargs, **{k: v for k, v in special.items() if takes_any or k in parameters})
+        for method, datasets, shuffle in (
+            ("train_dataloader", train_dataset, True),
+            ("val_dataloader", val_dataset, False),
+            ("test_dataloader", test_dataset, False),
+            ("predict_dataloader", predict_dataset, False),
+        ):
+            if datasets is not None:
+                setattr(datamodule, method, lambda datasets=datasets, shuffle=shuffle: loaders(datasets, shuffle))
+        return datamodule
+
     def state_dict(self) -> dict[str, Any]:
         """Return the state a resume needs (kept in checkpoints when not empty)."""
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Called when a stage raises (Ctrl-C included), before teardown."""
+
+    def __str__(self) -> str:
+        """Describe the dataset size behind each loader method, in Lightning's format (None where none)."""
+        lines = []
+        for title, method in (
+            ("Train dataloader", "train_dataloader"),
+            ("Validation dataloader", "val_dataloader"),
+            ("Test dataloader", "test_dataloader"),
+            ("Predict dataloader", "predict_dataloader"),
+        ):
+            try:
+                loader = getattr(self, method)()
+            except Exception:  # not set up yet, as Lightning reports it
+                loader = None
+            lines.append(f"{{{title}: {_loader_info(loader)}}}")
+        return os.linesep.join(lines)
+
+
+def _loader_info(loader: Any) -> str:
+    """Return ``size=N`` for a loader, ``1. size=N ; 2. size=M`` for several, None for none."""
+
+    def size(one: Any) -> str:
+        if not isinstance(one, DataLoader):
+            return "None"
+        return f"size={len(one.dataset) if isinstance(one.dataset, Sized) else 'NA'}"
+
+    if loader is None or isinstance(loader, DataLoader):
+        return size(loader)
+    several = loader.values() if isinstance(loader, dict) else loader
+    return " ; ".join(
+        f"{i}. {size(one)}" if isinstance(one, DataLoader) else "None" for i, one in enumerate(several, 1)
+    )
 
 
 def check_datamodule(stage: str, datamodule: Any, loaders: dict[str, Any]) -> tuple[DataModule | None, dict[str, Any]]:
@@ -105,8 +186,8 @@ def prepare_and_setup(trainer: Trainer, stage: str, checkpoint: dict[str, Any] |
     # Collective: nobody reads the prepared data before the process preparing it has finished.
     strategy.barrier()
     if datamodule is not None:
-        datamodule.setup(stage)
-    trainer.dispatcher.fire(Callback.setup, stage)
+        datamodule.setup(stage=stage)
+    trainer.dispatcher.fire(Callback.setup, stage=stage)
     if datamodule is not None and checkpoint is not None and type(datamodule).__qualname__ in checkpoint:
         datamodule.load_state_dict(checkpoint[type(datamodule).__qualname__])
 

@@ -95,6 +95,9 @@ class EvaluationLoop:
         self.current_batch_indices: list[int] | None = None
         self.epoch_batch_indices: list[list[list[int]]] = []
         self._predictions: list[list[Any]] = []
+        #: The loaders of the last run of each stage ("validate", "test", "predict"), as Lightning's Trainer
+        #: shows them (``trainer.test_dataloaders``).
+        self.loaders: dict[str, list[Any]] = {}
 
     def reset(self) -> None:
         """Start counting logged evaluation steps again (at the start of each stage)."""
@@ -130,10 +133,13 @@ class EvaluationLoop:
         task.eval()
         training_results, trainer.results = trainer.results, results
         results.reset()
+        running = trainer.state.stage
+        trainer.state.stage = "sanity_check" if trainer.sanity_checking else stage
+        no_grad = torch.inference_mode if trainer.inference_mode else torch.no_grad
         try:
             dispatcher.fire(hooks.start)
             dispatcher.fire(hooks.epoch_start)
-            with torch.no_grad():
+            with no_grad():
                 for dataloader_idx, (loader, limit) in enumerate(zip(loaders, num_batches)):
                     extra = (dataloader_idx,) if several else ()
                     results.dataloader_idx = dataloader_idx if several else None
@@ -165,6 +171,7 @@ class EvaluationLoop:
             dispatcher.fire(hooks.end)
         finally:
             trainer.results = training_results
+            trainer.state.stage = running
             modes.restore()
         metrics = _per_loader({name: float(value) for name, value in epoch_logs.items()}, len(loaders))
         return metrics, (predictions if several else predictions[0])

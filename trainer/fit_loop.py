@@ -57,6 +57,10 @@ class FitLoop:
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         #: RNG state of the checkpoint being resumed, applied at the point in the loop it was taken.
         self.resume_rng: dict[str, Any] | None = None
+        #: Asks for the fit's loaders again (`Trainer(reload_dataloaders_every_n_epochs=n)`), given the epochs run.
+        self.reload_data: Callable[[int], None] | None = None
+        #: The epoch this fit started (or resumed) at.
+        self.first_epoch = 0
         #: Training batches between validations: a float for fractions of an epoch, so that e.g. 0.25
         #: validates after batches 110, 220, 330 and 439 of 439 rather than 109, 218, 327, 436 and 439.
         self.val_every: float | None = None
@@ -114,6 +118,7 @@ class FitLoop:
         # A checkpoint taken at an epoch's end (by early stopping's validation, say) finishes that epoch first.
         if not self.trainer.num_training_batches or (self._done() and not state.batches_done):
             return
+        self.first_epoch = state.current_epoch
         self.fire(Callback.on_train_start)
         if state.batches_done:
             # Resumed from a checkpoint taken after the epoch's last batch (at its final validation or
@@ -157,6 +162,8 @@ class FitLoop:
         """Run one training epoch, its validations and its end-of-epoch events."""
         trainer, state = self.trainer, self.state
         self.stepped = False
+        if self.reload_data is not None and state.batch_idx == 0:
+            self.reload_data(state.current_epoch - self.first_epoch)
         self.fire(Callback.on_train_epoch_start)
         exhausted = True
         for batch_idx, batch, is_last in self._batches(trainer.num_training_batches):
@@ -231,7 +238,11 @@ class FitLoop:
         """Whether validation runs after training batch `batch_idx` of this epoch."""
         if not any(self.trainer.num_val_batches):
             return False
-        if (self.state.current_epoch + 1) % self.trainer.check_val_every_n_epoch:
+        every_n_epochs = self.trainer.check_val_every_n_epoch
+        if every_n_epochs is None:
+            # Lightning's check_val_every_n_epoch=None: an int interval counts batches across epochs.
+            batch_idx += self.state.current_epoch * self.trainer.num_training_batches
+        elif (self.state.current_epoch + 1) % every_n_epochs:
             return False  # not an epoch that validates, as Lightning's check_val_every_n_epoch
         if is_last and isinstance(self.trainer.val_check_interval, float):
             return True
@@ -309,6 +320,7 @@ class FitLoop:
     def run_batch(self, batch: Any, batch_idx: int, is_last: bool) -> None:
         """Train on one micro-batch, then validate, step plateau schedulers and check for preemption."""
         self.stepped = False
+        self.trainer.is_last_batch = is_last
         if batch is JOINED:
             # Accumulation is 1 under join: every other rank's batch ends a window, so this one does too.
             self.shadow_batch(batch_idx)
@@ -418,10 +430,15 @@ class FitLoop:
         if not signum:
             return
         path = persistence.save_last_checkpoint(self.trainer)  # collective
-        raise TrainingPreempted(
+        stop = TrainingPreempted(
             f"Stopped by {signal.Signals(signum).name} after step {self.state.global_step}; saved {path}. "
-            f'Resume with ckpt_path="last" (exit status {PREEMPTED_EXIT_CODE}).'
+            f'Resume with ckpt_path="last" (exit status {PREEMPTED_EXIT_CODE}).',
+            announced=True,
         )
+        # Said here, on rank 0 of the processes that trained, so that a plain script, which exits 75 on the
+        # uncaught SystemExit without a word, says it as well as the command line.
+        rank_zero_info(f"preempted: {stop}")
+        raise stop
 
     def shadow_batch(self, batch_idx: int) -> None:
         """On a rank whose data ran out, match the collectives of the others' step, then step alike."""

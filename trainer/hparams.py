@@ -92,6 +92,9 @@ class HyperparametersMixin:
                 f"{type(self).__name__}.save_hyperparameters got {type(hparams).__name__}; pass argument names, "
                 "or one dict, Namespace or DictConfig."
             )
+        if isinstance(self.hparams, dict):
+            for name in ignored:  # a subclass drops what its parent's call saved, as in Lightning
+                self.hparams.pop(name, None)
         self.hparams_logged = logger
         for name, value in self.hparams.items():
             if isinstance(value, nn.Module):

@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from syncline.callbacks.callback import Callback
-from syncline.trainer.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint, require_entries, to_primitive
+from syncline.callbacks.versioned_logger import VersionedLogger
+from syncline.trainer.checkpoint import (
+    FORMAT_VERSION,
+    CheckpointError,
+    CheckpointNotFoundError,
+    load_checkpoint,
+    require_entries,
+    to_primitive,
+)
 from syncline.trainer.datamodule import datamodule_checkpoint
 from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
 from syncline.trainer.state import training_rng
@@ -28,9 +36,11 @@ __all__ = [
     "best_checkpoint",
     "checkpoint_state",
     "find_last_checkpoint",
+    "last_checkpoint_folders",
     "read_checkpoint",
     "restore_model",
     "restore_training",
+    "resume_summary",
     "save_last_checkpoint",
     "open_checkpoint",
     "worker_result",
@@ -39,6 +49,10 @@ __all__ = [
 
 class CheckpointPathError(CheckpointError, ValueError):
     """`ckpt_path` names no checkpoint ("best" without one, an unknown word); a ValueError, as in Lightning."""
+
+
+class _UnknownCheckpointPath(CheckpointPathError, CheckpointNotFoundError):
+    """`ckpt_path` is neither a file nor a name: a `FileNotFoundError` too, as Lightning's missing file."""
 
 
 def checkpoint_state(trainer: Trainer, weights_only: bool = False) -> dict[str, Any]:
@@ -136,9 +150,9 @@ def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
         and not Path(ckpt_path).exists()
         and not any(c in str(ckpt_path) for c in "/\\.")
     ):
-        raise CheckpointPathError(
-            f"ckpt_path={str(ckpt_path)!r} is neither a file nor one of the names: "
-            "'best' (the ModelCheckpoint's best), 'last' (the newest last checkpoint), a path, or None."
+        raise _UnknownCheckpointPath(
+            f"Checkpoint file not found: {ckpt_path}. ckpt_path={str(ckpt_path)!r} is neither a file nor one of "
+            "the names: 'best' (the ModelCheckpoint's best), 'last' (the newest last checkpoint), a path, or None."
         )
     if ckpt_path == "best":
         path: str | None = best_checkpoint(trainer)
@@ -146,25 +160,27 @@ def read_checkpoint(trainer: Trainer, ckpt_path: Any) -> dict[str, Any] | None:
         path = find_last_checkpoint(trainer) if ckpt_path == "last" else str(ckpt_path)
     if path is None:
         rank_zero_warn(
-            f'ckpt_path="last" found no checkpoint (no last*.ckpt) under {trainer.default_root_dir} or the '
-            "ModelCheckpoint directories; no checkpoint is loaded. Save one with ModelCheckpoint(save_last=True)."
+            f'ckpt_path="last" is set, but there is no last checkpoint (last*.ckpt) in this run\'s checkpoint '
+            f"folders ({', '.join(str(f) for f in last_checkpoint_folders(trainer))}); no checkpoint is loaded and "
+            "training starts from scratch. Save one with ModelCheckpoint(save_last=True)."
         )
         return None
     if trainer.ckpt_read == "rank_zero" and trainer.world_size > 1:
         return _read_on_rank_zero(trainer, path)
-    checkpoint, problem = None, None
+    checkpoint, problem, missing = None, None, False
     try:
         checkpoint = load_checkpoint(path)
     except CheckpointError as error:
-        problem = str(error)
+        problem, missing = str(error), isinstance(error, FileNotFoundError)
     # Collective: every rank learns which ranks could read the file, so all load or all raise.
     problems = trainer.strategy.all_gather_object(problem)
     failed = [rank for rank, problem in enumerate(problems) if problem is not None]
     if failed and trainer.world_size == 1:
-        raise CheckpointError(problems[0])
+        raise (CheckpointNotFoundError if missing else CheckpointError)(problems[0])
     if failed:
         ranks = ", ".join(str(rank) for rank in failed)
-        raise CheckpointError(
+        everywhere = len(failed) == trainer.world_size and missing  # the file is missing on every rank
+        raise (CheckpointNotFoundError if everywhere else CheckpointError)(
             f"Checkpoint {path} cannot be read on rank(s) {ranks} of {trainer.world_size}: {problems[failed[0]]} "
             "Every rank reads the checkpoint: put it on a file system all nodes share, copy it to the same "
             'path on every node, or pass Trainer(ckpt_read="rank_zero") to read it on rank 0 alone.'
@@ -202,7 +218,7 @@ def best_checkpoint(trainer: Trainer) -> str:
         )
     path = getattr(callback, "best_model_path", "")
     if not path and trainer.fast_dev_run:
-        stage = trainer.state.stage or "test"
+        stage = trainer.state.fn or "test"
         raise CheckpointPathError(
             f'You cannot execute `.{stage}(ckpt_path="best")` with `fast_dev_run=True` (it saves no checkpoint). '
             f"Please pass an exact checkpoint path to `.{stage}(ckpt_path=...)`, or the task itself."
@@ -215,20 +231,50 @@ def best_checkpoint(trainer: Trainer) -> str:
 
 
 def find_last_checkpoint(trainer: Trainer) -> str | None:
-    """Return rank 0's newest ``last*.ckpt`` under the run's directories, or None when there is none.
+    """Return rank 0's newest ``last*.ckpt`` in this run's checkpoint folders, or None when there is none.
 
-    Only last checkpoints count, as in Lightning: a top-k file is never taken for the last one. A
-    collective: only rank 0 searches, and every rank gets its answer.
+    Only last checkpoints count, as in Lightning: a top-k file is never taken for the last one. Only this
+    trainer's folders are searched (`last_checkpoint_folders`), so another experiment's file beside them
+    is never resumed. A collective: only rank 0 searches, and every rank gets its answer.
     """
     newest = None
     if trainer.is_global_zero:
-        roots = {Path(trainer.default_root_dir)}
-        roots.update(Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None))
-        found = [p for root in roots if root.is_dir() for p in root.rglob("last*.ckpt")]
+        found = [
+            path
+            for folder in last_checkpoint_folders(trainer)
+            if folder.is_dir()
+            for path in folder.glob("last*.ckpt")
+            if path.is_file()
+        ]
         if found:
             newest = str(max(found, key=lambda p: p.stat().st_mtime))
     # Collective: every rank resumes from the file rank 0 chose, or none does.
     return trainer.strategy.broadcast_object(newest)
+
+
+def last_checkpoint_folders(trainer: Trainer) -> list[Path]:
+    """Return the folders where this trainer writes its last checkpoints, each searched without its subfolders.
+
+    A ModelCheckpoint's `dirpath` when given. Without one it saves in ``<log_dir>/checkpoints``, and a resume
+    continues the checkpointed run's version folder, so every ``<save_dir>/<name>/<version>/checkpoints`` of
+    the first logger counts (only the given version's when the logger has one), or
+    ``<default_root_dir>/checkpoints`` without a logger. With no ModelCheckpoint, a preemption saves in
+    `default_root_dir` itself.
+    """
+    callbacks = trainer.checkpoint_callbacks
+    if not callbacks:
+        return [Path(trainer.default_root_dir)]
+    folders: list[Path] = []
+    for callback in callbacks:
+        given = getattr(callback, "_given_dirpath", None)
+        if given is not None:
+            folders.append(Path(given))
+        elif isinstance(trainer.logger, VersionedLogger) and trainer.logger._given_version is None:
+            runs = Path(trainer.logger.root_dir)
+            folders.extend(sorted(runs.glob("*/checkpoints")) if runs.is_dir() else [])
+        else:
+            folders.append(Path(trainer.log_dir, "checkpoints"))
+    return list(dict.fromkeys(folders))
 
 
 def restore_model(trainer: Trainer, checkpoint: dict[str, Any], callbacks: bool) -> None:
@@ -252,9 +298,25 @@ def restore_model(trainer: Trainer, checkpoint: dict[str, Any], callbacks: bool)
     if not callbacks:
         return
     saved_callbacks = checkpoint.get("callbacks", {})
+    found = {id(c): _saved_key(c, saved_callbacks) for c in trainer.callbacks}
+    absent = [key for key, state in saved_callbacks.items() if state and key not in found.values()]
+    if absent:
+        rank_zero_warn(
+            "Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided "
+            f"during `Trainer` instantiation. Please add the following callbacks: {absent}."
+        )
     for callback in trainer.callbacks:
-        if callback.state_key in saved_callbacks:
-            callback.load_state_dict(saved_callbacks[callback.state_key])
+        key = found[id(callback)]
+        if key is not None:
+            callback.load_state_dict(saved_callbacks[key])
+
+
+def _saved_key(callback: Callback, saved: dict[str, Any]) -> str | None:
+    """Return the key of `callback`'s state in a checkpoint's ``callbacks`` (its current or an older one)."""
+    for key in (callback.state_key, *getattr(callback, "legacy_state_keys", ())):
+        if key in saved:
+            return key
+    return None
 
 
 def restore_training(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
@@ -281,6 +343,35 @@ def restore_training(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     mine = rng_states[trainer.global_rank] if trainer.global_rank < len(rng_states) else rng_states[0]
     loop.resume_rng = mine["now"]
     trainer.state.epoch_start_rng = mine["epoch_start"]
+    rank_zero_info(resume_summary(trainer, checkpoint))
+
+
+def resume_summary(trainer: Trainer, checkpoint: dict[str, Any]) -> str:
+    """Say which file a resumed fit read, where in training it continues, and what it restored."""
+    state, optim = trainer.state, trainer.optim
+    source = checkpoint.get("loaded_from", "the checkpoint")
+    where = f"epoch {state.current_epoch}, global step {state.global_step}"
+    if state.batch_idx:
+        where += f", after batch {state.batch_idx} of the epoch"
+    restored = ["the weights"]
+    if optim is not None:
+        optimizers = [type(o).__name__ for o in optim.optimizers]
+        restored.append(f"optimizer state ({', '.join(optimizers)})")
+        schedulers = len(checkpoint.get("lr_schedulers") or [])
+        if schedulers:
+            restored.append(f"{schedulers} learning-rate scheduler{'s' if schedulers > 1 else ''}")
+    restored.append("the progress and random generators")
+    if any((checkpoint.get("strategy") or {}).get("by_rank") or []):
+        restored.append(f"the {trainer.strategy.name} strategy's state")
+    if _own_accumulated_grads(trainer, checkpoint) is not None:
+        restored.append("the open accumulation window's gradients")
+    saved_callbacks = checkpoint.get("callbacks", {})
+    callbacks = [type(c).__name__ for c in trainer.callbacks if c.state_key in saved_callbacks]
+    if callbacks:
+        restored.append(f"callbacks ({', '.join(dict.fromkeys(callbacks))})")
+    if checkpoint.get("loggers") and trainer.loggers:
+        restored.append(f"the loggers' folder {trainer.log_dir}")
+    return f"Resumed from {source} at {where}; restored {', '.join(restored)}."
 
 
 #: What a resume of `fit` cannot do without.

@@ -41,15 +41,17 @@ PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
 class TrainingPreempted(SystemExit):
     """Training stopped on a preemption signal after writing a checkpoint; exits with `PREEMPTED_EXIT_CODE`."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, announced: bool = False) -> None:
         super().__init__(PREEMPTED_EXIT_CODE)
         self.message = message
+        #: Whether rank 0 has printed the message already (the command line then does not repeat it).
+        self.announced = announced
 
     def __str__(self) -> str:
         return self.message
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.message,))
+        return (type(self), (self.message, self.announced))
 
 
 class PreemptionWatch:

@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from syncline.options import MisconfigurationException
+
 if TYPE_CHECKING:
     from syncline.strategies.strategy import ReduceOp, Strategy
 
@@ -211,7 +213,7 @@ class ResultCollection:
     ) -> _Entry:
         reduce = _REDUCE_FX.get(reduce_fx.lower() if isinstance(reduce_fx, str) else reduce_fx)
         if reduce is None:
-            raise ValueError(
+            raise MisconfigurationException(
                 f"self.log({name!r}, reduce_fx={reduce_fx!r}): use 'mean' (or 'avg'), 'sum', 'max', 'min' or "
                 "torch.mean/sum/max/min; for another reduction log a torchmetrics Metric."
             )
@@ -229,7 +231,7 @@ class ResultCollection:
         """Return `on_step` and `on_epoch` with the hook's defaults, refusing what the hook does not allow."""
         options = LOG_OPTIONS.get(self.hook)
         if options is None:
-            raise ValueError(
+            raise MisconfigurationException(
                 f"self.log({name!r}, ...) cannot be called in {self.hook or 'this method'} (as in Lightning); log "
                 "from a step or a batch or epoch hook, or write to a logger directly (trainer.logger)."
             )
@@ -238,12 +240,14 @@ class ResultCollection:
         on_epoch = default_epoch if on_epoch is None else on_epoch
         for option, chosen, allowed in (("on_step", on_step, allowed_step), ("on_epoch", on_epoch, allowed_epoch)):
             if chosen not in allowed:
-                raise ValueError(
+                raise MisconfigurationException(
                     f"self.log({name!r}, {option}={chosen}) is not possible in {self.hook}; "
                     f"{option} must be {' or '.join(map(str, allowed))} there."
                 )
         if not (on_step or on_epoch):
-            raise ValueError(f"self.log({name!r}, ...) with on_step=False and on_epoch=False logs nothing.")
+            raise MisconfigurationException(
+                f"self.log({name!r}, ...) with on_step=False and on_epoch=False logs nothing."
+            )
         return on_step, on_epoch
 
     def _record_step(self, name: str, entry: _Entry, value: Tensor) -> None:

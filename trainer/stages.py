@@ -6,12 +6,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.prediction_writer import BasePredictionWriter
+from syncline.options import MisconfigurationException
 from syncline.trainer import persistence
 from syncline.trainer.data import eval_dataloaders, limit_batches, prepare_loader, prepare_loaders, with_batch_indices
 from syncline.trainer.datamodule import merged_hparams, prepare_and_setup
@@ -33,15 +35,11 @@ def fit_stage(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ck
     task, strategy = trainer.task, trainer.strategy
     checkpoint = persistence.open_checkpoint(trainer, ckpt_path, resume=True)
     prepare_and_setup(trainer, "fit", checkpoint)
-    source = trainer.datamodule if trainer.datamodule is not None else task
-    loader = train_dataloaders if train_dataloaders is not None else source.train_dataloader()
-    trainer.train_dataloader = prepare_loader(trainer, loader)
-    limit = trainer.limit_train_batches
-    trainer.num_training_batches = limit_batches(trainer.train_dataloader, limit, "limit_train_batches")
-    val = val_dataloaders if val_dataloaders is not None else source.val_dataloader()
-    trainer.val_dataloaders, trainer.num_val_batches = prepare_loaders(
-        trainer, val, trainer.limit_val_batches, "limit_val_batches"
-    )
+    _load_fit_data(trainer, train_dataloaders, val_dataloaders, warn=True)
+    if trainer.reload_dataloaders_every_n_epochs:
+        loop = trainer.fit_loop
+        loop.reload_data = functools.partial(_reload_fit_data, trainer, train_dataloaders, val_dataloaders)
+    _check_val_check_interval(trainer)
     task.configure_model()  # after setup, before the weights are restored and the strategy wraps the task
     if checkpoint is not None:
         # As in Lightning: the task's and the callbacks' state before configure_optimizers.
@@ -68,6 +66,62 @@ def fit_stage(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, ck
     trainer.dispatcher.fire(Callback.on_fit_end)
 
 
+def _load_fit_data(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, warn: bool) -> None:
+    """Ask for the training and validation loaders (those given to `fit`, else the DataModule's or the task's)."""
+    task = trainer.task
+    source = trainer.datamodule if trainer.datamodule is not None else task
+    loader = train_dataloaders if train_dataloaders is not None else source.train_dataloader()
+    trainer.train_dataloader = prepare_loader(trainer, loader)
+    limit = trainer.limit_train_batches
+    trainer.num_training_batches = limit_batches(trainer.train_dataloader, limit, "limit_train_batches")
+    val = val_dataloaders if val_dataloaders is not None else source.val_dataloader()
+    if val is not None and not has_step(task, "validation_step"):
+        if warn:
+            rank_zero_warn("You passed in a `val_dataloader` but have no `validation_step`. Skipping val loop.")
+        val = None
+    trainer.val_dataloaders, trainer.num_val_batches = prepare_loaders(
+        trainer, val, trainer.limit_val_batches, "limit_val_batches"
+    )
+
+
+def _reload_fit_data(trainer: Trainer, train_dataloaders: Any, val_dataloaders: Any, epochs_run: int) -> None:
+    """Ask for the loaders again when `epochs_run` epochs of this fit are a multiple of
+    `reload_dataloaders_every_n_epochs` (Lightning's rule: every n epochs after the fit's first)."""
+    every = trainer.reload_dataloaders_every_n_epochs
+    if every and epochs_run and epochs_run % every == 0:
+        _load_fit_data(trainer, train_dataloaders, val_dataloaders, warn=False)
+
+
+def has_step(task: Task, name: str) -> bool:
+    """Whether `task` defines the step method `name` (not left at the base class's, and not set to None)."""
+    from syncline.trainer.task import Task
+
+    return getattr(task, name, None) is not None and overrides(task, Task, name)
+
+
+def _check_eval_step(task: Task, stage: str) -> None:
+    """Refuse `validate`/`test` without their step, and `predict` with ``predict_step = None``, as Lightning."""
+    if stage == "predict":
+        if task.predict_step is None:
+            raise MisconfigurationException("`predict_step` cannot be None to run `Trainer.predict`")
+        return
+    name = "validation_step" if stage == "validate" else "test_step"
+    if not has_step(task, name):
+        raise MisconfigurationException(f"No `{name}()` method defined to run `Trainer.{stage}`.")
+
+
+def _check_val_check_interval(trainer: Trainer) -> None:
+    """Refuse an int `val_check_interval` longer than the epoch when there is validation, as Lightning does."""
+    interval, batches = trainer.val_check_interval, trainer.num_training_batches
+    counted_per_epoch = trainer.check_val_every_n_epoch is not None
+    if isinstance(interval, int) and interval > batches and counted_per_epoch and any(trainer.num_val_batches):
+        raise ValueError(
+            f"`val_check_interval` ({interval}) must be less than or equal to the number of the training batches "
+            f"({batches}). If you want to disable validation set `limit_val_batches` to 0.0 instead. If you want "
+            "to validate based on the total training batches, set `check_val_every_n_epoch=None`."
+        )
+
+
 def evaluation_stage(
     trainer: Trainer, stage: str, dataloaders: Any, ckpt_path: Any, return_predictions: bool | None = None
 ) -> Any:
@@ -78,6 +132,7 @@ def evaluation_stage(
     prediction writer writes at the epoch's end.
     """
     task = trainer.task
+    _check_eval_step(task, stage)
     checkpoint = persistence.open_checkpoint(trainer, ckpt_path, resume=False)
     prepare_and_setup(trainer, stage, checkpoint)
     source = trainer.datamodule if trainer.datamodule is not None else task
@@ -85,6 +140,7 @@ def evaluation_stage(
     loaders, num_batches = prepare_loaders(
         trainer, eval_dataloaders(source, stage, dataloaders), getattr(trainer, name), name
     )
+    trainer.evaluation.loaders[stage] = list(loaders)
     writers = [callback for callback in trainer.callbacks if isinstance(callback, BasePredictionWriter)]
     if stage == "predict" and writers:
         loaders = [with_batch_indices(loader) for loader in loaders]  # after sharding: this rank's indices

@@ -22,7 +22,12 @@ class TrainerState:
     """Where training stands.
 
     Attributes:
-        stage: "fit", "validate", "test", "predict" or "" between runs.
+        fn: the Trainer method running or last run: "fit", "validate", "test", "predict"; None before any
+            (Lightning's ``trainer.state.fn``; the strings compare equal to Lightning's `TrainerFn` values).
+        stage: the loop running now: "train", "sanity_check", "validate", "test", "predict"; None between
+            runs (Lightning's ``RunningStage``).
+        status: "initializing", "running", "finished" or "interrupted" (Ctrl-C or a preemption signal);
+            "running" also after a stage failed with an error, as Lightning leaves it.
         current_epoch: epochs finished so far, as Lightning counts them: the index of the epoch in progress
             (its hooks see it), advanced once the epoch's last event is done, so a fit of 3 epochs ends at 3.
         global_step: optimizer steps taken so far.
@@ -35,7 +40,9 @@ class TrainerState:
         should_stop: a callback asked training to stop at the next opportunity.
     """
 
-    stage: str = ""
+    fn: str | None = None
+    stage: str | None = None
+    status: str = "initializing"
     current_epoch: int = 0
     global_step: int = 0
     batch_idx: int = 0
@@ -52,9 +59,19 @@ class TrainerState:
         """Return the progress fields that a resume needs."""
         state = dataclasses.asdict(self)
         # The epoch's RNG is per process: checkpoints gather it from every rank with the current RNG.
-        for transient in ("stage", "sanity_checking", "epoch_start_rng"):
+        for transient in ("fn", "stage", "status", "sanity_checking", "epoch_start_rng"):
             state.pop(transient)
         return state
+
+    @property
+    def finished(self) -> bool:
+        """Whether the last stage ran to its end."""
+        return self.status == "finished"
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the last stage ended, normally or interrupted."""
+        return self.status in ("finished", "interrupted")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -12,11 +13,13 @@ from torch import Tensor, nn
 
 from syncline.trainer.hooks import DataHooks, ModelHooks
 from syncline.trainer.hparams import AttributeDict, HyperparametersMixin, build_from_hparams, read_for_loading
+from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from torchmetrics import Metric
 
     from syncline.callbacks.callback import Callback
+    from syncline.callbacks.logger import Logger
     from syncline.trainer.trainer import Trainer
 
 __all__ = ["AttributeDict", "Task"]
@@ -41,6 +44,8 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
     #: Lightning's switch: False lets a resume start state the checkpoint lacks (a strategy's) afresh.
     strict_loading: bool = True
     _automatic_optimization: bool = True
+    #: True while torch traces the task (`TensorBoardLogger.log_graph`): the tracer reads every property.
+    _jit_is_scripting: bool = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,9 +61,50 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
         Raises:
             RuntimeError: the task is not attached to a Trainer.
         """
-        if self._trainer is None:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; call it from a step.")
-        return self._trainer
+        if self._trainer is None and not self._jit_is_scripting:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a `Trainer`; call it from a step.")
+        return self._trainer  # type: ignore[return-value]
+
+    @trainer.setter
+    def trainer(self, trainer: Trainer | None) -> None:
+        # As in Lightning, tasks nested in this one are attached too.
+        for child in self.children():
+            if isinstance(child, Task):
+                child.trainer = trainer
+        self._trainer = trainer
+
+    @property
+    def logger(self) -> Logger | None:
+        """The Trainer's first logger (None without a Trainer or a logger); ``self.logger.experiment`` is its
+        writer."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Logger]:
+        """The Trainer's loggers (empty without a Trainer)."""
+        return self._trainer.loggers if self._trainer is not None else []
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its machine (0 outside a Trainer)."""
+        return self._trainer.local_rank if self._trainer is not None else 0
+
+    def freeze(self) -> None:
+        """Stop every parameter from requiring gradients and put the task in eval mode (for inference)."""
+        for param in self.parameters():
+            param.requires_grad = False
+        self.eval()
+
+    def unfreeze(self) -> None:
+        """Let every parameter require gradients again and put the task in training mode."""
+        for param in self.parameters():
+            param.requires_grad = True
+        self.train()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on global rank 0 only."""
+        if self.global_rank == 0:
+            print(*args, **kwargs)
 
     @property
     def global_rank(self) -> int:
@@ -292,8 +338,21 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
                 size), "sum", "max", "min", or torch.mean / torch.sum / torch.max / torch.min.
             batch_size: weight of this value in the epoch mean; inferred from the batch when None.
             add_dataloader_idx: with several evaluation loaders, log under ``name/dataloader_idx_<i>``.
+
+        Raises:
+            ValueError: `value` is not a number, a one-element tensor or a torchmetrics `Metric`.
+            MisconfigurationException: the hook cannot log, or cannot log at this level (Lightning's rules).
         """
-        self.trainer.results.log(
+        if self._trainer is None:
+            # Not an error, as in Lightning: a step may be tested without a Trainer.
+            rank_zero_warn(
+                f"self.log({name!r}, ...) outside a Trainer records nothing: the task is not attached to one."
+            )
+            return
+        if not isinstance(value, (Tensor, numbers.Number)) and not _is_metric(value):
+            kind = "nested dictionaries" if isinstance(value, dict) else f"`{type(value).__name__}` values"
+            raise ValueError(f"`self.log({name}, {value})` was called, but {kind} cannot be logged")
+        self._trainer.results.log(
             name,
             value,
             on_step=on_step,
@@ -324,7 +383,7 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
     def test_step(self, batch: Any, batch_idx: int) -> Any:
         """Evaluate one test batch; log metrics with `self.log`."""
 
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Return the prediction for one batch; the default calls the task on the batch."""
         return self(batch)
 
@@ -439,3 +498,9 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Read entries from a checkpoint being restored."""
+
+
+def _is_metric(value: Any) -> bool:
+    from torchmetrics import Metric
+
+    return isinstance(value, Metric)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -16,9 +18,11 @@ from syncline.strategies.comm.live_recovery import check_live_recovery, launch_l
 from syncline.strategies.strategy import Strategy
 from syncline.trainer import persistence
 from syncline.trainer.arguments import (
+    add_timer,
     build_callbacks,
     build_loggers,
     check_options,
+    default_max_epochs,
     device_type,
     merge_task_callbacks,
     resolve_devices,
@@ -74,7 +78,8 @@ class Trainer:
         limit_val_batches: likewise for validation.
         limit_test_batches: likewise for `test`.
         limit_predict_batches: likewise for `predict`.
-        check_val_every_n_epoch: validate in every this-many-th epoch only.
+        check_val_every_n_epoch: validate in every this-many-th epoch only; None: an int `val_check_interval`
+            counts training batches across epochs (Lightning's).
         num_sanity_val_steps: validation batches run before training to catch errors early.
         use_distributed_sampler: shard the data across processes with a `DistributedSampler`.
         accelerator: "auto" (CUDA when there is a GPU, else the CPU), "cpu", or "gpu"/"cuda"; with
@@ -96,6 +101,14 @@ class Trainer:
             after the current step with ``last.ckpt`` and exit status 75 (`TrainingPreempted`).
         fast_dev_run: True or n: n batches (True: 1) of every stage, one epoch, no sanity check, checkpoint or log.
         overfit_batches: train and validate on this many batches (int) or fraction (float), in order (unshuffled).
+        enable_model_summary: print the task's `ModelSummary` (parameters per top-level module) when fit starts.
+        inference_mode: evaluate under `torch.inference_mode()`; False (the default) evaluates under
+            `torch.no_grad()` (docs/from_lightning.md says why the default differs from Lightning's).
+        detect_anomaly: run `fit` under `torch.autograd.set_detect_anomaly(True)` (slow; for debugging NaNs).
+        reload_dataloaders_every_n_epochs: ask the task (or DataModule) for new training and validation loaders
+            every this many epochs (0: never).
+        max_time: stop training after this long: "DD:HH:MM:SS", a `timedelta` or a dict of its arguments
+            (a `Timer` callback, as in Lightning).
     """
 
     def __init__(
@@ -122,7 +135,7 @@ class Trainer:
         limit_val_batches: int | float | None = None,
         limit_test_batches: int | float | None = None,
         limit_predict_batches: int | float | None = None,
-        check_val_every_n_epoch: int = 1,
+        check_val_every_n_epoch: int | None = 1,
         num_sanity_val_steps: int = 2,
         use_distributed_sampler: bool = True,
         seed: int | None = None,
@@ -135,10 +148,15 @@ class Trainer:
         preemption_signal: str | None = "SIGTERM",
         fast_dev_run: bool | int = False,
         overfit_batches: int | float = 0.0,
+        enable_model_summary: bool = True,
+        inference_mode: bool = False,
+        detect_anomaly: bool = False,
+        reload_dataloaders_every_n_epochs: int = 0,
+        max_time: str | timedelta | dict[str, int] | None = None,
     ) -> None:
         check_options(locals())
         devices = resolve_devices(devices, accelerator)
-        self.max_epochs = 1000 if max_epochs is None and max_steps == -1 else max_epochs
+        self.max_epochs = default_max_epochs(max_epochs, max_steps, max_time, callbacks)
         self.max_steps = max_steps
         self.min_epochs = min_epochs
         self.min_steps = min_steps
@@ -150,7 +168,10 @@ class Trainer:
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val = gradient_clip_val
         self.precision_name = str(precision)
-        self.default_root_dir = str(default_root_dir) if default_root_dir is not None else os.getcwd()
+        self.default_root_dir = os.path.expanduser(default_root_dir) if default_root_dir is not None else os.getcwd()
+        self.inference_mode = inference_mode
+        self.detect_anomaly = detect_anomaly
+        self.reload_dataloaders_every_n_epochs = reload_dataloaders_every_n_epochs
         self.log_every_n_steps = log_every_n_steps
         self.val_check_interval = val_check_interval
         self.limit_train_batches = limit_train_batches
@@ -175,10 +196,13 @@ class Trainer:
         if kind is not None:
             self.strategy.use_accelerator(kind)
         self.loggers = build_loggers(logger, self.default_root_dir)
-        self.callbacks = build_callbacks(callbacks, enable_checkpointing, enable_progress_bar)
+        self.callbacks = build_callbacks(callbacks, enable_checkpointing, enable_progress_bar, enable_model_summary)
+        add_timer(self.callbacks, max_time)
         apply_debugging_flags(self, fast_dev_run, overfit_batches)  # sets fast_dev_run and overfit_batches
 
         self.state = TrainerState()
+        #: Whether the training batch in progress is its epoch's last (set by the fit loop).
+        self.is_last_batch = False
         self.callback_metrics: dict[str, Tensor] = {}
         self.progress_bar_metrics: dict[str, Tensor] = {}
         self.logged_metrics: dict[str, Tensor] = {}
@@ -203,8 +227,6 @@ class Trainer:
         self._task: Task | None = None
         #: The checkpoint the last stage loaded (its path), as Lightning's ``trainer.ckpt_path``.
         self.ckpt_path: str | None = None
-        #: Whether the last stage was stopped by Ctrl-C or a preemption signal (Lightning's ``interrupted``).
-        self.interrupted = False
         #: The DataModule of the stage in progress (or the last one), as Lightning's ``trainer.datamodule``.
         self.datamodule: DataModule | None = None
 
@@ -296,6 +318,115 @@ class Trainer:
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers of the task being fitted (a list, as in Lightning)."""
         return list(self.optim.optimizers) if self.optim is not None else []
+
+    # ------------------------------------------------- Lightning's public surface
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The task of the stage in progress or last run (None before any)."""
+        return self._task
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the last stage ended with an exception (Ctrl-C, a preemption signal, or an error)."""
+        return self.state.status == "interrupted"
+
+    @property
+    def training(self) -> bool:
+        """Whether the training loop is running (not its validation)."""
+        return self.state.stage == "train"
+
+    @property
+    def validating(self) -> bool:
+        """Whether validation (not the sanity check) is running."""
+        return self.state.stage == "validate"
+
+    @property
+    def testing(self) -> bool:
+        """Whether `test` is running."""
+        return self.state.stage == "test"
+
+    @property
+    def predicting(self) -> bool:
+        """Whether `predict` is running."""
+        return self.state.stage == "predict"
+
+    @property
+    def evaluating(self) -> bool:
+        """Whether validation or test is running."""
+        return self.state.stage in ("validate", "test")
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its machine."""
+        return self.strategy.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        """Index of this machine (``GROUP_RANK`` under torchrun; 0 otherwise)."""
+        return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of machines: the processes over those on each machine."""
+        return max(1, self.world_size // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", self.devices))))
+
+    @property
+    def num_devices(self) -> int:
+        """Processes (devices) per machine, as `devices` asked for."""
+        return self.devices
+
+    @property
+    def early_stopping_callbacks(self) -> list[Callback]:
+        """The EarlyStopping callbacks."""
+        from syncline.callbacks.early_stopping import EarlyStopping
+
+        return [c for c in self.callbacks if isinstance(c, EarlyStopping)]
+
+    @property
+    def early_stopping_callback(self) -> Callback | None:
+        """The first EarlyStopping, or None."""
+        found = self.early_stopping_callbacks
+        return found[0] if found else None
+
+    @property
+    def progress_bar_callback(self) -> Callback | None:
+        """The ProgressBar, or None."""
+        from syncline.callbacks.progress import ProgressBar
+
+        return next((c for c in self.callbacks if isinstance(c, ProgressBar)), None)
+
+    @property
+    def enable_validation(self) -> bool:
+        """Whether this fit validates: it has validation batches."""
+        return any(self.num_val_batches)
+
+    @property
+    def estimated_stepping_batches(self) -> int | float:
+        """The optimizer steps this fit will take, as Lightning estimates them (for a OneCycleLR in
+        `configure_optimizers`): batches per epoch over `accumulate_grad_batches`, times `max_epochs`, capped by
+        `max_steps`; `max_steps` (or inf) for endless data or no epoch limit."""
+        if self.max_epochs in (None, -1):
+            return float("inf") if self.max_steps == -1 else self.max_steps
+        batches = self.num_training_batches
+        if batches == float("inf"):
+            return self.max_steps
+        steps = math.ceil(batches / self.accumulate_grad_batches) * max(self.max_epochs, 1)
+        return min(steps, self.max_steps) if self.max_steps != -1 else steps
+
+    @property
+    def test_dataloaders(self) -> list[Any]:
+        """The loaders of the test run in progress (or the last one)."""
+        return list(self.evaluation.loaders.get("test", []))
+
+    @property
+    def predict_dataloaders(self) -> list[Any]:
+        """The loaders of the predict run in progress (or the last one)."""
+        return list(self.evaluation.loaders.get("predict", []))
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on global rank 0 only."""
+        if self.is_global_zero:
+            print(*args, **kwargs)
 
     # ------------------------------------------------------------------ stages
     def fit(
@@ -392,8 +523,9 @@ class Trainer:
 
     def _run(self, stage: str, task: Task, body: Callable[[], R]) -> R:
         task._trainer = self
-        self.state.stage = stage
-        self.interrupted = False
+        self.state.fn, self.state.stage = stage, "train" if stage == "fit" else stage
+        self.state.status = "running"
+        self.is_last_batch = False
         # Every stage starts with no metrics, as in Lightning: `validate` after `fit` shows its own values.
         for metrics in (self.callback_metrics, self.progress_bar_metrics, self.logged_metrics):
             metrics.clear()
@@ -408,29 +540,34 @@ class Trainer:
         self.precision = Precision(self.precision_name, self.strategy.root_device, self.strategy)
         status = "failed"
         try:
-            result = body()
+            with torch.autograd.set_detect_anomaly(self.detect_anomaly):
+                result = body()
             status = "success"
+            self.state.status = "finished"
             return result
         except BaseException as error:
+            # As in Lightning, any exception leaves the Trainer interrupted (`trainer.interrupted`).
+            self.state.status = "interrupted"
             if isinstance(error, (KeyboardInterrupt, TrainingPreempted)):
                 status = "interrupted"
-                self.interrupted = True
             if not isinstance(error, TrainingPreempted):
                 # Every rank stops together on a preemption; after anything else the others may be stuck.
                 self.strategy.on_stage_failure()
             self.dispatcher.fire(Callback.on_exception, error)
+            if self.datamodule is not None:
+                self.datamodule.on_exception(error)
             raise
         finally:
             try:
                 if self.datamodule is not None:
-                    self.datamodule.teardown(stage)  # before the callbacks' and the task's, as in Lightning
-                self.dispatcher.fire(Callback.teardown, stage)
+                    self.datamodule.teardown(stage=stage)  # before the callbacks' and the task's, as in Lightning
+                self.dispatcher.fire(Callback.teardown, stage=stage)
                 if self.is_global_zero:
                     for logger in self.loggers:
                         logger.finalize(status)
             finally:
                 self.strategy.teardown()
-                self.state.stage = ""
+                self.state.stage = None
                 release_device(task, self.optimizers, self.strategy.root_device)
 
     # ----------------------------------------------------------------- logging
@@ -440,12 +577,15 @@ class Trainer:
             return
         self.logged_metrics.update({k: v if isinstance(v, Tensor) else torch.tensor(v) for k, v in metrics.items()})
         values = {name: float(value) for name, value in metrics.items()}  # host sync: logging step only
-        if step is None:
-            step = self.fit_loop.log_step() if self.state.stage == "fit" else self.state.global_step
-            values["epoch"] = float(self.state.current_epoch)
+        if step is None and "step" in values:
+            step = int(values.pop("step"))  # a logged "step" is the loggers' step, as in Lightning
+        elif step is None:
+            step = self.fit_loop.log_step() if self.state.fn == "fit" else self.state.global_step
+            values.setdefault("epoch", float(self.state.current_epoch))  # unless the task logged its own
         if self.is_global_zero:
             for logger in self.loggers:
                 logger.log_metrics(values, step)
+                logger.save()  # as Lightning: a CSV logger's rows reach the file at every logging step
 
     # ------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str | os.PathLike[str], weights_only: bool = False) -> None:

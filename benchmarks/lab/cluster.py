@@ -18,6 +18,7 @@ for ``ip netns``), so nothing is left on the host, even after Ctrl-C or a crash;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -28,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,9 @@ __all__ = [
     "NodeResult",
     "StepReport",
     "add_worker_argument",
+    "bounded",
     "build_nodes",
+    "end_nodes",
     "lab_rate",
     "link_bound",
     "namespaces_unavailable",
@@ -63,10 +66,15 @@ __all__ = [
 
 SUBNET = "10.77.0"
 MASTER_PORT = 29500
-#: tbf's bucket and queue: a 256 kB burst and up to 500 ms of queue, as in the issue that specified the lab.
+#: tbf's bucket and queue: a 256 kB burst and up to 500 ms of queue.
 BURST = "256kb"
 LATENCY = "500ms"
 _INSIDE = "--inside-lab"
+#: Steps a `-m syncline` job of `lab cluster` trains when its command sets no bound (the Trainer's own is 1,000
+#: epochs): enough for a median step time past the first steps' warm-up.
+DEFAULT_MAX_STEPS = 50
+#: Seconds the lab's processes get to end after SIGTERM (a syncline job saves its checkpoint), before SIGKILL.
+END_GRACE_S = 4.0
 #: How `run_worker_job` starts a lab script on every node: ``python -m benchmarks lab <script> --worker SPEC``.
 _WORKER = "--worker"
 
@@ -203,10 +211,10 @@ def run_lab(
         start_new_session=True,
     )
     try:
-        lab.wait(timeout=timeout + 60)
+        with _signals_interrupt():
+            lab.wait(timeout=timeout + 60)
     except BaseException:
-        _kill_group(lab.pid)
-        lab.wait()
+        _stop_lab(lab)
         raise
     if not result_file.is_file():
         raise RuntimeError(f"the lab exited with {lab.returncode} without a result; see {log_dir}")
@@ -346,6 +354,10 @@ def skipped_without_namespaces(script: str) -> bool:
 def _inside(spec: dict[str, Any]) -> None:
     """Build the nodes, run torchrun in each, measure the links, and write the result (runs as the lab)."""
     nodes, rate = spec["nodes"], spec["rate"]
+    # SIGTERM (from the command that started the lab, on its Ctrl-C or its own SIGTERM) or SIGHUP raise here,
+    # so that `_run_nodes` ends every process of every node before the lab, and with it the namespaces, goes.
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, _interrupt)
     build_nodes(nodes, rate, spec.get("slow_start_after_idle", True))
     before = [_veth_bytes(node) for node in range(nodes)]
     started = time.monotonic()
@@ -440,14 +452,61 @@ def _run_nodes(spec: dict[str, Any]) -> tuple[list[int], list[str]]:
                 break
             time.sleep(0.1)
     finally:
+        running = [node for node, process in enumerate(processes) if process.poll() is None]
+        end_nodes(range(nodes))
         for node, process in enumerate(processes):
-            if process.poll() is None:
-                _kill_group(process.pid)
-                process.wait()
-                codes[node] = codes[node] if codes[node] is not None else -signal.SIGKILL
-            else:
-                codes[node] = process.returncode
+            process.wait()
+            codes[node] = -signal.SIGKILL if node in running and codes[node] is None else process.returncode
     return [int(code) for code in codes], logs  # type: ignore[arg-type]
+
+
+def end_nodes(nodes: Sequence[int] | range, grace: float = END_GRACE_S) -> None:
+    """End every process in the namespaces of `nodes`: torchrun's agents and their workers, whatever session
+    each started (torch starts every worker in a session of its own, out of reach of its agent's group).
+
+    SIGTERM first; whatever still runs after `grace` seconds gets SIGKILL.
+    """
+    pids = [pid for node in nodes for pid in _namespace_pids(node)]
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.2)
+        pids = [pid for node in nodes for pid in _namespace_pids(node)]
+    while pids:  # SIGKILL, again for any process a dying one started meanwhile
+        _signal_all(pids, signal.SIGKILL)
+        time.sleep(0.2)
+        pids = [pid for node in nodes for pid in _namespace_pids(node)]
+
+
+def _signal_all(pids: Sequence[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _namespace_pids(node: int) -> list[int]:
+    """The processes in node `node`'s network namespace (none once it is gone)."""
+    out = subprocess.run(["ip", "netns", "pids", f"node{node}"], capture_output=True, text=True)
+    return [int(pid) for pid in out.stdout.split()] if out.returncode == 0 else []
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """While the lab runs, let SIGTERM and SIGHUP to this process stop it as Ctrl-C does (KeyboardInterrupt),
+    so the lab is told to end its nodes instead of being left running when this process dies."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _veth_bytes(node: int) -> tuple[int, int]:
@@ -463,13 +522,16 @@ def _sh(*args: str) -> None:
         raise RuntimeError(f"lab setup failed: {' '.join(args)}: {result.stderr.strip()}")
 
 
-def _kill_group(pid: int) -> None:
+def _stop_lab(lab: subprocess.Popen) -> None:
+    """Tell the lab to stop (SIGTERM: it ends its nodes' processes within `END_GRACE_S`); SIGKILL if it lingers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(lab.pid, signal.SIGTERM)
     try:
-        os.killpg(pid, signal.SIGTERM)
-        time.sleep(0.5)
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        lab.wait(timeout=END_GRACE_S + 3)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(lab.pid, signal.SIGKILL)
+        lab.wait()
 
 
 def _temporary_dir() -> str:
@@ -550,6 +612,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", default=None, help="each node's link rate, e.g. 100mbit or 1gbit (default: unshaped)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="processes torchrun starts on each node")
     parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=DEFAULT_MAX_STEPS,
+        help="with `-m syncline`: add trainer.max_steps=N unless the command bounds training itself (0: do not)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds the job may take (each, with --strategies)"
     )
     parser.add_argument(
@@ -571,8 +639,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def command(args: argparse.Namespace) -> int | None:
     """``python -m syncline.benchmarks lab cluster --nodes N --rate R -- <what torchrun runs>``."""
     if args.inside_lab is not None:
-        _inside(json.loads(args.inside_lab))
+        try:
+            _inside(json.loads(args.inside_lab))
+        except KeyboardInterrupt:
+            return 130
         return 0
+    try:
+        return _command(args)
+    except KeyboardInterrupt as stop:
+        # `run_lab` has ended every node's processes, and the lab's namespaces went with the lab.
+        reason = str(stop) or "stopped by Ctrl-C"
+        print(f"lab: {reason}; every node's processes have ended.", file=sys.stderr, flush=True)
+        return 130
+
+
+def _command(args: argparse.Namespace) -> int | None:
     torchrun_args = args.torchrun_args[1:] if args.torchrun_args[:1] == ["--"] else args.torchrun_args
     if not torchrun_args:
         print(
@@ -591,12 +672,18 @@ def command(args: argparse.Namespace) -> int | None:
     if isinstance(names, str):
         print(names, file=sys.stderr)
         return 2
+    torchrun_args = bounded(torchrun_args, args.max_steps)
     reason = namespaces_unavailable()
     if reason is not None:
         print(f"network lab unavailable: {reason}", file=sys.stderr)
         return 3
     log_dir = Path(args.log_dir) if args.log_dir else Path(_temporary_dir())
     link = f"{args.rate} links" if args.rate else "unshaped links"
+    steps = next((arg for arg in torchrun_args if arg.startswith("trainer.max_steps=")), None)
+    print(
+        f"lab: each job ends by {args.timeout:.0f} s (--timeout)" + (f", at {steps} (--max-steps)" if steps else ""),
+        flush=True,
+    )
     if names is None:
         result, report = run_job(torchrun_args, args.nodes, args.rate, args.nproc_per_node, args.timeout, log_dir)
         print(f"{args.nodes} nodes, {link}: {result.wall_seconds:.1f} s")
@@ -627,6 +714,23 @@ def command(args: argparse.Namespace) -> int | None:
     return 0 if all(row["ok"] for row in rows) else 1
 
 
+def bounded(torchrun_args: Sequence[str], max_steps: int) -> list[str]:
+    """A syncline command line with ``trainer.max_steps=<max_steps>`` added, unless it bounds training itself
+    (the Trainer's default is 1,000 epochs); any other command is bounded by ``--timeout`` alone."""
+    args = list(torchrun_args)
+    if args[:2] != ["-m", "syncline"] or max_steps <= 0:
+        return args
+    keys = {arg.partition("=")[0].lstrip("+~") for arg in args[2:]}
+    if keys & {"trainer.max_steps", "trainer.max_epochs", "trainer.max_time", "trainer.fast_dev_run"}:
+        return args
+    return [*args, f"trainer.max_steps={max_steps}"]
+
+
+#: Strategies `--strategies all` leaves out: `single` trains an independent model in every process, with no
+#: communication to time.
+NOT_DISTRIBUTED = ("single",)
+
+
 def _strategy_names(option: str | None, torchrun_args: Sequence[str]) -> list[str] | None | str:
     """The strategies `--strategies` names (None without it), or the one-line error about them."""
     if option is None:
@@ -635,10 +739,17 @@ def _strategy_names(option: str | None, torchrun_args: Sequence[str]) -> list[st
         return "error: --strategies needs a `-m syncline ...` command (it appends strategy=<name> to it)."
     from syncline.strategies.registry import STRATEGIES
 
-    names = sorted(STRATEGIES) if option == "all" else [name.strip() for name in option.split(",") if name.strip()]
+    distributed = sorted(name for name in STRATEGIES if name not in NOT_DISTRIBUTED)
+    names = distributed if option == "all" else [name.strip() for name in option.split(",") if name.strip()]
     unknown = [name for name in names if name not in STRATEGIES]
     if unknown:
-        return f"error: --strategies: unknown {', '.join(unknown)}; registered: {', '.join(sorted(STRATEGIES))}"
+        return f"error: --strategies: unknown {', '.join(unknown)}; registered: {', '.join(distributed)}"
+    alone = [name for name in names if name in NOT_DISTRIBUTED]
+    if alone:
+        return (
+            f"error: --strategies: {', '.join(alone)} trains an independent model in each process (no "
+            f"communication to measure); choose among {', '.join(distributed)}"
+        )
     return names
 
 

@@ -1,4 +1,4 @@
-"""Faults on a two-node lab cluster: how long until the last process of the job is gone (issue 25).
+"""Faults on a two-node lab cluster: how long until the last process of the job is gone.
 
 For each strategy, three faults while a small model trains under torchrun on two lab nodes (network
 namespaces joined by a bridge, `benchmarks.lab.cluster`), with the strategy's collective timeout set to

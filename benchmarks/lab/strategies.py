@@ -1,4 +1,4 @@
-"""Every strategy against its link's bound, in the network lab (docs/performance.md, "Strategies on shaped links").
+"""Every strategy against its link's bound, in the network lab (docs/performance.md, section 9).
 
 For each node count and link rate the lab (`benchmarks/lab/cluster.py`) builds a cluster and runs one torchrun
 job across it; the job trains the default example's CharGPT, widened so that its gradients weigh several
@@ -20,9 +20,9 @@ is the cap it chose):
 measured / bound near 1 means the strategy waits for nothing but its own bytes on the wire (or its own
 compute); well above 1 means it leaves the link idle while it waits, or waits on something else.
 
-Beside it, the **algorithmic bound** (`syncline.strategies.comm.bound`): the link bound assumes every second of
+Beside it, the **algorithmic bound** (`benchmarks/lab/bound.py`): the link bound assumes every second of
 compute can hide wire time, but an algorithm allows less (local SGD's averaging follows the step; a gradient
-all-reduce can hide only behind the backward). Each strategy declares its wire phases (`Strategy.wire_phases`);
+all-reduce can hide only behind the backward). Each strategy's wire phases are listed there (`wire_phases`);
 the local step is split into forward, backward and optimizer step by `local_phases` (timed in this process,
 before the clusters run), and measured / algorithmic bound says how far the implementation is from what its
 algorithm allows.
@@ -95,6 +95,10 @@ DEFAULT_STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("powersgd", "powersgd", {"start_iter": 2}),
     ("qadam", "qadam", {"warmup_steps": 2}),
     ("local_sgd", "local_sgd", {"period": 4}),
+    # At local_sgd's period (a timed window of a few steps sees no exchange at H=50..500; the trade-off has those):
+    # blocking, and streaming with 2 fragments exchanged behind the next inner step.
+    ("diloco", "diloco", {"period": 4}),
+    ("streaming diloco", "diloco", {"period": 4, "fragments": 2}),
     ("decentralized", "decentralized", {}),
     ("decentralized all uint8", "decentralized", {"peers": "all", "compression": "uint8"}),
     ("decentralized all uint8 prefetch", "decentralized", {"peers": "all", "compression": "uint8", "prefetch": True}),
@@ -328,10 +332,12 @@ def phase_fractions(phases_ms: dict[str, float] | None) -> dict[str, float]:
 
 
 def wire_phases_of(name: str, options: dict[str, Any]) -> tuple[Any, ...]:
-    """The registered strategy's declared wire phases with these options (built, not set up)."""
+    """The registered strategy's wire phases with these options (built, not set up)."""
     from syncline.strategies import STRATEGIES
 
-    return STRATEGIES[name](**options).wire_phases()
+    from .bound import wire_phases
+
+    return wire_phases(STRATEGIES[name](**options))
 
 
 def lab_rows(
@@ -339,7 +345,7 @@ def lab_rows(
 ) -> list[dict[str, Any]]:
     """Add to each strategy's record the busiest node's bytes, the link bound and measured/bound, and the
     algorithmic bound and measured/algorithmic bound (`phases_ms` splits the local step; None: the documented one)."""
-    from syncline.strategies.comm.bound import algorithmic_bound
+    from .bound import algorithmic_bound
 
     rate_bps = parse_rate(rate) if rate else None
     fractions = phase_fractions(phases_ms)
@@ -413,7 +419,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def grid_table(rows: list[dict[str, Any]]) -> str:
     """One row per strategy, one column per (nodes, link) cell: seconds per step, measured/link bound and
     measured/algorithmic bound."""
-    order = {"unshaped": 0, "1gbit": 1, "100mbit": 2}
+    order = {"unshaped": 0, "1gbit": 1, "100mbit": 2, "10mbit": 3}
     cells = sorted(dict.fromkeys((r["nodes"], r["rate"]) for r in rows), key=lambda c: (c[0], order.get(c[1], 3)))
     labels = list(dict.fromkeys(r["label"] for r in rows if r["label"] != "local (end)"))
     found = {(r["nodes"], r["rate"], r["label"]): r for r in rows}
@@ -532,7 +538,7 @@ def _with_algorithmic_bound(run: dict[str, Any]) -> list[dict[str, Any]]:
             row = dict(row)
             name, options = known[row["label"]]
             if row["label"] not in LOCAL_LABELS:
-                from syncline.strategies.comm.bound import algorithmic_bound
+                from .bound import algorithmic_bound
 
                 rate_bps = parse_rate(row["rate"]) if row["rate"] != "unshaped" else None
                 wire = row["busiest_sent_per_step"] * 8.0 / rate_bps if rate_bps else 0.0

@@ -22,6 +22,7 @@ hook died of a collective-size mismatch on gloo in every 4-node run of 2026-11-2
 counted over repeats (``--repeat``) instead of ending the grid.
 
     python -m benchmarks lab tradeoff --nodes 2 4 --rates none 1gbit 100mbit   # about 50 minutes
+    python -m benchmarks lab tradeoff --nodes 4 --rates 10mbit --only bucketed_ddp powersgd "diloco H=100"
     python -m benchmarks lab tradeoff --plot docs/img/tradeoff.png --write docs/performance.md  # from the JSON
 """
 
@@ -56,6 +57,7 @@ __all__ = [
     "marker_of",
     "grid_tables",
     "run_cell",
+    "bytes_table",
     "run_cell_counting_failures",
     "speedups",
     "table",
@@ -76,6 +78,13 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("powersgd", "powersgd", {}),
     ("qadam", "qadam", {}),
     ("local_sgd", "local_sgd", {}),
+    # DiLoCo's outer Nesterov step every H inner AdamW steps (the epoch has 439: H=500 never exchanges within it),
+    # and streaming DiLoCo: 4 fragments, each exchanged every 100 steps, 25 apart, behind the next inner step.
+    ("diloco H=50", "diloco", {"period": 50}),
+    ("diloco H=100", "diloco", {"period": 100}),
+    ("diloco H=500", "diloco", {"period": 500}),
+    ("streaming diloco H=100 F=4", "diloco", {"period": 100, "fragments": 4}),
+    ("streaming diloco H=100 F=4 uint8", "diloco", {"period": 100, "fragments": 4, "compression": "uint8"}),
     ("decentralized", "decentralized", {}),
     ("async_model_average", "async_model_average", {}),
     ("parameter_server", "parameter_server", {}),
@@ -159,6 +168,8 @@ def _worker(spec: dict[str, Any]) -> None:
                 "train_s_at_validation": [times["train_s_at_step"][s - 1] for s, _, _ in recorder.validations],
                 # Over the whole run: periodic and background strategies send unevenly.
                 "comm_bytes_per_step": recorder.comm.get("comm/total_bytes", 0.0) / len(recorder.step_ends),
+                # The most one step sent (rank 0's, one process per node): what the link must carry at once.
+                "peak_comm_bytes_per_step": recorder.peak_comm_bytes,
             }
         )
         if dist.get_rank() == 0:
@@ -242,16 +253,16 @@ def speedups(rows: list[dict[str, Any]]) -> dict[tuple[int, str, str], float]:
     return out
 
 
-RATES = ("unshaped", "1gbit", "100mbit")
+RATES = ("unshaped", "1gbit", "100mbit", "10mbit")
 MARKER = "lab-tradeoff"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """One markdown row per run: seconds and steps to the target, s/step, bytes/step, speed-up."""
+    """One markdown row per run: seconds and steps to the target, s/step, mean and peak bytes/step, speed-up."""
     ups = speedups(rows)
     lines = [
-        "| nodes | link | strategy | seconds to target | steps | s/step | comm/bytes per step | vs bucketed_ddp |",
-        "|---|---|---|---|---|---|---|---|",
+        "| nodes | link | strategy | seconds to target | steps | s/step | comm/bytes per step | peak | vs ddp |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         up = ups.get((r["nodes"], r["rate"], r["label"]))
@@ -263,10 +274,15 @@ def table(rows: list[dict[str, Any]]) -> str:
             r["steps"],
             f"{r['step_s']:.3f}",
             f"{r['comm_bytes_per_step'] / 1e6:.2f} MB",
+            _megabytes(r.get("peak_comm_bytes_per_step")),
             _speedup(up),
         ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
+
+
+def _megabytes(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e6:.2f} MB"
 
 
 def _seconds(r: dict[str, Any]) -> str:
@@ -318,7 +334,33 @@ def grid_tables(data: dict[str, Any]) -> str:
                 line += [seconds, _speedup(ups.get((nodes, rate, label)))]
             lines.append("| " + " | ".join(line) + " |")
         out.append("\n".join(lines))
-    return "\n\n".join(out)
+        out.append(bytes_table([r for r in rows if r["nodes"] == nodes], rates, labels))
+    return "\n\n".join(part for part in out if part)
+
+
+def bytes_table(rows: list[dict[str, Any]], rates: list[str], labels: list[str]) -> str:
+    """Mean and peak bytes per step per node of one node count's median runs, per link rate ("" for runs recorded
+    before the peak was)."""
+    cells = {(r["rate"], r["label"]): r for r in rows if "peak_comm_bytes_per_step" in r and not r.get("failed")}
+    if not cells:
+        return ""
+    lines = [
+        f"{rows[0]['nodes']} nodes, bytes per step per node (mean over the run / peak step):",
+        "",
+        "| strategy | " + " | ".join(f"{rate}: mean / peak" for rate in rates) + " |",
+        "|---|" + "---|" * len(rates),
+    ]
+    for label in labels:
+        found = [cells.get((rate, label)) for rate in rates]
+        if any(found):
+            line = [
+                "-"
+                if r is None
+                else f"{_megabytes(r['comm_bytes_per_step'])} / {_megabytes(r['peak_comm_bytes_per_step'])}"
+                for r in found
+            ]
+            lines.append("| " + " | ".join([label, *line]) + " |")
+    return "\n".join(lines)
 
 
 def fill_page(page: str, data: dict[str, Any], marker: str = MARKER) -> str:
@@ -340,9 +382,9 @@ def plot(data: dict[str, Any], out: Path) -> None:
 
     rows = medians(data["rows"])
     node_counts = sorted({r["nodes"] for r in rows})
-    rates = [rate for rate in ("unshaped", "1gbit", "100mbit") if any(r["rate"] == rate for r in rows)]
+    rates = [rate for rate in RATES if any(r["rate"] == rate for r in rows)]
     labels = [label for label, _, _ in STRATEGIES if any(r["label"] == label for r in rows)]
-    colors = {"unshaped": "#55A868", "1gbit": "#4C72B0", "100mbit": "#C44E52"}
+    colors = {"unshaped": "#55A868", "1gbit": "#4C72B0", "100mbit": "#C44E52", "10mbit": "#8172B2"}
     fig, axes = plt.subplots(len(node_counts), 1, figsize=(11, 3.6 * len(node_counts)), squeeze=False)
     width = 0.8 / len(rates)
     for ax, nodes in zip(axes[:, 0], node_counts):

@@ -77,10 +77,10 @@ class CommThread:
         self._queue.put(_Item(start, finish, args, future))
         return future
 
-    def close(self) -> None:
-        """Let the thread finish what it was given, then stop it."""
+    def close(self, wait: float | None = None) -> None:
+        """Let the thread finish what it was given, then stop it; wait at most `wait` seconds (None: the timeout)."""
         self._queue.put(None)
-        self._thread.join(self._timeout)
+        self._thread.join(self._timeout if wait is None else wait)
 
     def _run(self) -> None:
         # A staged exchange whose start has run and whose finish waits: at most one (the next start goes first).

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from syncline.strategies.comm.counter import CommCounter, count_bytes
+from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.transfers import all_gather_in_pieces, all_to_all_in_pieces
 
 __all__ = [
@@ -312,9 +312,8 @@ def start_scatter(values: Tensor, group: dist.ProcessGroup | None, counter: Comm
     size = payloads[rank].numel()
     # Scatter: chunk j goes to rank j; the own chunk is not handed to the collective.
     versions = [payload if j == rank else payload.new_empty(size) for j, payload in enumerate(payloads)]
-    count_bytes(counter, *(payload for j, payload in enumerate(payloads) if j != rank))
-    # Collective: all-to-all of the uint8 chunks, in pieces, posted without waiting.
-    works = all_to_all_in_pieces(payloads, versions, group=group, async_op=True)
+    # Collective: all-to-all of the uint8 chunks, in pieces, posted without waiting (the others' chunks counted).
+    works = all_to_all_in_pieces(payloads, versions, group=group, async_op=True, counter=counter)
     return Scatter(values, payloads, versions, works)
 
 
@@ -335,9 +334,8 @@ def finish_average(
     # Gather: all-gather needs equal sizes; pad to the largest chunk (tensor_split puts it first) with zeros.
     requantized = values.new_zeros(sizes[0], dtype=torch.uint8)
     quantize_packed(own_chunk, 1, out=requantized)
-    count_bytes(counter, requantized)
     # Collective: all-gather of every rank's averaged, re-quantized chunk, in pieces.
-    gathered = all_gather_in_pieces(requantized, world, group=group)[0].split(requantized.numel())
+    gathered = all_gather_in_pieces(requantized, world, group=group, counter=counter)[0].split(requantized.numel())
     flat = values.new_empty(values.numel(), dtype=torch.float32)
     average = dequantize_payloads([chunk[:size] for chunk, size in zip(gathered, sizes)], flat)
     sent = dequantize_payloads(payloads, values.new_empty(values.numel(), dtype=torch.float32))

@@ -51,6 +51,10 @@ class CommCounter:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
+    def absorb(self, other: CommCounter) -> None:
+        """Count in the current step everything `other` counted (a transfer counted apart, joined when it lands)."""
+        self.add(other.total_bytes)
+
     def add_tensors(self, *tensors: Tensor) -> None:
         """Count the sizes of `tensors`, each handed to a collective."""
         for tensor in tensors:

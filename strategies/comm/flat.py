@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-__all__ = ["flatten", "flatten_by_dtype", "group_by_dtype", "unflatten", "unflatten_into"]
+__all__ = ["flatten", "flatten_by_dtype", "group_by_dtype", "unflatten", "unflatten_into", "write_range"]
 
 
 def group_by_dtype(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
@@ -47,3 +47,14 @@ def unflatten_into(tensors: list[Tensor], flat: Tensor) -> None:
 def flatten_by_dtype(tensors: Iterable[Tensor]) -> list[tuple[list[Tensor], Tensor]]:
     """Return, per (dtype, device), the tensors and one flat copy of them (what one collective sends)."""
     return [(group, flatten(group)) for group in group_by_dtype(tensors)]
+
+
+@torch.no_grad()
+def write_range(tensors: list[Tensor], start: int, end: int, values: Tensor) -> None:
+    """Write `values` into elements [start, end) of the flat concatenation of `tensors` (a range's `unflatten_into`)."""
+    offset = 0
+    for tensor in tensors:
+        first, last = max(start, offset), min(end, offset + tensor.numel())
+        if first < last:
+            tensor.view(-1)[first - offset : last - offset].copy_(values[first - start : last - start])
+        offset += tensor.numel()

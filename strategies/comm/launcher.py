@@ -41,7 +41,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from syncline.strategies.comm import worker_guard
+from syncline.strategies.comm import launch_reaper, worker_guard
 from syncline.strategies.comm.loopback_rendezvous import LOOPBACK_BACKEND, register
 
 if TYPE_CHECKING:
@@ -95,9 +95,16 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
     # Before any process starts: an option that cannot work on this many processes is one clear error.
     trainer.strategy.check_world_size(nprocs)
     timeout = float(getattr(trainer.strategy, "timeout", 1800.0))
-    graceful = ["SIGINT"] + (["SIGTERM"] if stage == "fit" and signal.SIGTERM in trainer.preemption.signals else [])
+    # Ctrl-C, and during fit the configured preemption signal (SIGTERM, or SIGUSR1/2, which SLURM's
+    # `--signal` sends to every process of the job, this one included): the workers stop after a step.
+    graceful = ["SIGINT"] + [s.name for s in trainer.preemption.signals if s != signal.SIGINT and stage == "fit"]
     _remove_stale_launch_dirs()
-    with tempfile.TemporaryDirectory(prefix=f"{_LAUNCH_DIR_PREFIX}{os.getpid()}-") as log_dir, _quiet_elastic():
+    launch_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    with (
+        tempfile.TemporaryDirectory(prefix=f"{_LAUNCH_DIR_PREFIX}{os.getpid()}-") as log_dir,
+        _quiet_elastic(),
+        _reaped(launch_id),
+    ):
         # The task travels in a file, not through the pipe that starts each worker: a worker that exits
         # while importing the user's script reads nothing, and a payload larger than the pipe's buffer
         # would block this process forever (the pipe's read end stays open here).
@@ -110,7 +117,7 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
             min_nodes=1,
             max_nodes=1,
             nproc_per_node=nprocs,
-            run_id=f"syncline-{uuid.uuid4().hex[:8]}",
+            run_id=f"syncline-{launch_id}",
             rdzv_backend=LOOPBACK_BACKEND,
             rdzv_endpoint="",
             rdzv_configs={"timeout": timeout},
@@ -177,8 +184,37 @@ def _quiet_elastic() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _reaped(launch_id: str) -> Iterator[None]:
+    """Mark every process this launch starts with `launch_id`, and reap them all if this process dies.
+
+    The workers inherit the mark (``SYNCLINE_LAUNCH=<this pid>-<id>``) from the moment they are spawned,
+    so each knows its launcher before its first import, and `launch_reaper` finds every one of them,
+    their own children included, even while they import.
+    """
+    previous = os.environ.get(worker_guard.LAUNCH_ENV)
+    os.environ[worker_guard.LAUNCH_ENV] = launch_id
+    reaper = None
+    with contextlib.suppress(OSError):  # no reaper (no /proc, no fork): the workers' own guard remains
+        if Path("/proc/self/environ").is_file():
+            reaper = launch_reaper.start(os.getpid(), launch_id, worker_guard.grace_s())
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(worker_guard.LAUNCH_ENV, None)
+        else:
+            os.environ[worker_guard.LAUNCH_ENV] = previous
+        if reaper is not None:
+            with contextlib.suppress(OSError, ValueError):
+                reaper.stdin.write(launch_reaper.GOODBYE)  # type: ignore[union-attr]
+                reaper.stdin.close()  # type: ignore[union-attr]
+            with contextlib.suppress(Exception):
+                reaper.wait(5)
+
+
+@contextlib.contextmanager
 def _stop_gracefully(names: list[str], stop_file: str) -> Iterator[None]:
-    """Make a first SIGINT or SIGTERM to this process stop the workers at a step boundary; a second aborts.
+    """Make a first SIGINT or preemption signal to this process stop the workers at a step boundary; a second aborts.
 
     The first writes the stop file every worker checks at the end of each optimizer step, so the ranks
     save ``last.ckpt`` and stop together, and `launch` raises `TrainingPreempted` (exit status 75), as for
@@ -303,8 +339,18 @@ def _worker(stage: str, payload: str, stop_file: str) -> dict[str, Any] | None:
     if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
         # gloo's connections between the ranks listen on this interface: keep them on loopback too.
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
-    # End with the launching process, and take a teardown's SIGTERM for what it is.
-    worker_guard.start(stop_file)
+    # End with the launching process (whose pid came with the environment this process started with:
+    # if it died while this one imported, the current parent is init), and take a teardown's SIGTERM for
+    # what it is.
+    launcher = worker_guard.launcher_pid()
+    if not worker_guard.start(stop_file, parent=launcher):
+        print(
+            f"syncline: rank {os.environ.get('RANK', '?')}: the process that launched this worker (pid {launcher}) "
+            "ended before training began; ending.",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
     preempted = None
     try:
         trainer, task, kwargs, rng = pickle.loads(Path(payload).read_bytes())

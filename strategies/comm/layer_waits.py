@@ -9,8 +9,10 @@ by layer instead of for the whole model (ByteScheduler, Peng et al., SOSP 2019; 
 
 `LayerWaits` is what they share: a forward pre-hook on every module with parameters of its own lands the pending
 buckets that hold those parameters, and `land_all` lands the rest. Whatever reads the parameters outside a
-forward (validation, a checkpoint, the end of a fit, a callback, the next backward) must call `land_all` first:
-the strategies do it in `Strategy.apply_pending_updates`, which the loop calls at each of those points.
+forward (validation, a checkpoint, the end of a fit, a callback, the next backward or `zero_grad`) must call
+`land_all` first: a strategy holds its one `LayerWaits` in `ReducerStrategy.in_flight`, and the core lands it at
+each of those points (`apply_pending_updates`, which the loop calls, among them) and `forget`s it when the stage
+fails.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ class LayerWaits(ABC):
             for index in self.buckets_of(param):
                 if index in self.pending:
                     self.land(index)
+
+    def forget(self) -> None:
+        """Drop every pending bucket unlanded (a failed stage: its collectives may never complete)."""
+        self.pending.clear()
 
     def remove_hooks(self) -> None:
         """Detach the forward pre-hooks."""

@@ -20,7 +20,7 @@ too, since the same tensors cross the wire in other cuts.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -174,18 +174,25 @@ PREFETCH_NEEDS_AUTOMATIC = (
 
 
 class PrefetchedParameters:
-    """Mixin of a strategy whose parameter transfers land per layer (`exchange`): the points where they must land.
+    """Mixin of a strategy whose parameter transfers land per layer: `exchange` is the core's work in flight.
 
-    Before anything reads the parameters outside a forward (`apply_pending_updates`, which the loop calls before
-    validation, checkpoints, callbacks that read the weights and the end of the fit), before `training_step` for
-    the task's own parameters, before the backward (so before the next step), and at teardown; a failed stage
-    forgets them.
+    The core (`ReducerStrategy`) lands it where the parameters are read outside a forward, and forgets it when the
+    stage fails; this mixin names it and refuses manual optimization while prefetching.
     """
 
-    #: The transfers in flight; None without prefetching.
-    exchange: ParameterExchange | None = None
+    #: The core's work in flight (`ReducerStrategy.in_flight`).
+    in_flight: LayerWaits | None = None
     #: Whether the strategy was asked to prefetch (set by its constructor).
     prefetch: bool = False
+
+    @property
+    def exchange(self) -> ParameterExchange | None:
+        """The transfers in flight; None without prefetching (or before setup)."""
+        return cast("ParameterExchange | None", self.in_flight)
+
+    @exchange.setter
+    def exchange(self, exchange: ParameterExchange | None) -> None:
+        self.in_flight = exchange
 
     @property
     def manual_optimization_refused(self) -> str:
@@ -193,33 +200,3 @@ class PrefetchedParameters:
         if self.prefetch:
             return PREFETCH_NEEDS_AUTOMATIC
         return super().manual_optimization_refused  # type: ignore[misc]
-
-    def apply_pending_updates(self) -> None:
-        """Land every parameter transfer in flight."""
-        if self.exchange is not None:
-            self.exchange.land_all()
-
-    def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
-        """Land what the forward did not (unused parameters) before the backward, and so before the next step."""
-        self.apply_pending_updates()
-        super().backward(loss, sync=sync, retain_graph=retain_graph)  # type: ignore[misc]
-
-    def training_step(self, task: Any, batch: Any, batch_idx: int) -> Any:
-        """Land the task's own parameters first (`training_step` may read them outside a forward), then the forward."""
-        if self.exchange is not None:
-            self.exchange.land_parameters(task.parameters(recurse=False))
-        return super().training_step(task, batch, batch_idx)  # type: ignore[misc]
-
-    def on_stage_failure(self) -> None:
-        """Forget the transfers in flight: they may never complete."""
-        if self.exchange is not None:
-            self.exchange.forget()
-        super().on_stage_failure()  # type: ignore[misc]
-
-    def teardown(self) -> None:
-        """Land the transfers in flight (a fit that ended without the loop's last flush), then remove the hooks."""
-        if self.exchange is not None:
-            self.exchange.land_all()
-            self.exchange.remove_hooks()
-            self.exchange = None
-        super().teardown()  # type: ignore[misc]

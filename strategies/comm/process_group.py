@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 
-from syncline.options import check_number
+from syncline.options import check_backend, check_number
 from syncline.strategies.comm import worker_guard
 from syncline.strategies.comm.collective_log import COLLECTIVES, diagnosis_wait
+from syncline.strategies.comm.counter import CommCounter, count_bytes
 from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
 from syncline.strategies.comm.reducer_errors import CollectiveError
 from syncline.strategies.strategy import ReduceOp, Strategy
@@ -223,6 +224,7 @@ class ProcessGroupStrategy(Strategy):
 
     def __init__(self, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         check_number(type(self).__name__, "timeout", timeout, above=0, meaning="seconds a collective may take")
+        check_backend(type(self).__name__, backend)
         self.backend = backend
         self.timeout = timeout
 
@@ -389,8 +391,9 @@ class ProcessGroupStrategy(Strategy):
                 )
 
 
-def broadcast_coalesced(tensors: list[Tensor], src: int = 0) -> None:
-    """Overwrite `tensors` with rank `src`'s values, one broadcast per dtype and device."""
+def broadcast_coalesced(tensors: list[Tensor], src: int = 0, counter: CommCounter | None = None) -> None:
+    """Overwrite `tensors` with rank `src`'s values, one broadcast per dtype and device (counted in `counter`)."""
+    count_bytes(counter, *tensors)
     for group, flat in flatten_by_dtype(tensors):
         # Collective: one broadcast for all tensors of this dtype and device.
         dist.broadcast(flat, src=src)

@@ -27,7 +27,8 @@ The reducer averages those gradients across ranks while the backward pass is sti
    each is averaged with its own sparse all-reduce, as torch's reducer does, and stays sparse.
 
 The reducer's public surface is `prepare_for_backward` (before `loss.backward()`) and
-`finalize_backward` (after it); `BucketedDDP` calls both. Deferred optimizer updates (`comm/deferred_update.py`)
+`finalize_backward` (after it); `BucketedDDP` calls both. `average_tensors` takes a chosen set of other tensors
+through the same kind of buckets and hooks (QAdam's momentum). Deferred optimizer updates (`comm/deferred_update.py`)
 hold the front layers' buckets back (`hold`), do not wait (`wait=False`) and take each average by `wait_bucket`.
 """
 
@@ -59,6 +60,7 @@ from syncline.strategies.comm.reducer_errors import (
     wait_for_work,
 )
 from syncline.strategies.comm.sparse_gradients import average_sparse_gradients
+from syncline.strategies.comm.tensor_buckets import average_tensors
 
 __all__ = ["Reducer"]
 
@@ -218,6 +220,18 @@ class Reducer:
         """Bytes of the dense gradients of each dtype and device (what one bucket could hold at most)."""
         dense = [param for param, sparse in zip(self._params, self._is_sparse) if not sparse]
         return [sum(p.numel() * p.element_size() for p in group) for group in group_by_dtype(dense)]
+
+    def average_tensors(
+        self, named_tensors: Sequence[tuple[str, Tensor]], comm_hook: CommHook, comm_state: Any
+    ) -> None:
+        """Average a chosen set of tensors (an optimizer's momentum, ...) in place, in buckets of this reducer's cap,
+        each through `comm_hook` as a gradient bucket would go; the hook's state counts in this reducer's counter
+        (`comm/tensor_buckets.py`)."""
+        if hasattr(comm_state, "counter"):
+            comm_state.counter = self.counter
+        what = f"Rank {self._rank}: {getattr(comm_hook, '__name__', 'comm hook')} of tensor bucket"
+        average_tensors(named_tensors, comm_hook, comm_state, cap_bytes=self._grads.cap_bytes, timeout=self._timeout,
+                        what=what)  # fmt: skip
 
     def set_bucket_cap(self, bucket_cap_mb: float) -> None:
         """Lay the buckets out again with another cap, in the current order (bucket autotuning).

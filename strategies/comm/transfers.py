@@ -10,6 +10,11 @@ Every receive is posted before any send. gloo writes a piece only once the recei
 matching receive, and on a shaped link that announcement queues behind the receiver's own outgoing data:
 posted after the sends, it stalls them. In the lab at 100 Mbit/s, posting the receives first took
 ByteGrad's step from 0.549 to 0.437 s and the sharded parameter server's from 1.576 to 1.210 s.
+
+Every wrapper here takes the strategy's `CommCounter` and counts what this rank hands to the collective (the
+payload it passes in, as `comm/counter.py` defines it), so an algorithm never counts bytes itself: it sends
+through these wrappers (or `broadcast_coalesced`, or a comm hook that counts in its state) and its bytes are
+counted once, where they leave.
 """
 
 from __future__ import annotations
@@ -22,7 +27,18 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-__all__ = ["PIECE_BYTES", "all_gather_in_pieces", "all_to_all_in_pieces", "exchange", "future_of", "pieces"]
+from syncline.strategies.comm.counter import CommCounter, count_bytes
+
+__all__ = [
+    "PIECE_BYTES",
+    "all_gather_in_pieces",
+    "all_reduce",
+    "all_to_all_in_pieces",
+    "broadcast",
+    "exchange",
+    "future_of",
+    "pieces",
+]
 
 #: The size of one piece.
 PIECE_BYTES = 1 << 20
@@ -33,14 +49,35 @@ def pieces(flat: Tensor, piece_bytes: int = PIECE_BYTES) -> tuple[Tensor, ...]:
     return flat.split(max(1, piece_bytes // flat.element_size()))
 
 
-def exchange(tensor: Tensor, partner: int, group: dist.ProcessGroup | None = None) -> Tensor:
+def all_reduce(
+    tensor: Tensor,
+    counter: CommCounter | None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """All-reduce `tensor` in place with `op`, counting its bytes in `counter`."""
+    count_bytes(counter, tensor)
+    # Collective: the caller's all-reduce.
+    dist.all_reduce(tensor, op=op, group=group)
+
+
+def broadcast(tensor: Tensor, src: int, counter: CommCounter | None) -> dist.Work:
+    """Start broadcasting rank `src`'s `tensor` to every rank, counting its bytes; return the work to wait on."""
+    count_bytes(counter, tensor)
+    # Collective (asynchronous): the caller's broadcast.
+    return dist.broadcast(tensor, src=src, async_op=True)
+
+
+def exchange(
+    tensor: Tensor, partner: int, group: dist.ProcessGroup | None = None, counter: CommCounter | None = None
+) -> Tensor:
     """Send `tensor` to `partner` and return the tensor of the same shape and dtype that `partner` sends."""
     flat = tensor.reshape(-1)
     received = torch.empty_like(flat)
     world_size = dist.get_world_size(group)
     sends = [flat if peer == partner else None for peer in range(world_size)]
     receives = [received if peer == partner else None for peer in range(world_size)]
-    all_to_all_in_pieces(sends, receives, group=group)
+    all_to_all_in_pieces(sends, receives, group=group, counter=counter)
     return received.view_as(tensor)
 
 
@@ -49,6 +86,7 @@ def all_to_all_in_pieces(
     receives: list[Tensor | None],
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    counter: CommCounter | None = None,
 ) -> list[dist.Work]:
     """Send ``sends[j]`` to rank j and receive rank j's tensor into ``receives[j]``, for every other rank j.
 
@@ -68,6 +106,7 @@ def all_to_all_in_pieces(
                 works.append(dist.irecv(piece, src=peer, group=group))
     for peer, send in enumerate(sends):
         if peer != rank and send is not None:
+            count_bytes(counter, send)
             for piece in pieces(send.reshape(-1)):
                 # Collective (point to point): this rank's pieces for `peer`.
                 works.append(dist.isend(piece, dst=peer, group=group))
@@ -79,7 +118,11 @@ def all_to_all_in_pieces(
 
 
 def all_gather_in_pieces(
-    tensor: Tensor, world_size: int, group: dist.ProcessGroup | None = None, async_op: bool = False
+    tensor: Tensor,
+    world_size: int,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    counter: CommCounter | None = None,
 ) -> tuple[Tensor, list[dist.Work]]:
     """All-gather the contiguous `tensor` of every rank into one flat tensor, rank after rank.
 
@@ -88,6 +131,7 @@ def all_gather_in_pieces(
         on before reading it (with `async_op=False` they are already complete).
     """
     flat = tensor.reshape(-1)
+    count_bytes(counter, flat)
     gathered = flat.new_empty(world_size * flat.numel())
     per_rank = [pieces(part) for part in gathered.split(flat.numel())]
     works = []

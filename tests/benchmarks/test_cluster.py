@@ -14,6 +14,7 @@ from benchmarks.lab.cluster import (
     LabResult,
     NodeResult,
     _strategy_names,
+    bounded,
     link_bound,
     namespaces_unavailable,
     parse_rate,
@@ -109,9 +110,20 @@ def test_a_syncline_command_gets_one_output_folder_for_every_node(tmp_path):
 def test_strategies_are_for_syncline_commands_and_must_be_registered():
     assert _strategy_names(None, ["train.py"]) is None
     assert _strategy_names("powersgd, bytegrad", ["-m", "syncline"]) == ["powersgd", "bytegrad"]
-    assert "single" in _strategy_names("all", ["-m", "syncline"])
+    every = _strategy_names("all", ["-m", "syncline"])
+    assert "single" not in every and {"bucketed_ddp", "native_ddp", "bytegrad"} <= set(every)
+    assert "independent model in each process" in _strategy_names("single,bytegrad", ["-m", "syncline"])
     assert "needs a `-m syncline ...` command" in _strategy_names("all", ["train.py"])
     assert "unknown powersdg" in _strategy_names("powersdg", ["-m", "syncline"])
+
+
+def test_a_syncline_job_without_a_bound_gets_one():
+    """The Trainer's default is 1,000 epochs: the lab adds a step limit unless the command has its own."""
+    assert bounded(["-m", "syncline", "task=x"], 50) == ["-m", "syncline", "task=x", "trainer.max_steps=50"]
+    for own in ("trainer.max_steps=7", "trainer.max_epochs=1", "+trainer.max_time=00:00:01:00"):
+        assert bounded(["-m", "syncline", own], 50) == ["-m", "syncline", own]
+    assert bounded(["-m", "syncline"], 0) == ["-m", "syncline"]
+    assert bounded(["train.py", "--epochs", "3"], 50) == ["train.py", "--epochs", "3"]  # --timeout bounds it
 
 
 def _host_network() -> tuple[str, bool]:

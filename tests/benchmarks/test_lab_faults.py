@@ -1,4 +1,4 @@
-"""Faults between two lab nodes end the whole job in bounded time, leaving nothing listening (issue 25).
+"""Faults between two lab nodes end the whole job in bounded time, leaving nothing listening.
 
 One lab, two torchrun jobs with a 5 s collective timeout. A permanent partition: the first rank to notice
 ends within timeout + 10 s and the last process of the job within timeout + 20 s. A rank stuck in compute

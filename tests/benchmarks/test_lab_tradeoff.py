@@ -72,3 +72,20 @@ def test_torchs_rows_count_their_failures_and_compare_with_synclines_counterpart
     assert "| torch powersgd | 25.0 (100), 25.0-30.0, 1/3 failed; powersgd 1.25x sooner | 2.40x |" in text
     failed = [{**_row("torch powersgd", 4, "1gbit", 0.0, reached=False), "failed": True, "error": "died"}]
     assert "| torch powersgd | failed, 1/1 failed | - |" in grid_tables({"target": 1.95, "rows": failed})
+
+
+def test_runs_that_record_their_peak_get_a_bytes_table_and_the_10mbit_cell_comes_last():
+    def run(label: str, rate: str, mean: float, peak: float) -> dict:
+        return {**_row(label, 4, rate, 50.0), "comm_bytes_per_step": mean, "peak_comm_bytes_per_step": peak}
+
+    rows = [
+        run("bucketed_ddp", "10mbit", 3.26e6, 3.26e6),
+        run("diloco H=100", "10mbit", 0.03e6, 3.26e6),
+        run("streaming diloco H=100 F=4", "10mbit", 0.03e6, 0.81e6),
+        run("bucketed_ddp", "100mbit", 3.26e6, 3.26e6),
+    ]
+    text = grid_tables({"target": 1.95, "rows": rows})
+    assert "| strategy | 100mbit: s (steps) | vs bucketed_ddp | 10mbit: s (steps) | vs bucketed_ddp |" in text
+    assert "| streaming diloco H=100 F=4 | - | 0.03 MB / 0.81 MB |" in text
+    # Runs recorded before the peak was: no bytes table.
+    assert "peak" not in grid_tables({"target": 1.95, "rows": [_row("bucketed_ddp", 2, "100mbit", 60.0)]})

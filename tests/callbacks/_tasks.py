@@ -87,6 +87,7 @@ def make_trainer(root: Any, **kwargs: Any) -> Trainer:
         "enable_checkpointing": any(isinstance(c, ModelCheckpoint) for c in callbacks),
         "logger": False,
         "enable_progress_bar": False,
+        "enable_model_summary": False,
         "num_sanity_val_steps": 0,
         "max_epochs": 1,
     }

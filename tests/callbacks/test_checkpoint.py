@@ -68,7 +68,7 @@ def test_top_k_keeps_the_best_files_and_last(tmp_path, mode, kept_epochs, best_e
 
 def test_without_monitor_the_latest_checkpoint_is_kept_under_the_log_dir(tmp_path):
     trainer, _ = _fit(tmp_path, ModelCheckpoint(), epochs=3, logger=True)
-    directory = tmp_path / "logs" / "version_0" / "checkpoints"
+    directory = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
     assert trainer.checkpoint_callback.dirpath == os.path.realpath(directory)
     assert _files(directory) == {"epoch=2-step=12.ckpt"}
     assert trainer.checkpoint_callback.best_model_path.endswith("epoch=2-step=12.ckpt")

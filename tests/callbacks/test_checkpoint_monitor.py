@@ -55,7 +55,7 @@ def test_cli_step_checkpoints_on_val_loss_with_validation_at_epoch_end(tmp_path)
     result = _cli(f"hydra.run.dir={out}", *overrides, *monitored, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("skips its top-k save") == 1
-    files = sorted(p.name for p in (out / "logs" / "version_0" / "checkpoints").iterdir())
+    files = sorted(p.name for p in (out / "lightning_logs" / "version_0" / "checkpoints").iterdir())
     assert files == ["epoch=1-step=8.ckpt", "last.ckpt"]  # the first step save after epoch 0's validation
 
     result = _cli(

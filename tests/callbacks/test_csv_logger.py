@@ -17,12 +17,12 @@ def _rows(path) -> list[dict[str, str]]:
 
 
 def test_header_grows_and_the_file_is_rewritten(tmp_path):
-    logger = CSVLogger(tmp_path)
+    logger = CSVLogger(tmp_path, flush_logs_every_n_steps=1)  # every row reaches the file at once
     logger.log_metrics({"a": 1.0}, 0)
     logger.log_metrics({"a": 2.0}, 1)
     logger.log_metrics({"b": 3.5, "a": 0.25}, 2)
     logger.log_metrics({"a": 4.0}, 3)
-    assert (tmp_path / "csv_logs" / "version_0" / "metrics.csv").read_text() == (
+    assert (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text() == (
         "step,a,b\n0,1.0,\n1,2.0,\n2,0.25,3.5\n3,4.0,\n"
     )
 
@@ -54,17 +54,17 @@ def test_hparams_yaml(tmp_path):
 
 
 def test_versions_increment(tmp_path):
-    CSVLogger(tmp_path).log_metrics({"a": 1.0}, 0)
-    CSVLogger(tmp_path).log_metrics({"a": 1.0}, 0)
-    assert sorted(p.name for p in (tmp_path / "csv_logs").iterdir()) == ["version_0", "version_1"]
+    CSVLogger(tmp_path, flush_logs_every_n_steps=1).log_metrics({"a": 1.0}, 0)
+    CSVLogger(tmp_path, flush_logs_every_n_steps=1).log_metrics({"a": 1.0}, 0)
+    assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0", "version_1"]
 
 
 def test_resume_continues_the_file_without_the_rows_after_the_checkpoint(tmp_path):
-    crashed = CSVLogger(tmp_path)
+    crashed = CSVLogger(tmp_path, flush_logs_every_n_steps=1)
     for step in range(1, 6):
         crashed.log_metrics({"loss": float(step)}, step)
 
-    resumed = CSVLogger(tmp_path)
+    resumed = CSVLogger(tmp_path, flush_logs_every_n_steps=1)
     resumed.load_state_dict(crashed.state_dict())
     resumed.log_metrics({"loss": -3.0}, 3)
     resumed.log_metrics({"loss": -4.0, "acc": 0.5}, 4)
@@ -77,8 +77,8 @@ def test_resume_continues_the_file_without_the_rows_after_the_checkpoint(tmp_pat
 
 
 def test_an_existing_file_of_another_run_is_replaced_with_a_warning(tmp_path):
-    CSVLogger(tmp_path, version=0).log_metrics({"old": 1.0}, 0)
-    logger = CSVLogger(tmp_path, version=0)
+    CSVLogger(tmp_path, version=0, flush_logs_every_n_steps=1).log_metrics({"old": 1.0}, 0)
+    logger = CSVLogger(tmp_path, version=0, flush_logs_every_n_steps=1)
     with pytest.warns(UserWarning, match="replaced"):
         logger.log_metrics({"new": 2.0}, 0)
     assert _rows(logger.metrics_file) == [{"step": "0", "new": "2.0"}]

@@ -40,7 +40,7 @@ def test_fit_writes_scalars_at_their_steps_and_hparams(tmp_path):
     task = WithHparams(lr=0.05, optimizer={"name": "sgd", "momentum": 0.9})
     trainer.fit(task, make_loader(3), make_loader(1))
 
-    assert logger.log_dir == str(tmp_path / "logs" / "version_0")
+    assert logger.log_dir == str(tmp_path / "lightning_logs" / "version_0")
     events = _events(logger.log_dir)
     train = _scalars(events, "train_loss")
     # Lightning's steps: each step's values under the step before it, validation with the epoch's last batch.
@@ -48,7 +48,7 @@ def test_fit_writes_scalars_at_their_steps_and_hparams(tmp_path):
     assert [value for _, value in train] == pytest.approx(task.losses, rel=1e-6)
     assert [step for step, _ in _scalars(events, "val_loss")] == [2, 5]
     assert _session_hparams(events) == {"lr": 0.05, "optimizer/name": "sgd", "optimizer/momentum": 0.9}
-    saved = yaml.safe_load((tmp_path / "logs" / "version_0" / "hparams.yaml").read_text())
+    saved = yaml.safe_load((tmp_path / "lightning_logs" / "version_0" / "hparams.yaml").read_text())
     assert saved == {"lr": 0.05, "optimizer": {"name": "sgd", "momentum": 0.9}}
 
 
@@ -100,14 +100,14 @@ def test_resumed_logger_continues_its_version_and_purges_what_followed_the_check
 
 def test_state_is_ignored_once_writing_began(tmp_path):
     logger = TensorBoardLogger(tmp_path)
-    (tmp_path / "logs" / "version_0").mkdir(parents=True)
+    (tmp_path / "lightning_logs" / "version_0").mkdir(parents=True)
     logger.log_metrics({"a": 1.0}, 0)
     logger.load_state_dict({"version": 0})
     assert logger.version == 1 and not logger.resuming
 
 
 def test_trainer_resume_keeps_one_version_directory(tmp_path):
-    """Resuming with ckpt_path="last" continues logs/version_0 and its checkpoints."""
+    """Resuming with ckpt_path="last" continues lightning_logs/version_0 and its checkpoints."""
 
     def fit(epochs, ckpt_path=None):
         trainer = make_trainer(
@@ -122,9 +122,9 @@ def test_trainer_resume_keeps_one_version_directory(tmp_path):
 
     fit(2)
     trainer = fit(3, ckpt_path="last")
-    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["version_0"]
-    assert trainer.checkpoint_callback.dirpath == str(tmp_path / "logs" / "version_0" / "checkpoints")
-    steps = [step for step, _ in _scalars(_events(tmp_path / "logs" / "version_0"), "train_loss")]
+    assert [p.name for p in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
+    assert trainer.checkpoint_callback.dirpath == str(tmp_path / "lightning_logs" / "version_0" / "checkpoints")
+    steps = [step for step, _ in _scalars(_events(tmp_path / "lightning_logs" / "version_0"), "train_loss")]
     # Sorted: the reader orders event files by name, whose timestamp has a resolution of one second.
     assert sorted(steps) == [0, 1, 2, 3, 4, 5]
 
@@ -159,8 +159,8 @@ def test_a_run_cut_and_resumed_logs_the_same_points_as_an_uninterrupted_one(tmp_
     fit(tmp_path / "straight", 10)
     fit(tmp_path / "cut", 8)
     fit(tmp_path / "cut", 10, ckpt_path="last")
-    straight = _events(tmp_path / "straight" / "logs" / "version_0")
-    resumed = _events(tmp_path / "cut" / "logs" / "version_0")
+    straight = _events(tmp_path / "straight" / "lightning_logs" / "version_0")
+    resumed = _events(tmp_path / "cut" / "lightning_logs" / "version_0")
     tags = straight.Tags()["scalars"]
     assert {"train_loss", "val_loss", "comm/total_bytes", "epoch"} <= set(tags)
     assert sorted(resumed.Tags()["scalars"]) == sorted(tags)

@@ -35,4 +35,4 @@ def test_the_gan_port_trains_with_two_optimizers(tmp_path, monkeypatch):
     assert {"d_loss", "g_loss"} <= set(trainer.callback_metrics)
     assert all(torch.isfinite(trainer.callback_metrics[key]) for key in ("d_loss", "g_loss"))
     assert model(torch.randn(3, 16)).shape == (3, 1, 28, 28)
-    assert (tmp_path / "logs").exists()
+    assert (tmp_path / "lightning_logs").exists()

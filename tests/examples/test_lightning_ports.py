@@ -38,7 +38,7 @@ def test_lit_autoencoder_trains_saves_and_loads_its_checkpoint(tmp_path, monkeyp
     ran = _run("examples/lit_autoencoder.py", tmp_path, monkeypatch)
     assert ran["trainer"].global_step == 100  # limit_train_batches=100 of batch size 1, one epoch
     # The checkpoint the program loads is the default ModelCheckpoint's, where Lightning's would be.
-    assert (tmp_path / "logs" / "version_0" / "checkpoints" / "epoch=0-step=100.ckpt").is_file()
+    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=100.ckpt").is_file()
     assert ran["embeddings"].shape == (4, 3)
     assert not ran["encoder"].training  # the program put it in eval mode
 

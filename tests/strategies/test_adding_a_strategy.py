@@ -7,17 +7,22 @@ of the ranks' vote, computed here by hand, and it hands one byte per value to th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 from torch import nn
 
 from syncline.strategies.comm.ranks import run_distributed
 from syncline.strategies.registry import STRATEGIES, register_strategy, resolve_strategy
 from syncline.trainer import Trainer
+from syncline.trainer.config import strategy_config
 from tests.trainer._tasks import loader, quiet, regression_data
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "strategies.md"
@@ -115,3 +120,28 @@ def test_the_documented_example_trains_votes_and_counts_its_bytes(tmp_path):
     assert ranks[0]["sent"] == [4 * numel] * WARMUP + [numel] * (STEPS - WARMUP)
     assert ranks[0]["name"] == "SignSGD" and ranks[0]["state"] == {"steps": 6}
     assert "sign_sgd" not in STRATEGIES  # registered in the worker processes only
+
+
+def test_the_documented_example_needs_no_config_step(tmp_path):
+    """Its Hydra config comes from the constructor: typed options, their defaults and docstring help."""
+    path = tmp_path / "sign_sgd.py"
+    path.write_text(_example_source())
+    spec = importlib.util.spec_from_file_location("sign_sgd_config", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sign_sgd_config"] = module
+    try:
+        spec.loader.exec_module(module)
+        conf = OmegaConf.structured(strategy_config(module.SignSGD))
+    finally:
+        del sys.modules["sign_sgd_config"]
+    assert OmegaConf.to_container(conf) == {
+        "_target_": "sign_sgd_config.SignSGD",
+        "warmup_steps": 10,
+        "bucket_cap_mb": 25.0,
+        "backend": None,
+        "timeout": 300.0,
+    }
+    with pytest.raises(ValidationError, match="warmup_steps"):
+        conf.warmup_steps = "ten"
+    fields = {field.name: field for field in dataclasses.fields(strategy_config(module.SignSGD))}
+    assert fields["warmup_steps"].metadata["help"] == "optimizer steps of exact all-reduce before the votes."

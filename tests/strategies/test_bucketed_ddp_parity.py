@@ -1,6 +1,6 @@
 """BucketedDDP on the cases real models hit, against torch's DDP and single-process training.
 
-Each test names the difference it closes (issue 9). Every run starts real processes (gloo on
+Each test names the difference from torch's DDP it closes. Every run starts real processes (gloo on
 127.0.0.1, see `strategies/comm/ranks.py`) and compares parameters or gradients with a stated tolerance.
 """
 

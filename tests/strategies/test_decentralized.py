@@ -10,6 +10,7 @@ import torch.distributed as dist
 from _averaging import PlainSGD, fit, flat_params, model_bytes, straight_and_resumed
 from torch import nn
 
+from benchmarks.lab.bound import wire_phases
 from syncline.callbacks import Callback
 from syncline.options import OptionError
 from syncline.strategies import Decentralized, decentralized
@@ -247,4 +248,4 @@ def test_prefetch_on_three_ranks_equals_the_blocking_exchange_where_the_phantom_
 def test_prefetch_needs_uint8():
     with pytest.raises(OptionError, match="prefetch=True, compression=None"):
         Decentralized(prefetch=True)
-    assert Decentralized(compression="uint8", prefetch=True).wire_phases()[0].hides_behind == "forward"
+    assert wire_phases(Decentralized(compression="uint8", prefetch=True))[0].hides_behind == "forward"

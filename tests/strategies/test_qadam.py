@@ -8,6 +8,8 @@ from torch import nn
 
 from syncline.options import OptionError
 from syncline.strategies import BucketedDDP, QAdam
+from syncline.strategies.bytegrad import ByteGradState, bytegrad_hook
+from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
 from syncline.strategies.comm.ranks import run_distributed
 
 WARMUP = 4
@@ -38,7 +40,23 @@ def _compare(rank: int, world_size: int) -> dict:
     variance = [optimizer.state[p]["exp_avg_sq"].clone() for p in warm.parameters()]
     strategy = QAdam(warmup_steps=WARMUP)
     model, optimizer, losses = _train(strategy, rank, 40)
+    named = [(name, optimizer.state[p]["exp_avg"].clone()) for name, p in model.named_parameters()]
+    memory = {name: strategy.error_feedback.memory[name].clone() for name, _ in named}
+    # The one flat chunk of every momentum plus its memory, as QAdam sent it before its momentum went
+    # through the reducer's buckets (and as a one-bucket model still sends it).
+    flat = torch.cat([m.reshape(-1) + memory[name].reshape(-1) for name, m in named])
+    flat_average, _ = compressed_average(flat, None, None)
+    feedback = ErrorFeedback()
+    feedback.load_state_dict(memory)
+    strategy.reducer.average_tensors(named, bytegrad_hook, ByteGradState(error_feedback=feedback))
+    # A checkpoint of that time kept the memory as one flat tensor under "momentum": it is cut per parameter.
+    legacy = QAdam()
+    legacy.error_feedback.memory = {"momentum": torch.cat([memory[name].reshape(-1) for name, _ in named])}
+    legacy._split_legacy_memory(named)
     return {
+        "flat_average": flat_average,
+        "bucketed_average": torch.cat([m.reshape(-1) for _, m in named]),
+        "legacy_split": all(torch.equal(legacy.error_feedback.memory[name], memory[name]) for name, _ in named),
         "reference": [p.detach().clone() for p in reference.parameters()],
         "warm": [p.detach().clone() for p in warm.parameters()],
         "variance_at_warmup": variance,
@@ -50,6 +68,8 @@ def _compare(rank: int, world_size: int) -> dict:
 
 
 def test_warmup_equals_bucketed_ddp_with_adam_then_variance_freezes_and_replicas_agree():
+    """Also: the momentum through one bucket is the flat one-chunk average to the bit, and a checkpoint's flat
+    error-feedback memory is cut into the per-parameter memories."""
     results = run_distributed(_compare, world_size=2, timeout=90)
     for result in results:
         for got, want in zip(result["warm"], result["reference"]):
@@ -60,6 +80,9 @@ def test_warmup_equals_bucketed_ddp_with_adam_then_variance_freezes_and_replicas
     for mine, theirs in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(mine, theirs)  # every rank applies the same averaged momentum
     assert 0 < results[0]["bytes"] < 4 * sum(p.numel() for p in results[0]["params"]) * 0.35
+    for result in results:
+        assert torch.equal(result["bucketed_average"], result["flat_average"])
+        assert result["legacy_split"]
 
 
 def test_bad_options_fail_at_construction():

@@ -69,4 +69,10 @@ def loader(dataset: TensorDataset, batch_size: int = 8, shuffle: bool = False) -
 
 def quiet(**kwargs):
     """Trainer arguments with no files and no output, for tests that check only the math."""
-    return {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, **kwargs}
+    return {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        **kwargs,
+    }

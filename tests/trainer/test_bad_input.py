@@ -83,7 +83,7 @@ def test_logging_a_vector():
 
 def test_missing_checkpoint_is_named(tmp_path):
     missing = tmp_path / "nope.ckpt"
-    with pytest.raises(CheckpointError, match=f"Checkpoint not found: {missing}"):
+    with pytest.raises(CheckpointError, match=f"Checkpoint file not found: {missing}"):
         Trainer(max_steps=1, **quiet()).fit(Regressor(), loader(regression_data(16)), ckpt_path=missing)
 
 

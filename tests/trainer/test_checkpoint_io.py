@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from syncline.callbacks import ModelCheckpoint
+from syncline.strategies.comm.launcher import WorkerFailedError
 from syncline.trainer import Trainer
 from syncline.trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
@@ -85,3 +91,48 @@ def test_save_checkpoint_reports_the_exact_size(tmp_path):
     counter = _ByteCounter()
     torch.save(checkpoint, counter)
     assert counter.size == (tmp_path / "a.ckpt").stat().st_size
+
+
+@contextlib.contextmanager
+def _read_only_folder(tmp_path: Path) -> Iterator[Path]:
+    """A folder nothing can be written into: by its mode, or (for root, which ignores modes) a read-only mount."""
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield folder
+        finally:
+            folder.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        yield Path("/sys/kernel/syncline-checkpoints")  # no mount allowed: sysfs refuses new folders, even to root
+        return
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+class _NeverTrains(Regressor):
+    def training_step(self, batch, batch_idx):
+        raise AssertionError("trained although the checkpoint folder cannot be written")
+
+
+def test_a_read_only_checkpoint_folder_is_refused_at_setup_on_every_rank(tmp_path: Path) -> None:
+    with _read_only_folder(tmp_path) as folder:
+        trainer = Trainer(
+            max_steps=2,
+            accelerator="cpu",
+            devices=2,
+            logger=False,
+            enable_progress_bar=False,
+            callbacks=[ModelCheckpoint(dirpath=folder, save_last=True)],
+        )
+        with pytest.raises(WorkerFailedError) as raised:
+            trainer.fit(_NeverTrains(), loader(regression_data(16)))
+    message = str(raised.value)
+    assert "failed during fit: CheckpointError" in message, message
+    assert f"ModelCheckpoint cannot write checkpoints into {folder}: " in message, message
+    assert "trained although" not in message

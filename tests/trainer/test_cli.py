@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from syncline.strategies import STRATEGIES
 from syncline.trainer import Trainer
 from syncline.trainer.cli import check_overrides
-from syncline.trainer.config import STRATEGY_CONFS, TrainerConf
+from syncline.trainer.config import TrainerConf, strategy_configs
 
 #: A run of a few seconds: a one-layer model on a little text, validated (and checkpointed) every 3 steps.
 SMALL = [
@@ -53,7 +53,7 @@ def test_short_run_writes_logs_checkpoints_and_resolved_config(tmp_path):
     assert config.trainer.max_steps == 3
     assert config.trainer.seed == config.seed == 1234  # resolved, not "${seed}"
     assert config.task._target_ == "syncline.examples.char_gpt.CharGPT"
-    log_dir = out / "logs" / "version_0"
+    log_dir = out / "lightning_logs" / "version_0"
     assert list(log_dir.glob("events.out.tfevents.*"))
     assert (log_dir / "checkpoints" / "last.ckpt").is_file()
 
@@ -80,8 +80,8 @@ def test_two_devices_share_one_output_directory_and_config(tmp_path):
     assert result.stdout.count("sample after 3 steps") == 1  # rank 0 alone prints
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert len(list(out.rglob("config.yaml"))) == 2  # ours, and Hydra's own under .hydra/
-    assert [p.name for p in (out / "logs").iterdir()] == ["version_0"]
-    checkpoint = torch.load(out / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert [p.name for p in (out / "lightning_logs").iterdir()] == ["version_0"]
+    checkpoint = torch.load(out / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["progress"]["global_step"] == 3
     assert len(checkpoint["rng"]) == 2  # both ranks' random streams
     assert checkpoint["strategy"]["name"] == "local_sgd"
@@ -119,14 +119,32 @@ def test_value_of_the_wrong_type_names_the_key(tmp_path):
 
 
 def test_value_the_trainer_rejects_is_one_line(tmp_path):
-    result = _cli(f"hydra.run.dir={tmp_path / 'run'}", "trainer.precision=64", *SMALL, cwd=tmp_path, timeout=60)
-    _assert_short_error(result, 2, "precision", "bf16-mixed")
+    result = _cli(f"hydra.run.dir={tmp_path / 'run'}", "trainer.devices=two", *SMALL, cwd=tmp_path, timeout=60)
+    _assert_short_error(result, 2, "trainer.devices=two", "devices must be an int >= 1")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trainer.devices=two", "bad value for trainer.devices=two: Trainer(devices='two'): devices must be an int"),
+        ("trainer.precision=64", "bad value for trainer.precision=64: Unknown precision '64'. Valid values: 32,"),
+        ("trainer.max_steps=-7", "bad value for trainer.max_steps=-7: Trainer(max_steps=-7)"),
+        ("trainer.val_check_interval=1.5", "bad value for trainer.val_check_interval=1.5:"),
+        ("trainer.gradient_clip_algorithm=l2", "bad value for trainer.gradient_clip_algorithm=l2:"),
+    ],
+)
+def test_trainer_values_are_checked_as_task_arguments_are(override, expected):
+    """In-process: the same check `main` runs before Hydra starts (the command line's exit 2 is tested above)."""
+    problem = check_overrides([override])
+    assert problem is not None and problem.startswith("error: ") and expected in problem, problem
+    assert check_overrides(["trainer.devices=2", "trainer.precision=bf16-mixed", "trainer.max_steps=5"]) is None
 
 
 def test_missing_checkpoint_names_the_path(tmp_path):
     missing = tmp_path / "nowhere" / "model.ckpt"
     result = _cli(f"hydra.run.dir={tmp_path / 'run'}", f"ckpt_path={missing}", *SMALL, cwd=tmp_path, timeout=60)
-    _assert_short_error(result, 1, str(missing), "CheckpointError")
+    _assert_short_error(result, 1, str(missing), "CheckpointNotFoundError", "Checkpoint file not found")
 
 
 @pytest.mark.parametrize(
@@ -168,7 +186,7 @@ def test_trainer_conf_has_every_trainer_argument_with_its_default():
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_registered_strategy_has_a_config_matching_its_constructor(name):
-    conf = STRATEGY_CONFS[name]
+    conf = strategy_configs()[name]
     options = {f.name: f.default for f in dataclasses.fields(conf) if f.name != "_target_"}
     assert get_object(conf._target_) is STRATEGIES[name]
     signature = inspect.signature(STRATEGIES[name].__init__).parameters

@@ -122,7 +122,7 @@ def test_own_task_trains_from_the_command_line(project, args, task):
     result = _cli(*args, f"hydra.run.dir={out}", cwd=project)
     assert result.returncode == 0, result.stderr[-3000:]
     assert OmegaConf.to_container(OmegaConf.load(out / "config.yaml").task) == task
-    hparams = OmegaConf.load(out / "logs" / "version_0" / "hparams.yaml")
+    hparams = OmegaConf.load(out / "lightning_logs" / "version_0" / "hparams.yaml")
     assert hparams.hidden == task["hidden"]
 
 
@@ -193,7 +193,7 @@ def test_a_datamodule_gives_the_data_from_the_command_line(project, args, data):
     n, batch_size = data.get("n", 48), data.get("batch_size", 16)
     # The DataModule's loader, not the task's own (64 samples in batches of 16), fed the training.
     assert (project / "loaders.txt").read_text() == f"train {n} {batch_size}\n"
-    hparams = OmegaConf.load(out / "logs" / "version_0" / "hparams.yaml")
+    hparams = OmegaConf.load(out / "lightning_logs" / "version_0" / "hparams.yaml")
     assert hparams.batch_size == batch_size and hparams.lr == 0.1  # the task's and the DataModule's
 
 
@@ -287,7 +287,7 @@ def test_the_console_script_imports_a_task_from_the_working_directory(installed,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     # A constructor argument that the option's YAML does not list is set without Hydra's "+".
-    assert OmegaConf.load(out / "logs" / "version_0" / "hparams.yaml").hidden == 32
+    assert OmegaConf.load(out / "lightning_logs" / "version_0" / "hparams.yaml").hidden == 32
 
 
 @pytest.mark.parametrize(
@@ -336,7 +336,8 @@ def test_the_lab_runs_a_users_cli_task_from_their_folder(installed, project):
     assert 0 < steps["wire_seconds"] < steps["seconds_per_step"]
     assert "6 steps:" in result.stdout and "s per step" in result.stdout
     (run,) = (project / "outputs").iterdir()  # one folder for both nodes, in the user's folder
-    assert (run / "config.yaml").is_file() and (run / "logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    assert (run / "config.yaml").is_file()
+    assert (run / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_the_documented_lab_example_trains(tmp_path):
@@ -350,7 +351,8 @@ def test_the_documented_lab_example_trains(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    checkpoint = torch.load(tmp_path / "run" / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
+    run = tmp_path / "run" / "lightning_logs" / "version_0"
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 3
     assert checkpoint["state_dict"]["net.2.weight"].shape == (1024, 32 * 64)  # the 2.1 M parameters the docs name
 

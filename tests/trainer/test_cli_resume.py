@@ -23,7 +23,8 @@ RECIPE = [
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    last = run / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    return torch.load(last, weights_only=True)["state_dict"]
 
 
 def _run(run: Path, *overrides: str) -> None:
@@ -51,5 +52,5 @@ def test_cli_resume_recipe_is_bit_exact_on_two_processes_stopped_mid_epoch(tmp_p
     _run(tmp_path / "straight", "trainer.max_epochs=2", *options)
     _run(tmp_path / "split", "trainer.max_steps=24", *options)
     _run(tmp_path / "split", "trainer.max_epochs=2", "ckpt_path=last", "seed=5", *options)
-    assert not (tmp_path / "split" / "logs" / "version_1").exists()  # resumed in the same log version
+    assert not (tmp_path / "split" / "lightning_logs" / "version_1").exists()  # resumed in the same log version
     _assert_same_weights(tmp_path / "straight", tmp_path / "split")

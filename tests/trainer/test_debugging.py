@@ -204,5 +204,5 @@ def test_fast_dev_run_from_the_command_line(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("Running in `fast_dev_run` mode: will run the requested loop using 2 batch(es)") == 1
     assert "rank 0: 2 steps, 2 val batches" in result.stdout
-    assert not (out / "logs").exists()
+    assert not (out / "lightning_logs").exists()
     assert not list(out.rglob("*.ckpt"))

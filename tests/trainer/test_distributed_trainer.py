@@ -213,7 +213,7 @@ def test_communication_statistics_reach_the_logger_from_rank_zero_only(tmp_path)
 
     log_dirs = run_distributed(_fit_with_csv, world_size=2, args=(str(tmp_path),), timeout=120)
     assert len(set(log_dirs)) == 1
-    assert [p.name for p in (tmp_path / "csv_logs").iterdir()] == ["version_0"]  # rank 1 wrote nothing
+    assert [p.name for p in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]  # rank 1 wrote nothing
     with open(Path(log_dirs[0]) / "metrics.csv") as file:
         rows = list(csv.DictReader(file))
     logged = [row for row in rows if row.get("comm/collectives")]

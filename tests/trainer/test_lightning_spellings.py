@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from syncline.callbacks import Callback, ModelCheckpoint
-from syncline.strategies import BucketedDDP, SingleDevice
+from syncline.strategies import BucketedDDP, NativeDDP, SingleDevice
+from syncline.strategies.registry import resolve_strategy
 from syncline.trainer import Task, Trainer
 from syncline.trainer.checkpoint import CheckpointError
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
@@ -141,3 +142,32 @@ def test_best_without_a_checkpoint_callback_is_a_clear_error(tmp_path):
     trainer.fit(task, loader(regression_data()))
     with pytest.raises(ValueError, match="no ModelCheckpoint is configured"):
         trainer.test(task, loader(regression_data()), ckpt_path="best")
+
+
+@pytest.mark.parametrize(
+    ("name", "unused"),
+    [
+        ("ddp", False),
+        ("DDP", False),
+        ("ddp_spawn", False),
+        ("ddp_notebook", False),
+        ("Ddp_Fork", False),
+        ("ddp_spawn_find_unused_parameters_true", True),
+        ("ddp_find_unused_parameters_false", False),
+    ],
+)
+def test_lightnings_ddp_names_are_native_ddp_launched_as_syncline_launches(name, unused):
+    """Lightning's DDP variants differ in how processes start; here they are torch's DDP, started by syncline."""
+    trainer = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    assert isinstance(trainer.strategy, NativeDDP) and trainer.devices == 2
+    assert bool(trainer.strategy.ddp_kwargs.get("find_unused_parameters")) is unused
+
+
+def test_a_misspelled_strategy_in_python_suggests_the_name_as_the_command_line_does():
+    with pytest.raises(ValueError, match=r"Unknown strategy 'bucketd_ddp'\. Did you mean 'bucketed_ddp'\?"):
+        Trainer(strategy="bucketd_ddp", devices=2, logger=False)
+    with pytest.raises(ValueError, match=r"Did you mean 'ddp_spawn'\?"):
+        resolve_strategy("ddp_spwan", devices=2)
+    with pytest.raises(ValueError, match=r"Unknown strategy 'xyz'\. Valid strategies: .*native_ddp.*ddp_spawn"):
+        resolve_strategy("xyz")
+    assert isinstance(resolve_strategy("Single_Device"), SingleDevice)

@@ -190,6 +190,7 @@ def test_the_refused_strategies_are_the_relaxed_ones():
             "local_sgd",
             "decentralized",
             "async_model_average",
+            "diloco",
         ]
     )
 

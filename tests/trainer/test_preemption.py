@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
+from syncline.trainer import Trainer
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch
 from tests.trainer._faults import ROOT, run_script, start_steps
+from tests.trainer._tasks import Regressor, loader, regression_data
 
 _FIT = """
 import os, torch
@@ -115,3 +117,38 @@ def test_a_second_signal_takes_the_default_action() -> None:
     finally:
         watch.uninstall()
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
+_PLAIN = """
+import os, signal, torch
+from syncline.callbacks import Callback
+from syncline.trainer import Trainer
+from tests.trainer._tasks import Regressor, loader, regression_data
+
+class SignalAt(Callback):
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):
+        if trainer.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+torch.manual_seed(0)
+trainer = Trainer(max_steps=10, logger=False, enable_progress_bar=False, callbacks=[SignalAt()])
+trainer.fit(Regressor(optimizer="adam"), loader(regression_data(64), shuffle=True))
+"""
+
+
+def test_a_plain_script_says_what_a_preemption_saved_and_the_resume_says_what_it_restored(tmp_path, capfd):
+    """No try/except in the script: the uncaught stop exits 75 and rank 0 has said what it saved and where."""
+    result, _ = run_script(tmp_path, _PLAIN, timeout=120)
+    assert result.returncode == PREEMPTED_EXIT_CODE, result.stderr[-3000:]
+    last = tmp_path / "checkpoints" / "last.ckpt"  # the default ModelCheckpoint's folder without a logger
+    said = f'preempted: Stopped by SIGTERM after step 3; saved {last}. Resume with ckpt_path="last" (exit status 75).'
+    assert said in result.stderr.splitlines(), result.stderr[-3000:]
+    torch.manual_seed(0)
+    trainer = Trainer(max_steps=10, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(Regressor(optimizer="adam"), loader(regression_data(64), shuffle=True), ckpt_path="last")
+    assert trainer.global_step == 10
+    resumed = [line for line in capfd.readouterr().err.splitlines() if line.startswith("Resumed from")]
+    assert resumed == [
+        f"Resumed from {last} at epoch 0, global step 3, after batch 3 of the epoch; restored the weights, optimizer "
+        "state (Adam), the progress and random generators, callbacks (ModelCheckpoint)."
+    ]

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from syncline.callbacks import Callback
+from syncline.callbacks import Callback, CSVLogger, ModelCheckpoint
 from syncline.trainer import Trainer
-from tests.trainer._tasks import Regressor, quiet, regression_data
+from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 
 class NoisyData(Dataset):
@@ -109,8 +109,8 @@ def test_resume_without_replay_would_differ(tmp_path):
 
 
 def test_ckpt_path_last_finds_the_newest_last_checkpoint(tmp_path):
-    path = tmp_path / "run" / "last.ckpt"
-    path.parent.mkdir()
+    """Without a ModelCheckpoint, the last checkpoint is where a preemption writes it: `default_root_dir`."""
+    path = tmp_path / "last.ckpt"
     with pytest.raises(Crash):
         _run(tmp_path, 0, callbacks=[SaveThenCrash(path, 0, 3)])
     _, trainer = _run(tmp_path, 0, ckpt_path="last")
@@ -119,7 +119,7 @@ def test_ckpt_path_last_finds_the_newest_last_checkpoint(tmp_path):
 
 
 def test_ckpt_path_last_without_checkpoint_warns_and_starts_fresh(tmp_path):
-    with pytest.warns(UserWarning, match="found no checkpoint"):
+    with pytest.warns(UserWarning, match="no last checkpoint"):
         _, trainer = _run(tmp_path, 0, ckpt_path="last")
     assert trainer.global_step == 3 * 4  # 10 batches / 3 per window = 4 steps per epoch
 
@@ -143,3 +143,61 @@ def test_resume_after_max_steps_continues_the_cut_epoch(tmp_path):
     assert trainer.global_step == 16
     for name, value in reference.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], value), name
+
+
+def test_ckpt_path_last_and_best_never_reach_another_experiment(tmp_path):
+    """Two experiments side by side under one working directory: B's "last" and "best" look only in B's own
+    checkpoint folders. Finding none, "last" warns and B trains from scratch (as Lightning); "best" is an error."""
+    data, val = loader(regression_data(32), 8), loader(regression_data(16, seed=1), 8)
+
+    def fit(name: str, ckpt_path=None, **kwargs):
+        torch.manual_seed({"A": 0, "B": 1}[name[0]])
+        task = Regressor()
+        checkpoint = ModelCheckpoint(save_last=True, monitor="val_loss", **kwargs)
+        trainer = Trainer(
+            max_steps=8, default_root_dir=tmp_path, callbacks=[checkpoint], **quiet(enable_checkpointing=True)
+        )
+        trainer.fit(task, data, val, ckpt_path=ckpt_path)
+        return task, trainer
+
+    fit("A", dirpath=tmp_path / "experiments" / "A")
+    fresh, _ = fit("B-fresh", dirpath=tmp_path / "fresh")
+    with pytest.warns(UserWarning, match="no last checkpoint"):
+        task, trainer = fit("B", ckpt_path="last", dirpath=tmp_path / "experiments" / "B")
+    assert trainer.ckpt_path is None and trainer.global_step == 8
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(task.state_dict()[name], value), name
+    # B's own last checkpoint is found: the resume continues from step 8.
+    _, resumed = fit("B", ckpt_path="last", dirpath=tmp_path / "experiments" / "B")
+    assert resumed.ckpt_path == str(tmp_path / "experiments" / "B" / "last.ckpt") and resumed.global_step == 8
+    # "best" is this trainer's ModelCheckpoint's best: a new trainer for C has none, though A's and B's exist.
+    trainer = Trainer(
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "experiments" / "C")], **quiet(enable_checkpointing=True)
+    )
+    with pytest.raises(ValueError, match="best"):
+        trainer.validate(Regressor(), val, ckpt_path="best")
+
+
+def test_ckpt_path_last_with_default_folders_stays_in_its_logger_name(tmp_path):
+    """Two experiments told apart by the logger's name in one `default_root_dir`: B never resumes A."""
+    data = loader(regression_data(32), 8)
+
+    def fit(name: str, ckpt_path=None):
+        torch.manual_seed(0)
+        logger = CSVLogger(tmp_path, name=name)
+        callbacks = [ModelCheckpoint(save_last=True)]
+        trainer = Trainer(
+            max_steps=4,
+            default_root_dir=tmp_path,
+            callbacks=callbacks,
+            **quiet(logger=logger, enable_checkpointing=True),
+        )
+        trainer.fit(Regressor(), data, ckpt_path=ckpt_path)
+        return trainer
+
+    fit("A")
+    assert (tmp_path / "A" / "version_0" / "checkpoints").is_dir()
+    with pytest.warns(UserWarning, match="no last checkpoint"):
+        assert fit("B", ckpt_path="last").ckpt_path is None
+    resumed = fit("A", ckpt_path="last")
+    assert resumed.ckpt_path is not None and resumed.ckpt_path.startswith(str(tmp_path / "A" / "version_0"))

@@ -59,7 +59,7 @@ def test_rank_that_cannot_read_the_checkpoint_fails_every_rank_with_one_message(
     for outcome in outcomes:
         assert outcome.error is not None, outcome
         assert "CheckpointError: Checkpoint run/last.ckpt cannot be read on rank(s) 1 of 2" in outcome.error
-        assert "Checkpoint not found" in outcome.error
+        assert "Checkpoint file not found" in outcome.error
 
 
 def test_every_rank_loads_the_file_rank_zero_chose(tmp_path):

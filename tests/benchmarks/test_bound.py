@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.lab.bound import OVERLAPS, WIRE_PHASES, WirePhase, algorithmic_bound, wire_phases
 from syncline.strategies import STRATEGIES, BucketedDDP, ByteGrad
-from syncline.strategies.comm.bound import OVERLAPS, WirePhase, algorithmic_bound
 
 FRACTIONS = {"forward": 0.3, "backward": 0.5}  # the optimizer step is the other 0.2
 
@@ -29,10 +29,11 @@ def test_each_phase_adds_what_its_compute_cannot_hide(phases, wire, expected):
 
 
 def test_every_registered_strategy_declares_its_phases():
+    assert set(WIRE_PHASES) == set(STRATEGIES)
     for name, cls in STRATEGIES.items():
-        for phase in cls().wire_phases():
+        for phase in wire_phases(cls()):
             assert phase.hides_behind in OVERLAPS and 0 < phase.share <= 1 and phase.why, name
-    assert BucketedDDP(deferred_update=True).wire_phases()[0].hides_behind == "all"
-    assert ByteGrad(comm_thread=False).wire_phases()[0].hides_behind == "none"
+    assert wire_phases(BucketedDDP(deferred_update=True))[0].hides_behind == "all"
+    assert wire_phases(ByteGrad(comm_thread=False))[0].hides_behind == "none"
     with pytest.raises(ValueError, match="hides_behind"):
         WirePhase(1.0, "optimizer")  # type: ignore[arg-type]
