@@ -20,7 +20,7 @@ The engine (one elastic agent per replica, torch's rendezvous, the default group
 - **A replacement** (the replica's agent restarts a dead worker, up to `max_restarts` in all) waits on the
   rendezvous's wait list. Rank 0 sees it at a step boundary and posts the step at which every member opens
   a new round: two steps ahead (two averaging periods ahead for local SGD), so that every member reads the
-  post before it gets there.
+  post before it gets there. The other ranks read the post (one store key) at every optimizer step.
 
 A raise on one rank (the task's error) still ends the job, naming the rank: the raising rank posts its error
 and leaves the group, and a survivor whose collective failed reads that notice instead of recovering.
@@ -54,6 +54,8 @@ __all__ = ["LiveRecovery", "LiveShardSampler", "RECOVERIES"]
 RECOVERIES = ("checkpoint", "live")
 #: Rounds a recovery may take (a member dying while the others heal starts another) before it gives up.
 _MAX_ROUNDS = 4
+#: Seconds between rank 0's looks for replacements waiting to be admitted.
+_POLL_S = 1.0
 #: Seconds a survivor waits, after its collective failed, for a raising peer's notice to arrive.
 _NOTICE_WAIT_S = 0.5
 
@@ -143,6 +145,7 @@ class LiveRecovery:
         self.segment_start = 0
         self.segment_world = 1
         self.recoveries = 0
+        self._polled = 0.0
         self._source: dict[str, Any] = {}
         trainer.callbacks = [*trainer.callbacks, _StepBoundary(self)]
 
@@ -179,8 +182,12 @@ class LiveRecovery:
         step = self.trainer.global_step
         membership = self.membership
         if self.admit_at is None:
-            if membership.rank == 0 and membership.waiting():
-                membership.post_admission(self._admission_step(step))
+            now = time.monotonic()
+            if membership.rank == 0 and now - self._polled >= _POLL_S:
+                # At most once a second: reading the rendezvous state costs more than the post's one key.
+                self._polled = now
+                if membership.waiting():
+                    membership.post_admission(self._admission_step(step))
             self.admit_at = membership.admission_step()
         if self.admit_at is not None and step >= self.admit_at:
             raise _Admit

@@ -16,7 +16,9 @@ group, so rebuilding that group is all they need, and the per-step quorum would 
 step of a run that never fails. torchft also pins torch builds tightly (a C++ extension), while syncline
 supports a torch floor; torch's rendezvous ships with torch.
 
-`launch_live` is the launching side; `LiveMembership` is each worker's side.
+`launch_live` is the launching side; `LiveMembership` is each worker's side. For diagnosis, set
+``SYNCLINE_LIVE_LOGS=<folder>``: each worker's output goes to files there, with a time-stamped line per
+rendezvous, and a worker still alive after ``SYNCLINE_LIVE_DUMP_S`` seconds (60) prints its stacks and ends.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 `LiveProbe` appends, per optimizer step, a line ``epoch step world_size idx,idx,...`` to ``<log_dir>/<pid>.log``;
 at the end of training each process writes ``<pid>.end`` with its step and a digest of its weights. The
 process holding rank `victim` at step `at_step` kills itself with SIGKILL, once; with `second`, twice (the
-member that holds rank `victim` when the healed group retries that step dies too).
+member that holds rank `victim` when the healed group retries that step dies too); with ``fault="raise"`` it
+raises instead.
 """
 
 from __future__ import annotations
@@ -33,12 +34,18 @@ class LiveProbe(Task):
     """A small MLP that logs the samples of every step and can die at one step."""
 
     def __init__(
-        self, log_dir: str, victim: int = 1, at_step: int = -1, step_s: float = 0.0, second: bool = False
+        self,
+        log_dir: str,
+        victim: int = 1,
+        at_step: int = -1,
+        step_s: float = 0.0,
+        second: bool = False,
+        fault: str = "kill",
     ) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.log_dir, self.victim, self.at_step, self.step_s = log_dir, victim, at_step, step_s
-        self.second = second
+        self.second, self.fault = second, fault
 
     def train_dataloader(self):
         return DataLoader(indexed_data(), batch_size=4, shuffle=True)
@@ -47,6 +54,8 @@ class LiveProbe(Task):
         x, y, idx = batch
         kills = len(list(Path(self.log_dir).glob("*.killed")))
         due = self.global_rank == self.victim and self.trainer.global_step == self.at_step
+        if due and self.fault == "raise":
+            raise ValueError(f"boom on rank {self.victim}")
         if due and kills < (2 if self.second else 1):
             Path(self.log_dir, f"{os.getpid()}.killed").touch()
             os.kill(os.getpid(), signal.SIGKILL)
