@@ -107,4 +107,4 @@ def test_strategies_without_live_recovery_refuse_it_at_construction() -> None:
     with pytest.raises(OptionError, match=r'recovery="live".*PowerSGD'):
         Trainer(strategy="powersgd", devices=2, accelerator="cpu", recovery="live")
     with pytest.raises(OptionError, match="recovery="):
-        Trainer(recovery="restart")
+        Trainer(max_epochs=1, recovery="restart")
