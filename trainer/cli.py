@@ -457,7 +457,7 @@ def _fail(error: BaseException, code: int, where: bool = True) -> NoReturn:
     if where and frames and code == RUNTIME_ERROR:
         frame = frames[-1]
         message += f"\n  (raised at {frame.filename}:{frame.lineno} in {frame.name})"
-    _exit(f"{message}\n{_HINT}", code)
+    _exit(message, code)  # one line (and where it was raised); docs/cli.md names HYDRA_FULL_ERROR=1
 
 
 def _exit(message: str, code: int) -> NoReturn:

@@ -265,7 +265,20 @@ def _report(error: ChildFailedError, nprocs: int, stage: str) -> str:
             message = json.loads(path.read_text())["message"]
             candidates[rank] = (_failure_order(1, message, 0), _describe_message(message))
     rank = min(candidates, key=lambda r: candidates[r][0])
-    return f"Worker rank {rank} of {nprocs} failed during {stage}: {candidates[rank][1]}"
+    blamed = _blamed_ranks(error.failures[rank].message if rank in error.failures else None, attempt_dir, rank)
+    who = f"rank {rank}" if not blamed else f"rank{'s' if len(blamed) > 1 else ''} {', '.join(map(str, blamed))}"
+    return f"Worker {who} of {nprocs} failed during {stage}: {candidates[rank][1]}"
+
+
+def _blamed_ranks(message: Any, attempt_dir: Path | None, rank: int) -> list[int]:
+    """The ranks an error raised alike on every rank names as its cause (a NaN loss's), from its error file."""
+    if not isinstance(message, dict) and attempt_dir is not None:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            message = json.loads((attempt_dir / str(rank) / "error.json").read_text())["message"]
+    if isinstance(message, dict):
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            return [int(r) for r in message["extraInfo"]["syncline_ranks"]]
+    return []
 
 
 def _failure_order(exitcode: int, message: Any, timestamp: float) -> tuple[int, float]:
@@ -314,6 +327,8 @@ def _record_failure(error: BaseException) -> None:
                 "timestamp": str(int(now)),
                 # Finer than elastic's seconds: which rank failed first, when the others followed it.
                 "syncline_time": repr(now),
+                # An error every rank raises alike (a NaN loss) names the ranks that caused it.
+                "syncline_ranks": [int(r) for r in getattr(error, "ranks", ())],
             },
         }
     }
