@@ -86,6 +86,7 @@ class BucketedDDP(ReducerStrategy):
     """
 
     name = "bucketed_ddp"
+    live_recovery_refused = ""  # every replica holds the whole state: any survivor can heal the others
 
     def __init__(
         self,

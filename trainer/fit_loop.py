@@ -145,8 +145,10 @@ class FitLoop:
             # its epoch-end hooks): do what was still ahead of it, and nothing it had already done.
             self._apply_resume_rng()
             self.end_epoch()
+        # Under recovery="live", epochs run through failures and admissions; nothing changes per step otherwise.
+        run_epoch = self.run_epoch if self.trainer.live is None else self.trainer.live.epoch_runner(self)
         while not self._done():
-            self.run_epoch()
+            run_epoch()
         # A deferred optimizer step lands before anyone reads the trained weights.
         self.trainer.strategy.apply_pending_updates()
         self.trainer.preemption.finish()
