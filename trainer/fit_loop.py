@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 
 from syncline.callbacks.callback import Callback
+from syncline.rank_zero import rank_zero_info, rank_zero_warn
+from syncline.rng import capture_rng, isolated_rng, restore_rng
 from syncline.strategies.comm.join import Joinable
 from syncline.trainer import persistence
 from syncline.trainer.data import batch_mover, epoch_batches
@@ -20,8 +22,6 @@ from syncline.trainer.hooks import ModelHooks, overrides
 from syncline.trainer.manual import TrainerOptimizer, take_step, train_batch_manually
 from syncline.trainer.nonfinite import NonfiniteLossGuard
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
-from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
-from syncline.trainer.state import capture_rng, isolated_rng, restore_rng
 from syncline.trainer.uneven import JOINED, agreed_batches, needs_agreement
 
 if TYPE_CHECKING:
@@ -65,6 +65,8 @@ class FitLoop:
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         #: RNG state of the checkpoint being resumed, applied at the point in the loop it was taken.
         self.resume_rng: dict[str, Any] | None = None
+        #: The strategy's comm/* counters for the loggers (nothing for a one-process strategy).
+        self.communication_stats: Callable[[], dict[str, float]] = dict
         #: Asks for the fit's loaders again (`Trainer(reload_dataloaders_every_n_epochs=n)`), given the epochs run.
         self.reload_data: Callable[[int], None] | None = None
         #: The epoch this fit started (or resumed) at.
@@ -97,6 +99,9 @@ class FitLoop:
         self._stepped_optimizer = optim.optimizer
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         self.resume_rng = None
+        # Decided once per fit: a one-process strategy communicates nothing and logs no comm/* values (as
+        # Lightning logs none); a data-parallel one logs its counters, in a world of one too.
+        self.communication_stats = trainer.strategy.communication_stats if trainer.strategy.multi_process else dict
         interval, batches = trainer.val_check_interval, trainer.num_training_batches
         if isinstance(interval, float):
             finite_fraction = interval < 1.0 and batches != math.inf
@@ -108,7 +113,8 @@ class FitLoop:
         """Return what fires `hook` with the loop's arguments, or a function that does nothing if none listens."""
         if not self.trainer.dispatcher.listens(hook):
             return _nothing
-        return functools.partial(self.trainer.dispatcher.fire, hook)  # picklable: the launcher sends the Trainer
+        # A partial, not a lambda: the Trainer (and this loop) is pickled to start spawned workers.
+        return functools.partial(self.trainer.dispatcher.fire, hook)
 
     # ------------------------------------------------------------------ epochs
     def train(self) -> None:
@@ -139,8 +145,10 @@ class FitLoop:
             # its epoch-end hooks): do what was still ahead of it, and nothing it had already done.
             self._apply_resume_rng()
             self.end_epoch()
+        # Under recovery="live", epochs run through failures and admissions; nothing changes per step otherwise.
+        run_epoch = self.run_epoch if self.trainer.live is None else self.trainer.live.epoch_runner(self)
         while not self._done():
-            self.run_epoch()
+            run_epoch()
         # A deferred optimizer step lands before anyone reads the trained weights.
         self.trainer.strategy.apply_pending_updates()
         self.trainer.preemption.finish()
@@ -429,7 +437,7 @@ class FitLoop:
             return
         logs = trainer.results.pop_step_logs()
         if logs:
-            trainer.log_metrics({**logs, **trainer.strategy.communication_stats()})
+            trainer.log_metrics({**logs, **self.communication_stats()})
 
     def stop_if_preempted(self) -> None:
         """At a step boundary: if any rank was signalled, write last.ckpt on every rank and stop.

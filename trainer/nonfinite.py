@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from syncline.strategies.strategy import Strategy
@@ -29,6 +29,9 @@ NONFINITE_LOSS = ("raise", "skip")
 
 class NonfiniteLossError(FloatingPointError):
     """Some rank's loss was NaN or inf; raised on every rank at the same step."""
+
+    #: The ranks whose loss was not finite (a launch names them, not the rank whose error came first).
+    ranks: tuple[int, ...] = ()
 
 
 class NonfiniteLossGuard:
@@ -77,11 +80,13 @@ class NonfiniteLossGuard:
             f"(the accumulation window ending at batch {batch_idx})"
         )
         if self.mode == "raise":
-            raise NonfiniteLossError(
+            error = NonfiniteLossError(
                 f"{message}; every rank stopped here, before the step. Check the data and the learning rate, "
                 'use precision="bf16-mixed" or gradient clipping, or pass Trainer(nonfinite_loss="skip") to '
                 "skip such steps."
             )
+            error.ranks = tuple(bad_ranks)
+            raise error
         self.skipped += 1
         rank_zero_warn(f"{message}; the step was skipped on every rank (nonfinite_loss='skip').")
         return False

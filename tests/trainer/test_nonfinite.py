@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from syncline.options import OptionError
-from syncline.strategies.comm.ranks import run_distributed, run_ranks
+from syncline.testing import run_distributed, run_ranks
 from syncline.trainer import Trainer
+from syncline.trainer.launcher import WorkerFailedError
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 BAD_BATCH = 2  # the first micro-batch of the second window with accumulate_grad_batches=2
@@ -80,3 +81,12 @@ def test_raise_stops_every_rank_naming_the_rank_and_step(tmp_path):
 def test_bad_option_is_one_clear_error():
     with pytest.raises(OptionError, match=r"nonfinite_loss='ignore'.*raise, skip"):
         Trainer(nonfinite_loss="ignore")
+
+
+def test_a_launch_headlines_the_rank_whose_loss_was_nan(tmp_path):
+    # Every rank raises the same error; the headline names the rank that saw the NaN, not the first to report.
+    trainer = Trainer(
+        max_epochs=1, accelerator="cpu", devices=2, accumulate_grad_batches=2, **quiet(default_root_dir=str(tmp_path))
+    )
+    with pytest.raises(WorkerFailedError, match=r"^Worker rank 1 of 2 failed during fit: NonfiniteLossError"):
+        trainer.fit(NanOnRankOne(), loader(regression_data(64), 4))

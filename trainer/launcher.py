@@ -41,8 +41,9 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from syncline.strategies.comm import launch_reaper, worker_guard
-from syncline.strategies.comm.loopback_rendezvous import LOOPBACK_BACKEND, register
+from syncline.strategies.comm import worker_guard
+from syncline.trainer import launch_reaper
+from syncline.trainer.loopback_rendezvous import LOOPBACK_BACKEND, register
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -84,8 +85,8 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
             rank, its error and its traceback.
         TrainingPreempted: the workers stopped on a preemption signal and saved a checkpoint.
     """
+    from syncline.rng import capture_rng
     from syncline.trainer.preemption import TrainingPreempted
-    from syncline.trainer.state import capture_rng
 
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         # We are a worker importing the user's script, and the script launches workers at import time
@@ -265,7 +266,20 @@ def _report(error: ChildFailedError, nprocs: int, stage: str) -> str:
             message = json.loads(path.read_text())["message"]
             candidates[rank] = (_failure_order(1, message, 0), _describe_message(message))
     rank = min(candidates, key=lambda r: candidates[r][0])
-    return f"Worker rank {rank} of {nprocs} failed during {stage}: {candidates[rank][1]}"
+    blamed = _blamed_ranks(error.failures[rank].message if rank in error.failures else None, attempt_dir, rank)
+    who = f"rank {rank}" if not blamed else f"rank{'s' if len(blamed) > 1 else ''} {', '.join(map(str, blamed))}"
+    return f"Worker {who} of {nprocs} failed during {stage}: {candidates[rank][1]}"
+
+
+def _blamed_ranks(message: Any, attempt_dir: Path | None, rank: int) -> list[int]:
+    """The ranks an error raised alike on every rank names as its cause (a NaN loss's), from its error file."""
+    if not isinstance(message, dict) and attempt_dir is not None:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            message = json.loads((attempt_dir / str(rank) / "error.json").read_text())["message"]
+    if isinstance(message, dict):
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            return [int(r) for r in message["extraInfo"]["syncline_ranks"]]
+    return []
 
 
 def _failure_order(exitcode: int, message: Any, timestamp: float) -> tuple[int, float]:
@@ -314,6 +328,8 @@ def _record_failure(error: BaseException) -> None:
                 "timestamp": str(int(now)),
                 # Finer than elastic's seconds: which rank failed first, when the others followed it.
                 "syncline_time": repr(now),
+                # An error every rank raises alike (a NaN loss) names the ranks that caused it.
+                "syncline_ranks": [int(r) for r in getattr(error, "ranks", ())],
             },
         }
     }
@@ -332,8 +348,8 @@ def _loopback_interface() -> str | None:
 
 def _worker(stage: str, payload: str, stop_file: str) -> dict[str, Any] | None:
     """Entry point of one launched process: run the stage; return rank 0's result, record this rank's error."""
+    from syncline.rng import restore_rng
     from syncline.trainer.preemption import TrainingPreempted
-    from syncline.trainer.state import restore_rng
 
     loopback = _loopback_interface()
     if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
