@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 
 from syncline.callbacks.callback import Callback
+from syncline.rank_zero import rank_zero_info, rank_zero_warn
+from syncline.rng import capture_rng, isolated_rng, restore_rng
 from syncline.strategies.comm.join import Joinable
 from syncline.trainer import persistence
 from syncline.trainer.data import batch_mover, epoch_batches
@@ -20,8 +22,6 @@ from syncline.trainer.hooks import ModelHooks, overrides
 from syncline.trainer.manual import TrainerOptimizer, take_step, train_batch_manually
 from syncline.trainer.nonfinite import NonfiniteLossGuard
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
-from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
-from syncline.trainer.state import capture_rng, isolated_rng, restore_rng
 from syncline.trainer.uneven import JOINED, agreed_batches, needs_agreement
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback, CallbackDispatcher
 from syncline.callbacks.logger import Logger
-from syncline.strategies.comm.launcher import launch, launched_by_torchrun
+from syncline.checkpoint_file import save_checkpoint
 from syncline.strategies.comm.live_recovery import check_live_recovery, launch_live
 from syncline.strategies.strategy import Strategy
 from syncline.trainer import persistence
@@ -29,11 +29,11 @@ from syncline.trainer.arguments import (
     resolve_devices,
     strategy_of,
 )
-from syncline.trainer.checkpoint import save_checkpoint
 from syncline.trainer.datamodule import DataModule, check_datamodule
 from syncline.trainer.debugging import apply_debugging_flags
 from syncline.trainer.evaluation import EvaluationLoop
 from syncline.trainer.fit_loop import FitLoop
+from syncline.trainer.launcher import launch, launched_by_torchrun
 from syncline.trainer.manual import check_optimization_mode
 from syncline.trainer.optim import OptimizerSetup
 from syncline.trainer.precision import Precision
@@ -218,7 +218,7 @@ class Trainer:
         self.eval_results = ResultCollection(False, self.strategy, self.callback_metrics, self.progress_bar_metrics)
         #: The collection `self.log` writes to now (the evaluation one while evaluating).
         self.results = self.train_results
-        self.dispatcher = CallbackDispatcher(self, None, self.callbacks)
+        self.dispatcher = CallbackDispatcher(self, None, self.callbacks, task_base=Task)
         #: The precision of the stage in progress (it depends on the device, known once a stage starts).
         self.precision: Precision | None = None
         #: The optimizer and schedulers of the task being fitted (None outside `fit`).
@@ -295,7 +295,7 @@ class Trainer:
     @property
     def checkpoint_callbacks(self) -> list[Callback]:
         """The ModelCheckpoint callbacks."""
-        from syncline.callbacks.checkpoint import ModelCheckpoint
+        from syncline.callbacks.model_checkpoint import ModelCheckpoint
 
         return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
 

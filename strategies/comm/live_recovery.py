@@ -86,7 +86,7 @@ def launch_live(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]
     Raises:
         WorkerFailedError: a worker raised (the job ends, naming it), or every replica died.
     """
-    from syncline.strategies.comm.launcher import WorkerFailedError, free_port
+    from syncline.trainer.launcher import WorkerFailedError, free_port
     from syncline.trainer.state import capture_rng
 
     replicas = trainer.devices
@@ -135,8 +135,8 @@ def _replica_agent(replica: int, stage: str, payload: str, folder: str, env: dic
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from syncline.strategies.comm.launcher import _quiet_elastic, free_port
-    from syncline.strategies.comm.loopback_rendezvous import LOOPBACK_BACKEND, register
+    from syncline.trainer.launcher import _quiet_elastic, free_port
+    from syncline.trainer.loopback_rendezvous import LOOPBACK_BACKEND, register
 
     register()
     trainer = pickle.loads(Path(payload).read_bytes())[0]
@@ -166,7 +166,7 @@ def _replica_agent(replica: int, stage: str, payload: str, folder: str, env: dic
 def _live_worker(stage: str, payload: str) -> dict[str, Any] | None:
     """One replica's process: join the live group, run the stage, return the result if this ends as rank 0."""
     from syncline.strategies.comm import worker_guard
-    from syncline.strategies.comm.launcher import _loopback_interface
+    from syncline.trainer.launcher import _loopback_interface
     from syncline.trainer.live import LiveRecovery
     from syncline.trainer.state import restore_rng
 

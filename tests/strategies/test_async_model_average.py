@@ -12,7 +12,7 @@ from _averaging import fit, flat_params
 
 from syncline.options import OptionError
 from syncline.strategies import AsyncModelAverage
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from tests.trainer._tasks import Regressor
 
 THREAD = "syncline-async-average"

@@ -105,7 +105,7 @@ def test_a_raise_still_ends_the_run_naming_the_rank(tmp_path: Path) -> None:
 
 def test_strategies_without_live_recovery_refuse_it_at_construction() -> None:
     with pytest.raises(OptionError, match=r'recovery="live".*PowerSGD'):
-        Trainer(strategy="powersgd", devices=2, accelerator="cpu", recovery="live")
+        Trainer(max_epochs=1, strategy="powersgd", devices=2, accelerator="cpu", recovery="live")
     with pytest.raises(OptionError, match="recovery="):
         Trainer(max_epochs=1, recovery="restart")
 
