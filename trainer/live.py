@@ -39,10 +39,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from syncline.callbacks.callback import Callback
+from syncline.rank_zero import rank_zero_info
+from syncline.rng import capture_rng
 from syncline.strategies.comm.live_recovery import LiveMembership, MembershipError
 from syncline.strategies.comm.reducer_errors import CollectiveError
-from syncline.trainer.rank_zero import rank_zero_info
-from syncline.trainer.state import capture_rng
 
 if TYPE_CHECKING:
     from syncline.trainer.fit_loop import FitLoop

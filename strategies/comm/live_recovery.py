@@ -86,8 +86,8 @@ def launch_live(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]
     Raises:
         WorkerFailedError: a worker raised (the job ends, naming it), or every replica died.
     """
+    from syncline.rng import capture_rng
     from syncline.trainer.launcher import WorkerFailedError, free_port
-    from syncline.trainer.state import capture_rng
 
     replicas = trainer.devices
     trainer.strategy.check_world_size(replicas)
@@ -165,10 +165,10 @@ def _replica_agent(replica: int, stage: str, payload: str, folder: str, env: dic
 
 def _live_worker(stage: str, payload: str) -> dict[str, Any] | None:
     """One replica's process: join the live group, run the stage, return the result if this ends as rank 0."""
+    from syncline.rng import restore_rng
     from syncline.strategies.comm import worker_guard
     from syncline.trainer.launcher import _loopback_interface
     from syncline.trainer.live import LiveRecovery
-    from syncline.trainer.state import restore_rng
 
     loopback = _loopback_interface()
     if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
