@@ -60,13 +60,21 @@ class LiveProbe(Task):
             Path(self.log_dir, f"{os.getpid()}.killed").touch()
             os.kill(os.getpid(), signal.SIGKILL)
         if kills and self.trainer.world_size < 3:
-            # Short of a member: slow down, so that the replacement (seconds to start) arrives before the end.
+            # Short of a member: wait until the replacements have started (tens of seconds on a loaded
+            # machine), then slow down, so that they come in before the run ends.
+            deadline = time.monotonic() + 180
+            while len(list(Path(self.log_dir).glob("*.replacement"))) < kills and time.monotonic() < deadline:
+                time.sleep(0.2)
             time.sleep(self.step_s)
         trainer = self.trainer
         with open(Path(self.log_dir, f"{os.getpid()}.log"), "a") as file:
             ids = ",".join(str(int(i)) for i in idx)
             file.write(f"{trainer.current_epoch} {trainer.global_step} {trainer.world_size} {ids}\n")
         return nn.functional.mse_loss(self.net(x), y)
+
+    def setup(self, stage: str) -> None:
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            Path(self.log_dir, f"{os.getpid()}.replacement").touch()
 
     def on_train_end(self) -> None:
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in self.parameters())).hexdigest()

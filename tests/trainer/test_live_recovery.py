@@ -105,6 +105,23 @@ def test_a_raise_still_ends_the_run_naming_the_rank(tmp_path: Path) -> None:
 
 def test_strategies_without_live_recovery_refuse_it_at_construction() -> None:
     with pytest.raises(OptionError, match=r'recovery="live".*PowerSGD'):
-        Trainer(strategy="powersgd", devices=2, accelerator="cpu", recovery="live")
+        Trainer(max_epochs=1, strategy="powersgd", devices=2, accelerator="cpu", recovery="live")
     with pytest.raises(OptionError, match="recovery="):
         Trainer(max_epochs=1, recovery="restart")
+
+
+def test_the_rest_of_an_epoch_is_split_over_the_new_members_without_losing_a_sample() -> None:
+    from syncline.trainer.live import LiveShardSampler
+
+    def shard(world: int, rank: int, consumed: int, skip: int) -> list[int]:
+        return list(LiveShardSampler(97, 4, True, 7, 1, consumed, skip, world, rank))
+
+    # 2 batches on 3 ranks (24 samples), then the rest on 2 ranks; every rank skips its 2 trained batches.
+    first = [i for rank in range(3) for i in shard(3, rank, 0, 0)[:8]]
+    rest = [shard(2, rank, 24, 2) for rank in range(2)]
+    assert all(len(part) == len(rest[0]) for part in rest), "every rank has as many batches"
+    later = [i for part in rest for i in part[8:]]
+    order = LiveShardSampler(97, 4, True, 7, 1, 0, 0, 1, 0).order()
+    assert sorted(first) == sorted(order[:24]), "the first segment is the epoch's first 24 samples"
+    assert set(later) >= set(order[24:]) and set(first) | set(later) == set(range(97))
+    assert len(later) - len(order[24:]) < 2 * 4, "padding fills the last global batch only"
