@@ -1,7 +1,7 @@
 """`Trainer(recovery="live")`: a lost worker costs the survivors the step in flight, not a restart from disk.
 
 The engine (one elastic agent per replica, torch's rendezvous, the default group rebuilt per round) is in
-`strategies/comm/live_recovery.py`. This module is the loop's side, used only under ``recovery="live"``:
+`trainer/live_launch.py`. This module is the loop's side, used only under ``recovery="live"``:
 
 - **A death.** A survivor's collective fails (the dead peer's connections close). The epoch in progress
   is left where it stands: the batch whose gradients were being averaged takes no optimizer step, since
@@ -41,8 +41,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from syncline.callbacks.callback import Callback
 from syncline.rank_zero import rank_zero_info
 from syncline.rng import capture_rng
-from syncline.strategies.comm.live_recovery import LiveMembership, MembershipError
 from syncline.strategies.comm.reducer_errors import CollectiveError
+from syncline.trainer.live_launch import LiveMembership, MembershipError
 
 if TYPE_CHECKING:
     from syncline.trainer.fit_loop import FitLoop

@@ -15,7 +15,6 @@ from torch import Tensor
 from syncline.callbacks.callback import Callback, CallbackDispatcher
 from syncline.callbacks.logger import Logger
 from syncline.checkpoint_file import save_checkpoint
-from syncline.strategies.comm.live_recovery import check_live_recovery, launch_live
 from syncline.strategies.strategy import Strategy
 from syncline.trainer import persistence
 from syncline.trainer.arguments import (
@@ -34,6 +33,7 @@ from syncline.trainer.debugging import apply_debugging_flags
 from syncline.trainer.evaluation import EvaluationLoop
 from syncline.trainer.fit_loop import FitLoop
 from syncline.trainer.launcher import launch, launched_by_torchrun
+from syncline.trainer.live_launch import check_live_recovery, launch_live
 from syncline.trainer.manual import check_optimization_mode
 from syncline.trainer.optim import OptimizerSetup
 from syncline.trainer.precision import Precision
