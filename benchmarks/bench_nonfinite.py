@@ -5,8 +5,8 @@
 In the same two processes, interleaved per repeat: a training step of a small MLP (forward, backward
 with BucketedDDP's all-reduces, SGD step, zero_grad) without the check, and the check alone
 (`NonfiniteLossGuard.observe` + `window_is_finite`: one all-reduce of world_size floats and one host
-sync). Reported: medians (p25-p75) over all timed iterations and the check/step ratio; results go to
-`benchmarks/results/nonfinite.json`.
+sync). Reported: medians (p25-p75) over all timed iterations and the check/step ratio, on stdout; the JSON
+goes where `--out` says (the committed figures: `--out benchmarks/results/nonfinite.json`).
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def _measure(rank: int, world_size: int) -> dict[str, list[float]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """No options: two ranks, fixed sizes."""
+    """Two ranks, fixed sizes; where the JSON goes, when asked."""
+    parser.add_argument("--out", type=Path, default=None, help=f"also write the JSON here (committed: {RESULTS})")
 
 
 def command(args: argparse.Namespace) -> None:
@@ -92,4 +93,5 @@ def command(args: argparse.Namespace) -> None:
     for name, values in report.items():
         print(f"{name:6s} median {values['median_ms']:.3f} ms (p25 {values['p25_ms']:.3f}, p75 {values['p75_ms']:.3f})")
     print(f"check / step: {ratio:.3f}")
-    RESULTS.write_text(json.dumps(output, indent=2) + "\n")
+    if args.out is not None:  # the committed file only when asked for
+        args.out.write_text(json.dumps(output, indent=2) + "\n")

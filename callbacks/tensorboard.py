@@ -84,10 +84,14 @@ class TensorBoardLogger(VersionedLogger):
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Add one scalar per metric at `step` (None: the step after the last one written)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.summary import scalar
+
         if step is None:
             step = self._last_step + 1
         writer = self._open_writer(purge_step=step)
         self._last_step = max(self._last_step, step)
+        values = []
         for name, value in metrics.items():
             if name == "epoch":
                 # The Trainer adds the epoch to every group of metrics; a step that logs several groups
@@ -95,7 +99,11 @@ class TensorBoardLogger(VersionedLogger):
                 if self._epoch_step == step:
                     continue
                 self._epoch_step = step
-            writer.add_scalar(f"{self._prefix}-{name}" if self._prefix else name, value, step)
+            values.extend(scalar(f"{self._prefix}-{name}" if self._prefix else name, value).value)
+        if values:
+            # One event for the whole group (a Summary holds many values, as TensorBoard's merged summaries
+            # do): one record and one hand-off to the writer's thread instead of one per scalar.
+            writer.file_writer.add_summary(Summary(value=values), step)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the version and the last step written (what a resumed run keeps of this run's events)."""

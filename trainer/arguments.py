@@ -1,6 +1,6 @@
 """The Trainer's arguments: each checked with one clear message, and Lightning's spellings resolved.
 
-`TrainerConf` in `config.py` lists the same arguments for the command line; what they may hold is
+`TrainerConf` in `config.py` is generated from these arguments for the command line; what they may hold is
 decided here, before anything is launched.
 """
 

@@ -23,66 +23,18 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
 
 from syncline.strategies.registry import STRATEGIES
+from syncline.trainer.trainer import Trainer
 
 __all__ = [
     "VARIANTS",
     "AutoStrategyConf",
     "SynclineConf",
     "TrainerConf",
+    "config_of",
     "register_configs",
     "strategy_config",
     "strategy_configs",
 ]
-
-
-@dataclass
-class TrainerConf:
-    """Every argument of `trainer.Trainer` but the objects (`strategy`, `callbacks`), with its default.
-
-    `default_root_dir` None means the run's Hydra output directory. `logger` True is a TensorBoardLogger
-    under it.
-    """
-
-    max_epochs: int | None = None
-    max_steps: int = -1
-    min_epochs: int | None = None
-    min_steps: int | None = None
-    # An int, or Lightning's "auto" (OmegaConf 2.3 has no int-or-str type; the Trainer checks the value).
-    devices: Any = 1
-    accelerator: str = "auto"
-    accumulate_grad_batches: int = 1
-    gradient_clip_val: float | None = None
-    gradient_clip_algorithm: str | None = None
-    precision: str = "32"
-    logger: bool = True
-    default_root_dir: str | None = None
-    enable_checkpointing: bool = True
-    enable_progress_bar: bool = True
-    log_every_n_steps: int = 50
-    val_check_interval: int | float = 1.0
-    limit_train_batches: int | float | None = None
-    limit_val_batches: int | float | None = None
-    limit_test_batches: int | float | None = None
-    limit_predict_batches: int | float | None = None
-    check_val_every_n_epoch: int | None = 1
-    num_sanity_val_steps: int = 2
-    use_distributed_sampler: bool = True
-    seed: int | None = None
-    deterministic: bool = False
-    ckpt_read: str = "every_rank"
-    nonfinite_loss: str = "raise"
-    uneven_inputs: str = "check"
-    max_restarts: int = 0
-    preemption_signal: str | None = "SIGTERM"
-    # A bool or a number of batches (Lightning's `fast_dev_run=True` or `=7`).
-    fast_dev_run: bool | int = False
-    overfit_batches: int | float = 0.0
-    enable_model_summary: bool = True
-    inference_mode: bool = False
-    detect_anomaly: bool = False
-    reload_dataloaders_every_n_epochs: int = 0
-    # "DD:HH:MM:SS" or a dict of timedelta's arguments (OmegaConf has no str-or-dict type; the Timer checks it).
-    max_time: Any = None
 
 
 @dataclass
@@ -102,25 +54,39 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def strategy_config(cls: type, defaults: dict[str, Any] | None = None, name: str | None = None) -> type:
-    """Return the Hydra config of strategy class `cls`: a dataclass of its constructor's options.
+    """Return the Hydra config of strategy class `cls` (`config_of`), named for ``strategy=<name>``."""
+    conf = config_of(cls, f"{name or cls.__name__}Conf", defaults)
+    conf.__doc__ = f"``strategy={name or getattr(cls, 'name', cls.__name__)}``: `{cls.__qualname__}`, generated."
+    return conf
 
-    Every argument of ``cls.__init__`` becomes a field with its default and, for `int`, `float`, `bool` and `str`
-    (or one of them or None), its type, so a wrong value is an error before anything runs; other types (a
-    number or "auto", a hook function, a tuple) are `Any` and checked by the constructor. An argument's help is
-    its line under "Args:" in the class docstring (the field's ``metadata["help"]``). Keyword arguments passed on
-    (``**kwargs``) are followed to the base class that takes them; a strategy that passes them to another library
-    lists them with their defaults in `passthrough_options`. `defaults` overrides some defaults (a variant).
+
+def config_of(
+    cls: type,
+    conf_name: str,
+    defaults: dict[str, Any] | None = None,
+    exclude: tuple[str, ...] = (),
+    target: bool = True,
+) -> type:
+    """Return a config dataclass of `cls`'s constructor options (``_target_`` first, when `target`).
+
+    Every argument of ``cls.__init__`` but `exclude` becomes a field with its default and, for `int`, `float`,
+    `bool` and `str` (or a union of them, or None), its type, so a wrong value is an error before anything runs;
+    other types (a hook function, a tuple, a logger object) are `Any` and checked by the constructor. An
+    argument's help is its line under "Args:" in the class docstring (the field's ``metadata["help"]``).
+    Keyword arguments passed on (``**kwargs``) are followed to the base class that takes them; a strategy that
+    passes them to another library lists them with their defaults in `passthrough_options`. `defaults`
+    overrides some defaults (a variant).
     """
-    fields: list[tuple[str, Any, Any]] = [("_target_", str, f"{cls.__module__}.{cls.__qualname__}")]
+    fields: list[tuple[str, Any, Any]] = [("_target_", str, f"{cls.__module__}.{cls.__qualname__}")] if target else []
     help_of = _args_help(cls)
     for option, (hint, default) in _options(cls).items():
+        if option in exclude:
+            continue
         if defaults and option in defaults:
             default = defaults[option]
         metadata = {"help": help_of.get(option, "")}
         fields.append((option, _config_type(hint), dataclasses.field(default=default, metadata=metadata)))
-    conf = dataclasses.make_dataclass(f"{name or cls.__name__}Conf", fields)
-    conf.__doc__ = f"``strategy={name or getattr(cls, 'name', cls.__name__)}``: `{cls.__qualname__}`, generated."
-    return conf
+    return dataclasses.make_dataclass(conf_name, fields)
 
 
 def _options(cls: type) -> dict[str, tuple[Any, Any]]:
@@ -162,13 +128,17 @@ _PLAIN = (int, float, bool, str)
 
 
 def _config_type(hint: Any) -> Any:
-    """The type OmegaConf checks for `hint`: a plain type, or one of them or None; anything else is Any."""
+    """The type OmegaConf checks for `hint`: a plain type, or a union of them and None; anything else is Any.
+
+    A union with `float` but not `int` is Any too: OmegaConf's unions do not turn ``5`` into ``5.0``.
+    """
     if hint in _PLAIN:
         return hint
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        kinds = [kind for kind in typing.get_args(hint) if kind is not type(None)]
-        if len(kinds) == 1 and kinds[0] in _PLAIN:
-            return kinds[0] | None
+        kinds = typing.get_args(hint)
+        plain = [kind for kind in kinds if kind is not type(None)]
+        if all(kind in _PLAIN for kind in plain) and (float not in plain or len(plain) == 1 or int in plain):
+            return typing.Union[kinds]  # noqa: UP007 (built from a tuple of types)
     return Any
 
 
@@ -205,6 +175,11 @@ def strategy_configs() -> dict[str, type]:
 
 def _camel(name: str) -> str:
     return "".join(part.capitalize() for part in name.split("_"))
+
+
+#: Every argument of `Trainer` but the objects (`strategy`, `callbacks`), with its default. `default_root_dir` None
+#: means the run's Hydra output directory; `logger` True is a TensorBoardLogger under it.
+TrainerConf = config_of(Trainer, "TrainerConf", exclude=("strategy", "callbacks"), target=False)
 
 
 @dataclass

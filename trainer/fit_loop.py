@@ -41,6 +41,13 @@ class FitLoop:
         self.trainer = trainer
         self.state = trainer.state
         self.fire = trainer.dispatcher.fire
+        # The hooks of every training step: one that nothing listens to is not fired at all (the callbacks and
+        # the task are fixed for the fit, so this is decided once).
+        self.fire_batch_start = self._step_hook(Callback.on_train_batch_start)
+        self.fire_before_zero_grad = self._step_hook(Callback.on_before_zero_grad)
+        self.fire_before_backward = self._step_hook(Callback.on_before_backward)
+        self.fire_after_backward = self._step_hook(Callback.on_after_backward)
+        self.fire_batch_end = self._step_hook(Callback.on_train_batch_end)
         self.accumulate = trainer.accumulate_grad_batches
         self.optim: OptimizerSetup | None = None
         #: The optimizers as `Task.optimizers()` gives them: their step goes through the Trainer.
@@ -57,6 +64,8 @@ class FitLoop:
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         #: RNG state of the checkpoint being resumed, applied at the point in the loop it was taken.
         self.resume_rng: dict[str, Any] | None = None
+        #: The strategy's comm/* counters for the loggers (nothing for a one-process strategy).
+        self.communication_stats: Callable[[], dict[str, float]] = dict
         #: Asks for the fit's loaders again (`Trainer(reload_dataloaders_every_n_epochs=n)`), given the epochs run.
         self.reload_data: Callable[[int], None] | None = None
         #: The epoch this fit started (or resumed) at.
@@ -89,12 +98,22 @@ class FitLoop:
         self._stepped_optimizer = optim.optimizer
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         self.resume_rng = None
+        # Decided once per fit: a one-process strategy communicates nothing and logs no comm/* values (as
+        # Lightning logs none); a data-parallel one logs its counters, in a world of one too.
+        self.communication_stats = trainer.strategy.communication_stats if trainer.strategy.multi_process else dict
         interval, batches = trainer.val_check_interval, trainer.num_training_batches
         if isinstance(interval, float):
             finite_fraction = interval < 1.0 and batches != math.inf
             self.val_every = max(1.0, batches * interval) if finite_fraction else None
         else:
             self.val_every = float(interval)
+
+    def _step_hook(self, hook: Callable[..., None]) -> Callable[..., None]:
+        """Return what fires `hook` with the loop's arguments, or a function that does nothing if none listens."""
+        if not self.trainer.dispatcher.listens(hook):
+            return _nothing
+        fire = self.trainer.dispatcher.fire
+        return lambda *args: fire(hook, *args)
 
     # ------------------------------------------------------------------ epochs
     def train(self) -> None:
@@ -340,7 +359,7 @@ class FitLoop:
         task, strategy, results = trainer.task, trainer.strategy, trainer.results
         batch = self._transfer(batch, 0)
         results.new_batch(batch)
-        self.fire(Callback.on_train_batch_start, batch, batch_idx)
+        self.fire_batch_start(batch, batch_idx)
         window_end = is_last or (batch_idx + 1) % self.accumulate == 0
         strategy.sync_next_backward = window_end
         results.hook = "training_step"
@@ -361,7 +380,7 @@ class FitLoop:
         # Counted before the batch-end hooks, so a checkpoint taken there resumes after this batch.
         self.state.batch_idx = batch_idx + 1
         self.land_before(Callback.on_train_batch_end)
-        self.fire(Callback.on_train_batch_end, outputs, batch, batch_idx)
+        self.fire_batch_end(outputs, batch, batch_idx)
         if window_end:
             self.flush_step_logs()
 
@@ -377,7 +396,7 @@ class FitLoop:
             # Average over the window's micro-batches so k steps of size b equal one of size k*b.
             loss = loss / self.accumulate
         if batch_idx % self.accumulate == 0:
-            self.fire(Callback.on_before_zero_grad, optimizer)
+            self.fire_before_zero_grad(optimizer)
             if self._own_zero_grad:
                 trainer.task.optimizer_zero_grad(self.state.current_epoch, batch_idx, self.trainer_optimizers[0])
             else:
@@ -387,9 +406,9 @@ class FitLoop:
             # Every rank skips alike: no synchronized backward, no step, the window's gradients dropped.
             strategy.zero_grad(optimizer)
             return False
-        self.fire(Callback.on_before_backward, loss)
+        self.fire_before_backward(loss)
         strategy.backward(trainer.precision.scale_loss(loss), sync=window_end)
-        self.fire(Callback.on_after_backward)
+        self.fire_after_backward()
         return True
 
     @property
@@ -415,7 +434,7 @@ class FitLoop:
             return
         logs = trainer.results.pop_step_logs()
         if logs:
-            trainer.log_metrics({**logs, **trainer.strategy.communication_stats()})
+            trainer.log_metrics({**logs, **self.communication_stats()})
 
     def stop_if_preempted(self) -> None:
         """At a step boundary: if any rank was signalled, write last.ckpt on every rank and stop.
@@ -542,3 +561,7 @@ def _flag_last_from(current: Any, batches: Iterator[Any], index: int) -> Iterato
         upcoming = next(batches, _END)
         yield index, current, upcoming is _END
         current, index = upcoming, index + 1
+
+
+def _nothing(*args: Any) -> None:
+    """A hook nobody listens to."""

@@ -10,6 +10,7 @@ dropped, and no optimizer step is taken: the replicas stay equal.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,14 +40,14 @@ class NonfiniteLossGuard:
     def __init__(self, mode: str, strategy: Strategy) -> None:
         self.mode = mode
         self.strategy = strategy
-        self._bad: Tensor | None = None
+        #: The losses of the window so far (references only: nothing is computed until the window ends).
+        self._losses: list[Tensor] = []
         #: Windows skipped so far in this process (with "skip").
         self.skipped = 0
 
     def observe(self, loss: Tensor) -> None:
-        """Remember whether `loss` is finite, on its device (no host sync)."""
-        bad = ~torch.isfinite(loss.detach()).reshape(())
-        self._bad = bad if self._bad is None else self._bad | bad
+        """Remember `loss` for the check at the window's end (no op, no host sync)."""
+        self._losses.append(loss)
 
     def window_is_finite(self, step: int, batch_idx: int) -> bool:
         """Return whether every rank's losses of the window were finite; the same answer on every rank.
@@ -54,17 +55,23 @@ class NonfiniteLossGuard:
         Raises:
             NonfiniteLossError: some rank's were not and the mode is "raise" (on every rank alike).
         """
-        bad, self._bad = self._bad, None
+        losses, self._losses = self._losses, []
         world, rank = self.strategy.world_size, self.strategy.global_rank
-        device = bad.device if bad is not None else self.strategy.root_device
-        flags = torch.zeros(world, device=device)
-        if bad is not None:
-            flags[rank if world > 1 else 0] = bad.to(flags.dtype)
-        if world > 1:
+        if world == 1:
+            # Host sync: the verdict decides what runs next. One read per loss, nothing to agree on.
+            if all(math.isfinite(loss.item()) for loss in losses):
+                return True
+            bad_ranks = [rank]
+        else:
+            device = losses[0].device if losses else self.strategy.root_device
+            flags = torch.zeros(world, device=device)
+            if losses:
+                bad = ~torch.isfinite(torch.stack([loss.detach().reshape(()) for loss in losses])).all()
+                flags[rank] = bad.to(flags.dtype)
             # Collective: one all-reduce of world_size flags per optimizer step.
             flags = self.strategy.reduce(flags, "sum")
-        # Host sync: the verdict decides what every rank runs next.
-        bad_ranks = [r if world > 1 else rank for r, flag in enumerate(flags.tolist()) if flag]
+            # Host sync: the verdict decides what every rank runs next.
+            bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
         if not bad_ranks:
             return True
         where = f"rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))}"

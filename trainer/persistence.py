@@ -366,7 +366,7 @@ def resume_summary(trainer: Trainer, checkpoint: dict[str, Any]) -> str:
     if _own_accumulated_grads(trainer, checkpoint) is not None:
         restored.append("the open accumulation window's gradients")
     saved_callbacks = checkpoint.get("callbacks", {})
-    callbacks = [type(c).__name__ for c in trainer.callbacks if c.state_key in saved_callbacks]
+    callbacks = [type(c).__name__ for c in trainer.callbacks if saved_callbacks.get(c.state_key)]  # with a state
     if callbacks:
         restored.append(f"callbacks ({', '.join(dict.fromkeys(callbacks))})")
     if checkpoint.get("loggers") and trainer.loggers:

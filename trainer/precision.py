@@ -71,7 +71,7 @@ class Precision:
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Return the context the forward runs in."""
         if self._dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(self.device.type, dtype=self._dtype)
 
     def scale_loss(self, loss: Tensor) -> Tensor:
@@ -130,6 +130,10 @@ class Precision:
         """Restore the loss scaler's state."""
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+#: The forward's context without autocast (a nullcontext is reusable, so one serves every step).
+_NO_AUTOCAST = contextlib.nullcontext()
 
 
 def fp16_autocast_available(device_type: str) -> bool:

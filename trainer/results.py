@@ -178,7 +178,13 @@ class ResultCollection:
         entry = self.entries.get(name)
         if entry is None:
             entry = self._new_entry(name, value, on_step, on_epoch, prog_bar, logger, sync_dist, reduce_fx)
-        if isinstance(value, Metric):
+        if isinstance(value, Tensor):  # the common case first: Metric's isinstance check is an ABC's, slower
+            if value.numel() != 1:
+                raise ValueError(
+                    f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; log scalars only "
+                    "(reduce it first, e.g. `.mean()`), or log a torchmetrics Metric."
+                )
+        elif isinstance(value, Metric):
             entry.pending = entry.on_epoch
             if entry.on_step:
                 # The value of the batch the metric was last called on, as Lightning logs it.
@@ -186,13 +192,8 @@ class ResultCollection:
                 if step_value is not None:
                     self._record_step(name, entry, step_value)
             return
-        if not isinstance(value, Tensor):
+        else:
             value = torch.tensor(float(value))
-        elif value.numel() != 1:
-            raise ValueError(
-                f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; log scalars only "
-                "(reduce it first, e.g. `.mean()`), or log a torchmetrics Metric."
-            )
         value = value.detach()
         if entry.on_step:
             step_value = self._sync(value, entry) if entry.sync_dist else value

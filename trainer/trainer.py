@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -529,7 +530,8 @@ class Trainer:
         self.precision = Precision(self.precision_name, self.strategy.root_device, self.strategy)
         status = "failed"
         try:
-            with torch.autograd.set_detect_anomaly(self.detect_anomaly):
+            # Only switched on, never off: a program that enabled anomaly detection itself keeps it.
+            with torch.autograd.set_detect_anomaly(True) if self.detect_anomaly else contextlib.nullcontext():
                 result = body()
             status = "success"
             self.state.status = "finished"

@@ -96,3 +96,30 @@ def test_time_spent_before_a_checkpoint_counts_after_resuming(tmp_path):
     trainer = make_trainer(tmp_path, max_epochs=3, callbacks=[resumed])
     trainer.fit(Slow(), make_loader(4), ckpt_path=checkpoint.last_model_path)
     assert trainer.global_step == 4 and resumed.time_elapsed("train") >= spent
+
+
+class RankClock(Timer):
+    """Rank 0's clock runs out after 2 steps, rank 1's never: rank 0 decides for both."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(duration=timedelta(seconds=1))
+        self.rank, self.steps = rank, 0
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):
+        self.steps += 1
+        super().on_train_batch_end(trainer, task, outputs, batch, batch_idx)
+
+    def time_elapsed(self, stage="train"):
+        return 10.0 if self.rank == 0 and self.steps >= 2 else 0.0
+
+
+def _fit_two_ranks(rank, world_size, tmp):
+    trainer = make_trainer(tmp, max_epochs=5, strategy="bucketed_ddp", callbacks=[RankClock(rank)])
+    trainer.fit(Scripted(), make_loader(8))
+    return trainer.global_step
+
+
+def test_rank_zeros_clock_stops_every_rank_at_the_same_step(tmp_path):
+    from syncline.strategies.comm.ranks import run_distributed
+
+    assert run_distributed(_fit_two_ranks, world_size=2, args=(str(tmp_path),), timeout=120) == [2, 2]
