@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import signal
@@ -112,8 +113,8 @@ class FitLoop:
         """Return what fires `hook` with the loop's arguments, or a function that does nothing if none listens."""
         if not self.trainer.dispatcher.listens(hook):
             return _nothing
-        fire = self.trainer.dispatcher.fire
-        return lambda *args: fire(hook, *args)
+        # A partial, not a lambda: the Trainer (and this loop) is pickled to start spawned workers.
+        return functools.partial(self.trainer.dispatcher.fire, hook)
 
     # ------------------------------------------------------------------ epochs
     def train(self) -> None:

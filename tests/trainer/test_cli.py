@@ -128,7 +128,7 @@ def test_value_the_trainer_rejects_is_one_line(tmp_path):
     ("override", "expected"),
     [
         ("trainer.devices=two", "bad value for trainer.devices=two: Trainer(devices='two'): devices must be an int"),
-        ("trainer.precision=64", "bad value for trainer.precision=64: Unknown precision '64'. Valid values: 32,"),
+        ("trainer.precision=64", "bad value for trainer.precision=64: Unknown precision 64. Valid values: 32,"),
         ("trainer.max_steps=-7", "bad value for trainer.max_steps=-7: Trainer(max_steps=-7)"),
         ("trainer.val_check_interval=1.5", "bad value for trainer.val_check_interval=1.5:"),
         ("trainer.gradient_clip_algorithm=l2", "bad value for trainer.gradient_clip_algorithm=l2:"),
