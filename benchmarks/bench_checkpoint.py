@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from syncline.trainer.checkpoint import _fsync_directory, load_checkpoint, save_checkpoint
+from syncline.checkpoint_file import _fsync_directory, load_checkpoint, save_checkpoint
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
 

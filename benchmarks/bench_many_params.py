@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from syncline.strategies.bucketed_ddp import BucketedDDP
-from syncline.strategies.comm.launcher import free_port
 from syncline.strategies.comm.process_group import init_process_group_from_env
 from syncline.strategies.native_ddp import NativeDDP
+from syncline.trainer.launcher import free_port
 
 from .common import machine, ms, paired_block_ratio, run_world, slowest_rank, write_json
 from .ddp import Variant, per_step, rank_timings

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 
 from .common import machine, summary
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from syncline.strategies import BucketedDDP, Strategy, TensorFusion
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 
 from .common import ROOT, load_average, machine, summary, write_json
 

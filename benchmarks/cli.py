@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "checkpoint": ".bench_checkpoint",
     "nonfinite": ".bench_nonfinite",
     "preemption-flag": ".bench_preemption_flag",
+    "live-recovery": ".bench_live_recovery",
     "strategies": ".strategies_example",
     "averaging": ".averaging_example",
     "gpt2": ".gpt2_study",

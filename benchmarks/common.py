@@ -5,7 +5,7 @@
 - `slowest_rank(per_rank, name, key)` and `paired_block_ratio(per_rank, a, b)`: a synchronized step's time from
   every rank's timings, and two variants' ratio per repeat.
 - `run_world(fn, world_size, args, timeout)`: `fn(rank, world_size, *args)` on local ranks joined by gloo,
-  through the runner the tests use (`strategies/comm/ranks.py`), with the load average around it.
+  through the runner the tests use (`testing.py`), with the load average around it.
 - `run_child(command, args, timeout)`: `python -m benchmarks <command> ...` in a fresh interpreter (its own
   session, killed with its children on timeout); returns the JSON object it wrote to the file named by `--out`.
 """
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 
 from . import MODULE
 
@@ -133,7 +133,7 @@ def cpu_model() -> str:
 def run_world(
     fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 3600.0
 ) -> tuple[list[Any], dict]:
-    """Run `fn(rank, world_size, *args)` on `world_size` local ranks (`strategies/comm/ranks.py`).
+    """Run `fn(rank, world_size, *args)` on `world_size` local ranks (`testing.py`).
 
     Returns every rank's value and the machine's 1-minute load average before and after, since other jobs
     widen the spread.

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 
 from .common import RESULTS, machine, ms, paired_block_ratio, run_world, slowest_rank, summary, write_json
 from .plans import Plan

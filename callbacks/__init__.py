@@ -1,12 +1,12 @@
 """Everything that observes training: checkpoints, early stopping, progress, loggers."""
 
 from syncline.callbacks.callback import Callback, CallbackDispatcher
-from syncline.callbacks.checkpoint import ModelCheckpoint
 from syncline.callbacks.csv_logger import CSVLogger
 from syncline.callbacks.early_stopping import EarlyStopping, EarlyStoppingReason
 from syncline.callbacks.equivalence import EquivalenceCheck, EquivalenceError
 from syncline.callbacks.logger import Logger
 from syncline.callbacks.lr_monitor import LearningRateMonitor
+from syncline.callbacks.model_checkpoint import ModelCheckpoint
 from syncline.callbacks.model_summary import ModelSummary
 from syncline.callbacks.prediction_writer import BasePredictionWriter
 from syncline.callbacks.progress import ProgressBar

@@ -29,6 +29,10 @@ class Callback:
     #: broadcasts, deferred updates): the loop lands it first when any listener says True. A callback that only
     #: counts, times or logs says False, and the step stays overlapped with the next forward.
     reads_parameters: bool = True
+    #: Whether this callback acts on a monitored metric at the end of a training epoch (`ModelCheckpoint`,
+    #: `EarlyStopping`): as in Lightning, it runs after the other callbacks and the task there, so it sees what
+    #: they logged.
+    acts_on_monitor: bool = False
 
     @property
     def state_key(self) -> str:
@@ -234,7 +238,11 @@ class CallbackDispatcher:
     lookup. While a hook runs, `trainer.results.hook` names it: `self.log` takes its defaults from it.
     """
 
-    def __init__(self, trainer: Trainer, task: Task | None, callbacks: Sequence[Callback]) -> None:
+    def __init__(
+        self, trainer: Trainer, task: Task | None, callbacks: Sequence[Callback], task_base: type = object
+    ) -> None:
+        """`task_base` is the class whose hooks are the defaults (`Task`): a task's hook that is its own listens."""
+        self.task_base = task_base
         self.trainer = trainer
         self.task = task
         self.callbacks = list(callbacks)
@@ -248,14 +256,10 @@ class CallbackDispatcher:
         self._listeners.clear()
 
     def _resolve(self, hook: Hook) -> _Listeners:
-        from syncline.callbacks.checkpoint import ModelCheckpoint
-        from syncline.callbacks.early_stopping import EarlyStopping
-        from syncline.trainer.task import Task
-
         name = hook.__name__
         task_listeners: list[Listener] = []
         task_hook = getattr(type(self.task), name, None) if self.task is not None else None
-        if task_hook is not None and task_hook is not getattr(Task, name, None):
+        if task_hook is not None and task_hook is not getattr(self.task_base, name, None):
             bound = getattr(self.task, name)
             task_listeners.append(lambda _trainer, _task, *args, **kwargs: bound(*args, **kwargs))
         # A class without the hook itself (a `Mock(spec=Callback)`, as Lightning's tests use) listens to every one.
@@ -264,7 +268,7 @@ class CallbackDispatcher:
             name,
             task_listeners,
             [getattr(callback, name) for callback in listening],
-            [isinstance(callback, (ModelCheckpoint, EarlyStopping)) for callback in listening],
+            [callback.acts_on_monitor for callback in listening],
             # A task's own hook may read anything.
             bool(task_listeners) or any(callback.reads_parameters for callback in listening),
         )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from syncline.trainer.checkpoint import TMP_PREFIX, TMP_SUFFIX
+from syncline.checkpoint_file import TMP_PREFIX, TMP_SUFFIX
 
 __all__ = ["find_top_k_files", "remove_stale_temporaries"]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from syncline.callbacks.versioned_logger import VersionedLogger
 from syncline.options import check_int
-from syncline.trainer.rank_zero import rank_zero_only, rank_zero_warn
+from syncline.rank_zero import rank_zero_only, rank_zero_warn
 
 __all__ = ["CSVLogger"]
 

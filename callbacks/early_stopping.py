@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.callback import Callback
 from syncline.options import check_int, check_number
-from syncline.trainer.rank_zero import rank_zero_info
+from syncline.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -68,6 +68,7 @@ class EarlyStopping(Callback):
 
     #: Reads metrics, never the weights.
     reads_parameters = False
+    acts_on_monitor = True
 
     def __init__(
         self,

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from syncline.callbacks.callback import Callback
-from syncline.trainer.rank_zero import rank_zero_info
-from syncline.trainer.state import isolated_rng
+from syncline.rank_zero import rank_zero_info
+from syncline.rng import isolated_rng
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -126,10 +126,10 @@ class EquivalenceCheck(Callback):
     def _train_reference(self, trainer: Trainer, steps: int) -> Task:
         """Train the copied task on the recorded global micro-batches, in this process only."""
         from syncline.strategies.single_device import SingleDevice
-        from syncline.trainer.trainer import Trainer
 
         assert self._reference is not None
-        reference = Trainer(
+        # The running Trainer's own class: a callback never imports the trainer.
+        reference = type(trainer)(
             max_steps=steps,
             strategy=SingleDevice(trainer.strategy.root_device),
             accumulate_grad_batches=trainer.accumulate_grad_batches,

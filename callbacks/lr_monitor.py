@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from syncline.callbacks.callback import Callback
-from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task

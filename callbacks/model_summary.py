@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 from syncline.callbacks.callback import Callback
 from syncline.options import MisconfigurationException
+from syncline.rank_zero import rank_zero_info
 from syncline.trainer.model_summary import ModelSummary as Summary
-from syncline.trainer.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task

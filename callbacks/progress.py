@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from syncline.callbacks.callback import Callback
 from syncline.options import check_int
-from syncline.trainer.rank_zero import rank_zero_info
+from syncline.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.versioned_logger import VersionedLogger
-from syncline.trainer.rank_zero import rank_zero_only, rank_zero_warn
+from syncline.rank_zero import rank_zero_only, rank_zero_warn
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.callback import Callback
 from syncline.options import check_int
+from syncline.rank_zero import rank_zero_only
 from syncline.strategies.comm.events import COLLECTIVE_LANE, STEP_LANE, CommEvents
-from syncline.trainer.rank_zero import rank_zero_only
 
 if TYPE_CHECKING:
     import torch

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.callback import Callback
 from syncline.options import MisconfigurationException
-from syncline.trainer.rank_zero import rank_zero_info
+from syncline.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.text import Perplexity
 
-from syncline.trainer.rank_zero import rank_zero_only
+from syncline.rank_zero import rank_zero_only
 from syncline.trainer.task import Task
 
 __all__ = ["CharGPT", "CharWindows", "load_stdlib_text"]

@@ -38,10 +38,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from syncline.options import check_number
+from syncline.rank_zero import rank_zero_warn
 from syncline.strategies.comm.flat import flatten, flatten_by_dtype, unflatten_into
 from syncline.strategies.comm.transfers import all_reduce
 from syncline.strategies.model_averaging import ModelAveraging
-from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task

@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from syncline.options import OptionError, check_int, check_number
+from syncline.rank_zero import rank_zero_info
 from syncline.strategies.comm.bucket_autotune import AUTO, DEFAULT_CAPS_MB, BucketAutotune, distinct_caps
 from syncline.strategies.comm.deferred_update import DeferredUpdates
 from syncline.strategies.comm.hooks import CommHook
 from syncline.strategies.comm.sparse_gradients import sparse_gradient_parameters
 from syncline.strategies.reducer_strategy import CAP_MEANING, ReducerStrategy
-from syncline.trainer.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -86,6 +86,7 @@ class BucketedDDP(ReducerStrategy):
     """
 
     name = "bucketed_ddp"
+    live_recovery_refused = ""  # every replica holds the whole state: any survivor can heal the others
 
     def __init__(
         self,

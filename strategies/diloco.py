@@ -209,11 +209,10 @@ class DiLoCo(ModelAveraging):
         self._feedback.reset()
         self._in_flight = None
 
-    def on_stage_failure(self) -> None:
+    def on_failure(self) -> None:
         """Drop the exchange in flight and wait only briefly for the thread: its peers may be gone."""
         self._failed = True
         self._in_flight = None
-        super().on_stage_failure()
 
     def teardown(self) -> None:
         """Let an exchange in flight finish (a checkpoint after the fit keeps it), stop the thread, then the core's."""

@@ -33,6 +33,7 @@ class LocalSGD(ModelAveraging):
     """
 
     name = "local_sgd"
+    live_recovery_refused = ""  # each survivor keeps its replica; a replacement copies a healthy one
 
     def __init__(self, period: int = 4, warmup_steps: int = 0, **kwargs: Any) -> None:
         check_int("LocalSGD", "period", period, 1, meaning="optimizer steps between parameter averagings")

@@ -64,6 +64,10 @@ class Strategy(ABC):
     #: optimizers, which only strategies that average every backward's gradients exactly can follow.
     manual_optimization_refused: str = ""
 
+    #: Why `Trainer(recovery="live")` is refused with this strategy ("" when it is supported): the survivors of a
+    #: death must rebuild its state on a smaller group and hand it to a replacement.
+    live_recovery_refused: str = "its state has not been taught to move to a smaller group or to a replacement"
+
     #: Whether the task being trained steps its own optimizers: every backward synchronizes, and it may run
     #: inside `training_step` (the Trainer sets it before a fit, and before launching workers).
     manual_optimization: bool = False

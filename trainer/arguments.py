@@ -15,6 +15,7 @@ import torch
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.logger import Logger
 from syncline.options import OptionError, check_arguments, check_int, check_number
+from syncline.rank_zero import rank_zero_info, rank_zero_warn
 from syncline.strategies.comm.join import Joinable
 from syncline.strategies.registry import LIGHTNING_STRATEGIES, resolve_strategy
 from syncline.strategies.strategy import Strategy
@@ -23,7 +24,6 @@ from syncline.trainer.nonfinite import NONFINITE_LOSS
 from syncline.trainer.persistence import CKPT_READ
 from syncline.trainer.precision import PRECISIONS
 from syncline.trainer.preemption import PREEMPTION_SIGNALS
-from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
 from syncline.trainer.uneven import UNEVEN_INPUTS
 
 __all__ = [
@@ -83,6 +83,8 @@ def check_options(options: dict[str, Any]) -> None:
     check_int("Trainer", "num_sanity_val_steps", options["num_sanity_val_steps"], -1, meaning="-1 for all batches")
     check_int("Trainer", "seed", options["seed"], 0, none_ok=True)
     check_int("Trainer", "max_restarts", options["max_restarts"], 0, meaning="restarts of the worker group")
+    if options["recovery"] not in ("checkpoint", "live"):
+        raise OptionError(f'Trainer(recovery={options["recovery"]!r}): use "checkpoint" or "live".')
     for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
         limit = options[name]
         if limit == 1 and not isinstance(limit, bool):
@@ -266,7 +268,7 @@ def build_callbacks(
 ) -> list[Callback]:
     """Return the callbacks, with a ProgressBar, a ModelSummary and a ModelCheckpoint unless switched off;
     checkpoints last."""
-    from syncline.callbacks.checkpoint import ModelCheckpoint
+    from syncline.callbacks.model_checkpoint import ModelCheckpoint
     from syncline.callbacks.model_summary import ModelSummary
     from syncline.callbacks.progress import ProgressBar
     from syncline.callbacks.timeline import CommunicationTimeline
@@ -307,7 +309,7 @@ def merge_task_callbacks(
     Raises:
         TypeError: something returned is not a `Callback`.
     """
-    from syncline.callbacks.checkpoint import ModelCheckpoint
+    from syncline.callbacks.model_checkpoint import ModelCheckpoint
 
     if not returned:
         return callbacks

@@ -39,13 +39,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from syncline.checkpoint_file import CheckpointError
 from syncline.options import OptionError
-from syncline.strategies.comm.launcher import WorkerFailedError
+from syncline.rank_zero import rank_zero_only
 from syncline.trainer.arguments import check_options, resolve_devices
-from syncline.trainer.checkpoint import CheckpointError
 from syncline.trainer.config import TrainerConf  # importing it registers the structured configs in Hydra
+from syncline.trainer.launcher import WorkerFailedError
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
-from syncline.trainer.rank_zero import rank_zero_only
 from syncline.trainer.seed import seed_everything
 from syncline.trainer.trainer import Trainer
 

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
+from syncline.rank_zero import rank_zero_warn
 from syncline.strategies.strategy import move_to_device
 from syncline.trainer.hooks import TRANSFER_HOOKS, DataHooks, overrides
-from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from syncline.trainer.trainer import Trainer

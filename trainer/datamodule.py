@@ -194,7 +194,7 @@ def prepare_and_setup(trainer: Trainer, stage: str, checkpoint: dict[str, Any] |
 
 def datamodule_checkpoint(datamodule: DataModule | None) -> dict[str, Any]:
     """Return the checkpoint entries of `datamodule`: its state under its class's name, its hyperparameters."""
-    from syncline.trainer.checkpoint import to_primitive
+    from syncline.checkpoint_file import to_primitive
 
     if datamodule is None:
         return {}
@@ -217,7 +217,7 @@ def merged_hparams(task: Any, datamodule: DataModule | None) -> dict[str, Any]:
     Raises:
         ValueError: a key is in both with different values.
     """
-    from syncline.trainer.checkpoint import to_primitive
+    from syncline.checkpoint_file import to_primitive
 
     merged = to_primitive(task.hparams) if task.hparams_logged else {}
     if datamodule is None or not datamodule.hparams_logged:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from syncline.callbacks.logger import DummyLogger
 from syncline.options import OptionError
-from syncline.trainer.rank_zero import rank_zero_info
+from syncline.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
     from syncline.trainer.trainer import Trainer

@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 
 from syncline.callbacks.callback import Callback
+from syncline.rank_zero import rank_zero_info, rank_zero_warn
+from syncline.rng import capture_rng, isolated_rng, restore_rng
 from syncline.strategies.comm.join import Joinable
 from syncline.trainer import persistence
 from syncline.trainer.data import batch_mover, epoch_batches
@@ -20,8 +22,6 @@ from syncline.trainer.hooks import ModelHooks, overrides
 from syncline.trainer.manual import TrainerOptimizer, take_step, train_batch_manually
 from syncline.trainer.nonfinite import NonfiniteLossGuard
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
-from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
-from syncline.trainer.state import capture_rng, isolated_rng, restore_rng
 from syncline.trainer.uneven import JOINED, agreed_batches, needs_agreement
 
 if TYPE_CHECKING:
@@ -145,8 +145,10 @@ class FitLoop:
             # its epoch-end hooks): do what was still ahead of it, and nothing it had already done.
             self._apply_resume_rng()
             self.end_epoch()
+        # Under recovery="live", epochs run through failures and admissions; nothing changes per step otherwise.
+        run_epoch = self.run_epoch if self.trainer.live is None else self.trainer.live.epoch_runner(self)
         while not self._done():
-            self.run_epoch()
+            run_epoch()
         # A deferred optimizer step lands before anyone reads the trained weights.
         self.trainer.strategy.apply_pending_updates()
         self.trainer.preemption.finish()

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.rank_zero import rank_zero_warn
 
 T = TypeVar("T")
 
@@ -136,7 +136,7 @@ def _init_arguments(owner: object, frame: FrameType | None) -> dict[str, Any]:
 
 def read_for_loading(path: str | os.PathLike[str], map_location: Any) -> dict[str, Any]:
     """Read the checkpoint a ``load_from_checkpoint`` builds from (tensors on the CPU unless `map_location`)."""
-    from syncline.trainer.checkpoint import load_checkpoint
+    from syncline.checkpoint_file import load_checkpoint
 
     return load_checkpoint(path, map_location=map_location or "cpu")
 

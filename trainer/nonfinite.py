@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from syncline.strategies.strategy import Strategy

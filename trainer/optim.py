@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from syncline.trainer.rank_zero import rank_zero_warn
+from syncline.rank_zero import rank_zero_warn
 
 __all__ = ["OptimizerSetup", "SchedulerConfig", "parse_optimizers"]
 

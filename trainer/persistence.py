@@ -10,7 +10,7 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.versioned_logger import VersionedLogger
-from syncline.trainer.checkpoint import (
+from syncline.checkpoint_file import (
     FORMAT_VERSION,
     CheckpointError,
     CheckpointNotFoundError,
@@ -18,9 +18,9 @@ from syncline.trainer.checkpoint import (
     require_entries,
     to_primitive,
 )
+from syncline.rank_zero import rank_zero_info, rank_zero_warn
+from syncline.rng import training_rng
 from syncline.trainer.datamodule import datamodule_checkpoint
-from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
-from syncline.trainer.state import training_rng
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -366,7 +366,9 @@ def resume_summary(trainer: Trainer, checkpoint: dict[str, Any]) -> str:
     if _own_accumulated_grads(trainer, checkpoint) is not None:
         restored.append("the open accumulation window's gradients")
     saved_callbacks = checkpoint.get("callbacks", {})
-    callbacks = [type(c).__name__ for c in trainer.callbacks if saved_callbacks.get(c.state_key)]  # with a state
+    # Those with a state to restore (not a ModelSummary's or a ProgressBar's empty one), under any of their keys.
+    keys = [_saved_key(c, saved_callbacks) for c in trainer.callbacks]
+    callbacks = [type(c).__name__ for c, key in zip(trainer.callbacks, keys) if key and saved_callbacks[key]]
     if callbacks:
         restored.append(f"callbacks ({', '.join(dict.fromkeys(callbacks))})")
     if checkpoint.get("loggers") and trainer.loggers:

@@ -116,6 +116,10 @@ class PreemptionWatch:
         self._pending = strategy.reduce_async(flag, "max")
         return 0
 
+    def forget_pending(self) -> None:
+        """Drop the flag reduction in flight (its process group was replaced: live recovery)."""
+        self._pending = None
+
     def finish(self) -> None:
         """Wait for the flag reduction still in flight (every rank calls it when training ends normally)."""
         if self._pending is not None:

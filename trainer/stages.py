@@ -14,12 +14,12 @@ import torch
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.prediction_writer import BasePredictionWriter
 from syncline.options import MisconfigurationException
+from syncline.rank_zero import rank_zero_warn
 from syncline.trainer import persistence
 from syncline.trainer.data import eval_dataloaders, limit_batches, prepare_loader, prepare_loaders, with_batch_indices
 from syncline.trainer.datamodule import merged_hparams, prepare_and_setup
 from syncline.trainer.hooks import ModelHooks, overrides
 from syncline.trainer.optim import parse_optimizers
-from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from syncline.rank_zero import rank_zero_warn
 from syncline.trainer.hooks import DataHooks, ModelHooks
 from syncline.trainer.hparams import AttributeDict, HyperparametersMixin, build_from_hparams, read_for_loading
-from syncline.trainer.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from torchmetrics import Metric
@@ -158,7 +158,7 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
             TypeError: the saved hyperparameters (or `kwargs`) do not fit the constructor.
             ValueError: `hparams_file` is not a YAML file.
         """
-        from syncline.trainer.checkpoint import require_entries
+        from syncline.checkpoint_file import require_entries
 
         checkpoint = read_for_loading(checkpoint_path, map_location)
         require_entries(checkpoint, ("state_dict",), checkpoint_path)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from syncline.callbacks.callback import Callback, CallbackDispatcher
 from syncline.callbacks.logger import Logger
-from syncline.strategies.comm.launcher import launch, launched_by_torchrun
+from syncline.checkpoint_file import save_checkpoint
 from syncline.strategies.strategy import Strategy
 from syncline.trainer import persistence
 from syncline.trainer.arguments import (
@@ -28,11 +28,12 @@ from syncline.trainer.arguments import (
     resolve_devices,
     strategy_of,
 )
-from syncline.trainer.checkpoint import save_checkpoint
 from syncline.trainer.datamodule import DataModule, check_datamodule
 from syncline.trainer.debugging import apply_debugging_flags
 from syncline.trainer.evaluation import EvaluationLoop
 from syncline.trainer.fit_loop import FitLoop
+from syncline.trainer.launcher import launch, launched_by_torchrun
+from syncline.trainer.live_launch import check_live_recovery, launch_live
 from syncline.trainer.manual import check_optimization_mode
 from syncline.trainer.optim import OptimizerSetup
 from syncline.trainer.precision import Precision
@@ -94,6 +95,9 @@ class Trainer:
             one that ran out; "join" shadows the others' steps (Joinable strategies); "off" (docs/guide.md).
         max_restarts: with `devices` > 1, restart the worker group this many times after a failure; a
             restarted `fit` resumes from the newest ``last.ckpt``, as under ``torchrun --max-restarts``.
+        recovery: what a worker's death costs, with `devices` > 1: "checkpoint" restarts every worker from the
+            newest ``last.ckpt``; "live" keeps the survivors training at the smaller size, re-shards the epoch's
+            rest, and admits a restarted worker (at most `max_restarts` in all) with a healthy peer's state.
         preemption_signal: "SIGTERM", "SIGUSR1", "SIGUSR2" or None: this signal (or Ctrl-C) stops every rank
             after the current step with ``last.ckpt`` and exit status 75 (`TrainingPreempted`).
         fast_dev_run: True or n: n batches (True: 1) of every stage, one epoch, no sanity check, checkpoint or log.
@@ -141,6 +145,7 @@ class Trainer:
         nonfinite_loss: str = "raise",
         uneven_inputs: str = "check",
         max_restarts: int = 0,
+        recovery: str = "checkpoint",
         preemption_signal: str | None = "SIGTERM",
         fast_dev_run: bool | int = False,
         overfit_batches: int | float = 0.0,
@@ -180,8 +185,13 @@ class Trainer:
         self.nonfinite_loss = nonfinite_loss
         self.uneven_inputs = uneven_inputs
         self.max_restarts = max_restarts
+        self.recovery = recovery
+        #: The loop's side of ``recovery="live"`` in a live worker (None elsewhere: nothing runs per step).
+        self.live: Any = None
         self.preemption = PreemptionWatch(preemption_signal)
         self.strategy = strategy_of(strategy, devices, accumulate_grad_batches, uneven_inputs)
+        if recovery == "live":
+            check_live_recovery(self.strategy)
         self.accelerator = accelerator
         kind = device_type(accelerator, devices)
         if kind is not None:
@@ -208,7 +218,7 @@ class Trainer:
         self.eval_results = ResultCollection(False, self.strategy, self.callback_metrics, self.progress_bar_metrics)
         #: The collection `self.log` writes to now (the evaluation one while evaluating).
         self.results = self.train_results
-        self.dispatcher = CallbackDispatcher(self, None, self.callbacks)
+        self.dispatcher = CallbackDispatcher(self, None, self.callbacks, task_base=Task)
         #: The precision of the stage in progress (it depends on the device, known once a stage starts).
         self.precision: Precision | None = None
         #: The optimizer and schedulers of the task being fitted (None outside `fit`).
@@ -285,7 +295,7 @@ class Trainer:
     @property
     def checkpoint_callbacks(self) -> list[Callback]:
         """The ModelCheckpoint callbacks."""
-        from syncline.callbacks.checkpoint import ModelCheckpoint
+        from syncline.callbacks.model_checkpoint import ModelCheckpoint
 
         return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
 
@@ -496,7 +506,8 @@ class Trainer:
             self.strategy.check_fit_options(gradient_clip_val=self.gradient_clip_val, precision=self.precision_name)
         if self.devices > 1 and not launched_by_torchrun():
             # The launcher checks the options against the world size before it looks at the task.
-            return launch(self, stage, task, dict(kwargs, datamodule=self.datamodule, ckpt_path=ckpt_path, **options))
+            start = launch_live if self.recovery == "live" else launch
+            return start(self, stage, task, dict(kwargs, datamodule=self.datamodule, ckpt_path=ckpt_path, **options))
         if not isinstance(task, Task):
             raise TypeError(f"Trainer.{stage} needs a trainer.Task, got {type(task).__name__}.")
         if stage == "fit":

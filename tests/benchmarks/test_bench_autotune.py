@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from benchmarks.bench_autotune import run_rank, summarize
 from benchmarks.cli import parse_args
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 
 TINY = ["--width", "16", "--depth", "3", "--caps", "0.001", "0.002", "1", "--repeats", "2", "--steps", "2"]
 

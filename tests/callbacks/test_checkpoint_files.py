@@ -102,7 +102,7 @@ def _resume_two_ranks(rank, world_size, tmp):
 
 
 def test_two_ranks_agree_on_the_rebuilt_top_k(tmp_path):
-    from syncline.strategies.comm.ranks import run_distributed
+    from syncline.testing import run_distributed
 
     results = run_distributed(_resume_two_ranks, world_size=2, args=(str(tmp_path),), timeout=120)
     ckpts = tmp_path / "ckpts"

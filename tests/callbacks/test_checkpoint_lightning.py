@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from syncline.callbacks import CSVLogger, ModelCheckpoint
-from syncline.trainer.checkpoint import CheckpointError, load_checkpoint
+from syncline.checkpoint_file import CheckpointError, load_checkpoint
 from tests.callbacks._tasks import Scripted, make_loader, make_trainer
 
 
@@ -108,7 +108,7 @@ def test_train_time_interval_saves_after_the_first_step_past_each_interval(tmp_p
     """A clock that advances 10 s per reading and an interval of 25 s: steps 3 and 6 of 8 are saved (Lightning
     reads the clock at every step and at the start of training), and no epoch checkpoint."""
     clock = iter(range(0, 1000, 10))
-    monkeypatch.setattr("syncline.callbacks.checkpoint.monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr("syncline.callbacks.model_checkpoint.monotonic", lambda: float(next(clock)))
     checkpoint = ModelCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(seconds=25), save_top_k=-1)
     _fit(tmp_path, checkpoint, epochs=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]

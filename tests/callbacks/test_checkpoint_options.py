@@ -10,7 +10,7 @@ import yaml
 
 from syncline import MisconfigurationException
 from syncline.callbacks import Callback, EarlyStopping, ModelCheckpoint
-from syncline.trainer.checkpoint import load_checkpoint
+from syncline.checkpoint_file import load_checkpoint
 from tests.callbacks._tasks import Scripted, make_loader, make_trainer
 
 
@@ -101,3 +101,26 @@ def test_early_stopping_with_patience_zero_stops_at_the_first_check_without_impr
     trainer = make_trainer(tmp_path, max_epochs=5, callbacks=[stopper])
     trainer.fit(Scripted(val_values=[3.0, 2.0, 2.5, 1.0, 0.5]), make_loader(2), make_loader(1))
     assert trainer.current_epoch == 3  # epochs 0, 1 improve; epoch 2 does not: stop after it
+
+
+def _fit_to(root, max_steps, ckpt_path=None):
+    checkpoint = ModelCheckpoint(
+        dirpath=root, filename="{epoch}-{step}-{val_metric:.1f}", monitor="val_metric", save_top_k=2, save_last=True
+    )
+    trainer = make_trainer(root, max_epochs=3, max_steps=max_steps, val_check_interval=2, callbacks=[checkpoint])
+    trainer.fit(Scripted(val_values=[3.0, 1.0, 2.0]), make_loader(4), make_loader(1), ckpt_path=ckpt_path)
+    return checkpoint
+
+
+def test_resume_after_a_max_steps_stop_mid_epoch_keeps_the_best_model_bookkeeping(tmp_path):
+    straight = _fit_to(tmp_path / "straight", 10)
+    _fit_to(tmp_path / "cut", 3)  # stops after batch 3 of epoch 0, between two validations
+    resumed = _fit_to(tmp_path / "cut", 10, ckpt_path=str(tmp_path / "cut" / "last.ckpt"))
+
+    def names(checkpoint):
+        return {os.path.basename(path): score for path, score in checkpoint.best_k_models.items()}
+
+    assert names(resumed) == names(straight)
+    assert os.path.basename(resumed.best_model_path) == os.path.basename(straight.best_model_path)
+    assert resumed.best_model_score == straight.best_model_score == 1.0
+    assert sorted(os.listdir(tmp_path / "cut")) == sorted(os.listdir(tmp_path / "straight"))

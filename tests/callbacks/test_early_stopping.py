@@ -9,7 +9,7 @@ import torch
 
 from syncline.callbacks import EarlyStopping, ModelCheckpoint
 from syncline.callbacks.early_stopping import EarlyStoppingReason, _Decision
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from tests.callbacks._tasks import FakeRank, Scripted, make_loader, make_trainer
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from syncline.callbacks import EquivalenceCheck, EquivalenceError
-from syncline.strategies.comm.ranks import run_ranks
+from syncline.testing import run_ranks
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 

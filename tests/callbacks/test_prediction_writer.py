@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from syncline.callbacks import BasePredictionWriter
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, regression_data
 

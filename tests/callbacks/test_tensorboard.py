@@ -139,7 +139,7 @@ def test_nothing_is_written_on_a_non_zero_rank(tmp_path, monkeypatch):
 
 
 def test_a_run_cut_and_resumed_logs_the_same_points_as_an_uninterrupted_one(tmp_path):
-    """Issue 25, item 11: nothing at the cut's step is purged, and comm/total_bytes continues its count."""
+    """Nothing at the cut's step is purged, and comm/total_bytes continues its count."""
 
     def fit(root, max_steps, ckpt_path=None):
         torch.manual_seed(0)

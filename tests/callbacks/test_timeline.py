@@ -8,7 +8,7 @@ import torch
 
 from syncline.callbacks import CommunicationTimeline
 from syncline.strategies import BucketedDDP, LocalSGD
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 

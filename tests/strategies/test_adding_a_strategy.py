@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 from torch import nn
 
-from syncline.strategies.comm.ranks import run_distributed
 from syncline.strategies.registry import STRATEGIES, register_strategy, resolve_strategy
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from syncline.trainer.config import strategy_config
 from tests.trainer._tasks import loader, quiet, regression_data

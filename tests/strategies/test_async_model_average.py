@@ -16,7 +16,7 @@ from _averaging import fit, flat_params
 
 from syncline.options import OptionError
 from syncline.strategies import AsyncModelAverage
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 

@@ -10,9 +10,9 @@ from syncline.callbacks import Callback
 from syncline.options import OptionError
 from syncline.strategies import BucketedDDP, ByteGrad, LocalSGD, PowerSGD, QAdam
 from syncline.strategies.comm.bucket_autotune import BucketAutotune, distinct_caps
-from syncline.strategies.comm.ranks import run_distributed
 from syncline.strategies.parameter_server import ParameterServer
 from syncline.strategies.sharded_parameter_server import ShardedParameterServer
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 

@@ -1,6 +1,6 @@
 """BucketedDDP against single-process training on the global batch and against torch's DDP.
 
-Every test starts real processes (gloo on 127.0.0.1, see `strategies/comm/ranks.py`); several checks share one run
+Every test starts real processes (gloo on 127.0.0.1, see `testing.py`); several checks share one run
 because starting a process group costs more than the checks themselves.
 """
 
@@ -15,8 +15,8 @@ from torch.nn import functional as F
 
 from syncline.strategies import STRATEGIES, BucketedDDP, NativeDDP, resolve_strategy
 from syncline.strategies.comm.process_group import init_process_group_from_env
-from syncline.strategies.comm.ranks import run_distributed, run_ranks
 from syncline.strategies.comm.reducer_errors import CollectiveError, UnusedParametersError
+from syncline.testing import run_distributed, run_ranks
 
 GLOBAL_BATCH = 12  # divisible by 2 and 3, so every world size shards it evenly
 TINY_MB = 1e-9  # smaller than any parameter: one parameter per bucket

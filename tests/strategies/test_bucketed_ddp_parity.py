@@ -1,7 +1,7 @@
 """BucketedDDP on the cases real models hit, against torch's DDP and single-process training.
 
 Each test names the difference from torch's DDP it closes. Every run starts real processes (gloo on
-127.0.0.1, see `strategies/comm/ranks.py`) and compares parameters or gradients with a stated tolerance.
+127.0.0.1, see `testing.py`) and compares parameters or gradients with a stated tolerance.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from syncline.strategies import BucketedDDP, NativeDDP
 from syncline.strategies.comm.process_group import init_process_group_from_env
-from syncline.strategies.comm.ranks import run_distributed, run_ranks
+from syncline.testing import run_distributed, run_ranks
 
 GLOBAL_BATCH = 8
 STEPS = 4

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from syncline.strategies import ByteGrad
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 
 
 def _model() -> nn.Module:

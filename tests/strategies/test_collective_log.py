@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from syncline.strategies.comm.collective_log import CollectiveLog, first_divergence
-from syncline.strategies.comm.ranks import run_ranks
+from syncline.testing import run_ranks
 
 
 def _mismatched(rank, world_size, extra_on_rank):

@@ -15,7 +15,7 @@ from syncline.strategies.comm.hooks import (
     fp16_compress_wrapper,
 )
 from syncline.strategies.comm.process_group import init_process_group_from_env
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 
 FP16_RTOL = 1e-3  # float16 keeps 11 significant bits: about 5e-4 relative error per rounding
 

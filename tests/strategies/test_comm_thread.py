@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from syncline.strategies.comm.comm_thread import CommThread
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 
 
 def _staged_order(rank: int, world_size: int) -> list[str]:

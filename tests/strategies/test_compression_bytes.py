@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from syncline.strategies import BucketedDDP, ByteGrad, NativeDDP, PowerSGD, QAdam
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 
 WIDTH = 256
 PARAMETERS = 3 * (WIDTH * WIDTH + WIDTH)  # three 256x256 layers with biases

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from syncline.strategies import BucketedDDP, ByteGrad, PowerSGD, QAdam
-from syncline.strategies.comm.ranks import run_distributed, run_ranks
+from syncline.testing import run_distributed, run_ranks
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 

@@ -14,8 +14,8 @@ from benchmarks.lab.bound import wire_phases
 from syncline.callbacks import Callback
 from syncline.options import OptionError
 from syncline.strategies import Decentralized, decentralized
-from syncline.strategies.comm.ranks import run_distributed, run_ranks
 from syncline.strategies.decentralized import shift_one_partner
+from syncline.testing import run_distributed, run_ranks
 from syncline.trainer import Task, Trainer
 from tests.trainer._tasks import loader, quiet, regression_data
 

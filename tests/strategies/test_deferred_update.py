@@ -11,7 +11,7 @@ from torch import nn
 from syncline.callbacks import Callback
 from syncline.options import OptionError
 from syncline.strategies import BucketedDDP
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Task, Trainer
 from tests.trainer._tasks import loader, quiet, regression_data
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from syncline.options import OptionError
 from syncline.strategies import BucketedDDP, DiLoCo, LocalSGD
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from tests.trainer._tasks import Regressor, regression_data
 
 

@@ -8,7 +8,7 @@ from _averaging import PlainSGD, fit, flat_params, model_bytes, straight_and_res
 
 from syncline.options import OptionError
 from syncline.strategies import BucketedDDP, LocalSGD
-from syncline.strategies.comm.ranks import run_distributed, run_ranks
+from syncline.testing import run_distributed, run_ranks
 
 
 def _period_one_and_bytes(rank, world_size):

@@ -14,7 +14,7 @@ import torch
 from _averaging import fit, model_bytes
 
 from syncline.strategies import AsyncModelAverage, BucketedDDP, Decentralized, LocalSGD
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from tests.trainer._tasks import Regressor, regression_data
 
 STEPS = 24

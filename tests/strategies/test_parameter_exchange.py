@@ -10,7 +10,7 @@ from torch import nn
 
 from syncline.callbacks import Callback
 from syncline.strategies import ParameterServer, ShardedParameterServer
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Task, Trainer
 from tests.strategies.test_deferred_update import DeepRegressor
 from tests.trainer._tasks import loader, quiet, regression_data

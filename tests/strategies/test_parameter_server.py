@@ -12,7 +12,7 @@ from torch import nn
 
 from syncline.options import OptionError
 from syncline.strategies import BucketedDDP, ParameterServer, ShardedParameterServer
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 
 STEPS, ACCUMULATE, MAX_NORM = 4, 2, 0.5
 # Small buckets, so a parameter can straddle two ranks' chunks and there are several collectives.

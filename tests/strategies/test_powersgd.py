@@ -8,7 +8,7 @@ from torch import nn
 
 from syncline.options import OptionError
 from syncline.strategies import PowerSGD
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 
 STEPS = 4
 

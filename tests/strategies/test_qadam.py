@@ -10,7 +10,7 @@ from syncline.options import OptionError
 from syncline.strategies import BucketedDDP, QAdam
 from syncline.strategies.bytegrad import ByteGradState, bytegrad_hook
 from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 
 WARMUP = 4
 

@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from syncline.strategies.comm.buckets import assign_buckets
-from syncline.strategies.comm.ranks import run_distributed
 from syncline.strategies.comm.reducer import Reducer
 from syncline.strategies.comm.reducer_errors import UnusedParametersError
+from syncline.testing import run_distributed
 
 TINY_MB = 1e-9
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from syncline.checkpoint_file import load_checkpoint
 from syncline.strategies import BucketedDDP, ParameterServer, ShardedParameterServer
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
-from syncline.trainer.checkpoint import load_checkpoint
 from tests.strategies._averaging import fit, flat_params, straight_and_resumed
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 

@@ -11,8 +11,8 @@ from torch import nn
 
 from syncline.options import OptionError
 from syncline.strategies import BucketedDDP, TensorFusion
-from syncline.strategies.comm.ranks import run_distributed
 from syncline.strategies.tensor_fusion import fusion_plan
+from syncline.testing import run_distributed
 from tests.trainer._tasks import Regressor
 
 

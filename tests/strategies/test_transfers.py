@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from syncline.strategies.comm.ranks import run_distributed
 from syncline.strategies.comm.transfers import PIECE_BYTES, all_gather_in_pieces, all_to_all_in_pieces, exchange
+from syncline.testing import run_distributed
 
 
 def _payload(src: int, dst: int) -> torch.Tensor:

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
+from syncline.checkpoint_file import load_checkpoint
 from syncline.options import OptionError
 from syncline.strategies import ParameterServer
 from syncline.strategies.comm.worker_guard import GRACE_ENV, GRACE_S
 from syncline.trainer import Trainer
-from syncline.trainer.checkpoint import load_checkpoint
 from syncline.trainer.preemption import PREEMPTED_EXIT_CODE
 from tests.trainer._faults import left_behind, run_script, script_env
 

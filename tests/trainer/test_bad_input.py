@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from syncline.checkpoint_file import CheckpointError
 from syncline.trainer import Task, Trainer
-from syncline.trainer.checkpoint import CheckpointError
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 

@@ -1,4 +1,4 @@
-"""A checkpoint whose trailer is valid but whose entries are not: one error naming the file (issue 25).
+"""A checkpoint whose trailer is valid but whose entries are not: one error naming the file.
 
 Items 6, 8 and 10: missing entries are named with the file (no raw ``KeyError``); a stateful strategy
 refuses a checkpoint without its state unless the task says ``strict_loading = False`` (Lightning's
@@ -13,9 +13,9 @@ import stat
 import pytest
 import torch
 
+from syncline.checkpoint_file import CheckpointError, load_checkpoint, save_checkpoint
 from syncline.strategies import LocalSGD
 from syncline.trainer import Trainer
-from syncline.trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 

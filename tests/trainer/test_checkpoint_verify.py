@@ -13,13 +13,13 @@ import time
 import pytest
 import torch
 
+from syncline.checkpoint_file import CheckpointError, load_checkpoint, save_checkpoint
 from syncline.trainer import Trainer
-from syncline.trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 _SAVER = """
     import sys, torch
-    from syncline.trainer.checkpoint import save_checkpoint
+    from syncline.checkpoint_file import save_checkpoint
     target, step = sys.argv[1], int(sys.argv[2])
     while True:
         step += 1

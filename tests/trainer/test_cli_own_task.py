@@ -215,7 +215,7 @@ def test_check_overrides_names_a_bad_datamodule(project, args, expected):
     assert message is not None and expected in message, message
 
 
-# ------------------------------------------------ as a user installs it (issue 27)
+# ------------------------------------------------ as a user installs it
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv with syncline installed from this checkout, not editable, as a user installs it; its

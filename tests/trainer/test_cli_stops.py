@@ -1,4 +1,4 @@
-"""The CLI's stops (issue 25, items 5 and 7): SIGTERM exits 75 naming last.ckpt; a bad option never launches."""
+"""The CLI's stops: SIGTERM exits 75 naming last.ckpt; a bad option never launches."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import syncline
 from syncline.callbacks import Callback
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import DataModule, Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 from tests.trainer.test_resume import Crash, SaveThenCrash

@@ -11,10 +11,10 @@ import torch
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from syncline.callbacks import EarlyStopping, ModelCheckpoint
+from syncline.checkpoint_file import CheckpointError
 from syncline.options import OptionError
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
-from syncline.trainer.checkpoint import CheckpointError
 from tests.trainer._tasks import Regressor, loader, regression_data
 
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from syncline.callbacks import Callback
 from syncline.strategies import STRATEGIES, BucketedDDP, NativeDDP
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
@@ -101,7 +101,7 @@ def _fit_freezing(rank, world_size, strategy):
 
 @pytest.mark.parametrize("strategy", ["bucketed_ddp", "native_ddp"])
 def test_a_layer_frozen_by_a_callback_stays_where_one_process_leaves_it_under_adamw(strategy):
-    """Issue 9: a frozen layer must get .grad None, not a zero view that AdamW's decay keeps moving."""
+    """A frozen layer must get .grad None, not a zero view that AdamW's decay keeps moving."""
     results = run_distributed(_fit_freezing, world_size=2, args=(strategy,), timeout=120)
     torch.manual_seed(0)
     task = AdamWRegressor()
@@ -277,8 +277,9 @@ def test_torchrun_starts_the_workers(tmp_path):
     names = [name for name, cls in STRATEGIES.items() if cls.multi_process]
     assert len(names) >= 8
     for name in names:
-        # The asynchronous averager's first round comes after 100 ms, later than 4 steps of this model.
-        sent = "" if name == "async_model_average" else " sent=True"
+        # The asynchronous averager's first round comes after 100 ms, later than 4 steps of this model; DiLoCo's
+        # first outer exchange after `period` (100) inner steps.
+        sent = "" if name in ("async_model_average", "diloco") else " sent=True"
         for rank in range(2):
             assert f"rank={rank} {name} steps=4{sent}" in done.stdout, (name, done.stderr[-3000:])
     weights = torch.load(tmp_path / "weights.pt")

@@ -1,4 +1,4 @@
-"""Elastic restart: a killed worker's group restarts and resumes from last.ckpt bit-exactly (issue 10, item 2).
+"""Elastic restart: a killed worker's group restarts and resumes from last.ckpt bit-exactly.
 
 Each script trains the same task twice, once undisturbed and once with rank 1 killed (SIGKILL) at step
 5 of 8, checkpointing every 2 steps; the restarted group finds ``last.ckpt`` (step 4) by itself, and

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchmetrics import MeanSquaredError
 
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from syncline.trainer.data import UnpaddedShardSampler
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data

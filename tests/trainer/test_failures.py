@@ -1,6 +1,6 @@
-"""A rank that dies or raises ends every rank within seconds, with one message naming it (issue 10, item 1).
+"""A rank that dies or raises ends every rank within seconds, with one message naming it.
 
-The bound is the issue's: every other rank exits within 60 s, not after the 30-minute collective
+The bound: every other rank exits within 60 s, not after the 30-minute collective
 timeout (before the fix, a rank that raised waited 60 s at exit for ranks blocked in a collective).
 """
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from syncline.callbacks import Callback
 from syncline.options import OptionError
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 

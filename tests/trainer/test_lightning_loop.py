@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from syncline.callbacks import Callback, ModelCheckpoint
+from syncline.checkpoint_file import load_checkpoint
 from syncline.options import OptionError
 from syncline.strategies import NativeDDP
 from syncline.trainer import Trainer
-from syncline.trainer.checkpoint import load_checkpoint
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from syncline.callbacks import Callback, ModelCheckpoint
+from syncline.checkpoint_file import CheckpointError
 from syncline.strategies import BucketedDDP, NativeDDP, SingleDevice
 from syncline.strategies.registry import resolve_strategy
 from syncline.trainer import Task, Trainer
-from syncline.trainer.checkpoint import CheckpointError
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 

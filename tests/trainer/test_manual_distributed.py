@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from syncline.strategies import BucketedDDP, NativeDDP, ParameterServer, ShardedParameterServer, TensorFusion
-from syncline.strategies.comm.ranks import run_distributed, run_ranks
+from syncline.testing import run_distributed, run_ranks
 from syncline.trainer import Trainer
 from tests.trainer._manual import ToyGAN, gan_loader, train_by_hand
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from syncline.options import OptionError
-from syncline.strategies.comm.launcher import WorkerFailedError
-from syncline.strategies.comm.ranks import run_distributed, run_ranks
+from syncline.testing import run_distributed, run_ranks
 from syncline.trainer import Trainer
+from syncline.trainer.launcher import WorkerFailedError
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 BAD_BATCH = 2  # the first micro-batch of the second window with accumulate_grad_batches=2

@@ -181,7 +181,7 @@ def test_bad_configure_optimizers_output_names_the_problem_and_the_forms(value, 
 
 
 def test_optimizers_outside_a_trainer_names_the_problem():
-    with pytest.raises(RuntimeError, match="not attached to a Trainer"):
+    with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
         Regressor().optimizers()
 
 

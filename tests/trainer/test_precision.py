@@ -17,7 +17,7 @@ from syncline.strategies import (
     ShardedParameterServer,
     TensorFusion,
 )
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from syncline.trainer import precision as precision_module
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data

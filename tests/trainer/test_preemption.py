@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM to one rank, or Ctrl-C, stops every rank at one step with a checkpoint (issue 10, item 3).
+"""Preemption: SIGTERM to one rank, or Ctrl-C, stops every rank at one step with a checkpoint.
 
 Rank 1 alone is signalled during step 5 of 10; rank 0 must learn it from the step-boundary flag (reduced
 during step 6, read at its end), every rank stops after step 6 (a step no periodic checkpoint saves),

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from syncline.trainer.optim import OptimizerSetup
 from tests.trainer._manual import ToyGAN, gan_data

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from syncline.callbacks import Callback
-from syncline.strategies.comm.ranks import run_ranks
+from syncline.testing import run_ranks
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
@@ -104,7 +104,7 @@ def _fit_accumulating(rank, world_size, path, save: bool):
 
 def test_mid_window_checkpoint_keeps_every_ranks_accumulated_gradients(tmp_path):
     """Saved after the first micro-batch of a window, whose gradients differ per rank (not yet averaged)."""
-    from syncline.strategies.comm.ranks import run_distributed
+    from syncline.testing import run_distributed
 
     path = str(tmp_path / "mid-window.ckpt")
     reference = run_distributed(_fit_accumulating, world_size=2, args=(path, True), timeout=120)

@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from syncline.callbacks import Callback
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 

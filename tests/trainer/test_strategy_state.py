@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 import torch
 
+from syncline.checkpoint_file import CheckpointError
 from syncline.strategies import BucketedDDP
-from syncline.strategies.comm.ranks import run_distributed, run_ranks
+from syncline.testing import run_distributed, run_ranks
 from syncline.trainer import Trainer
-from syncline.trainer.checkpoint import CheckpointError
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 

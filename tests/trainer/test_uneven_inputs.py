@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from syncline.strategies import BucketedDDP, NativeDDP
-from syncline.strategies.comm.ranks import run_distributed, run_ranks
+from syncline.testing import run_distributed, run_ranks
 from syncline.trainer import Trainer
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 

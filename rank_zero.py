@@ -1,4 +1,4 @@
-"""The one place that decides whether this process may print or write files: global rank 0."""
+"""The one place that decides whether this process may print or write files: global rank 0 (every floor uses it)."""
 
 from __future__ import annotations
 

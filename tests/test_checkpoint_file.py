@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from syncline.callbacks import ModelCheckpoint
-from syncline.strategies.comm.launcher import WorkerFailedError
+from syncline.checkpoint_file import CheckpointError, load_checkpoint, save_checkpoint
 from syncline.trainer import Trainer
-from syncline.trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from syncline.trainer.launcher import WorkerFailedError
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 from tests.trainer.test_cli import SMALL, _assert_short_error, _cli
 
@@ -52,7 +52,7 @@ def test_cli_zero_byte_checkpoint_is_one_short_error(tmp_path):
 _FULL_DISK = """
     import sys, torch
     from pathlib import Path
-    from syncline.trainer.checkpoint import CheckpointError, save_checkpoint
+    from syncline.checkpoint_file import CheckpointError, save_checkpoint
     target = Path(sys.argv[1]) / "last.ckpt"
     save_checkpoint({"w": torch.zeros(10)}, target)  # small: fits
     before = target.read_bytes()
@@ -84,7 +84,7 @@ def test_full_disk_names_the_path_and_the_bytes_and_keeps_the_previous_file(tmp_
 
 def test_save_checkpoint_reports_the_exact_size(tmp_path):
     """The byte count in the full-disk message is the size the file would have had."""
-    from syncline.trainer.checkpoint import _ByteCounter
+    from syncline.checkpoint_file import _ByteCounter
 
     checkpoint = {"w": torch.arange(1000.0)}
     save_checkpoint(checkpoint, tmp_path / "a.ckpt")

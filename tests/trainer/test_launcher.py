@@ -130,7 +130,7 @@ def test_script_without_main_guard_gets_one_message_saying_what_to_change(tmp_pa
 
 
 def test_launch_folders_of_callers_that_no_longer_run_are_removed(tmp_path, monkeypatch):
-    from syncline.strategies.comm import launcher
+    from syncline.trainer import launcher
 
     monkeypatch.setattr(launcher.tempfile, "tempdir", str(tmp_path))
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

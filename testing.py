@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from syncline.strategies.comm.launcher import free_port
+from syncline.trainer.launcher import free_port
 
 __all__ = ["RankOutcome", "RanksFailedError", "run_distributed", "run_ranks"]
 

@@ -16,9 +16,9 @@ import yaml
 
 from syncline.callbacks.callback import Callback
 from syncline.callbacks.checkpoint_files import find_top_k_files, remove_stale_temporaries
+from syncline.checkpoint_file import check_writable_folder
 from syncline.options import MisconfigurationException, check_int
-from syncline.trainer.checkpoint import check_writable_folder
-from syncline.trainer.rank_zero import rank_zero_info, rank_zero_warn
+from syncline.rank_zero import rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -92,6 +92,7 @@ class ModelCheckpoint(Callback):
 
     #: Saving lands a step in flight itself (`checkpoint_state`); nothing else here reads the weights.
     reads_parameters = False
+    acts_on_monitor = True
 
     CHECKPOINT_NAME_LAST = "last"
     FILE_EXTENSION = ".ckpt"

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from syncline.callbacks import ModelCheckpoint
-from syncline.callbacks.checkpoint import _Plan
-from syncline.strategies.comm.ranks import run_distributed
+from syncline.callbacks.model_checkpoint import _Plan
+from syncline.checkpoint_file import load_checkpoint
+from syncline.testing import run_distributed
 from syncline.trainer import Trainer
-from syncline.trainer.checkpoint import load_checkpoint
 from tests.callbacks._tasks import FakeRank, Scripted, make_loader, make_trainer
 
 # Batches of 2 samples, 4 batches per epoch: epoch e ends at global step 4 * (e + 1).

@@ -41,8 +41,9 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from syncline.strategies.comm import launch_reaper, worker_guard
-from syncline.strategies.comm.loopback_rendezvous import LOOPBACK_BACKEND, register
+from syncline.strategies.comm import worker_guard
+from syncline.trainer import launch_reaper
+from syncline.trainer.loopback_rendezvous import LOOPBACK_BACKEND, register
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -84,8 +85,8 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
             rank, its error and its traceback.
         TrainingPreempted: the workers stopped on a preemption signal and saved a checkpoint.
     """
+    from syncline.rng import capture_rng
     from syncline.trainer.preemption import TrainingPreempted
-    from syncline.trainer.state import capture_rng
 
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         # We are a worker importing the user's script, and the script launches workers at import time
@@ -347,8 +348,8 @@ def _loopback_interface() -> str | None:
 
 def _worker(stage: str, payload: str, stop_file: str) -> dict[str, Any] | None:
     """Entry point of one launched process: run the stage; return rank 0's result, record this rank's error."""
+    from syncline.rng import restore_rng
     from syncline.trainer.preemption import TrainingPreempted
-    from syncline.trainer.state import restore_rng
 
     loopback = _loopback_interface()
     if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:

@@ -1,0 +1,84 @@
+"""A task for live-recovery tests: it logs every sample it trains on, and one replica dies at one step.
+
+`LiveProbe` appends, per optimizer step, a line ``epoch step world_size idx,idx,...`` to ``<log_dir>/<pid>.log``;
+at the end of training each process writes ``<pid>.end`` with its step and a digest of its weights. The
+process holding rank `victim` at step `at_step` kills itself with SIGKILL, once; with `second`, twice (the
+member that holds rank `victim` when the healed group retries that step dies too); with ``fault="raise"`` it
+raises instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from syncline.trainer import Task
+
+
+def indexed_data(n: int = 96, features: int = 8) -> TensorDataset:
+    """A fixed regression set whose third column is each sample's index."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, features, generator=generator)
+    y = x @ torch.randn(features, 1, generator=generator)
+    return TensorDataset(x, y, torch.arange(n))
+
+
+class LiveProbe(Task):
+    """A small MLP that logs the samples of every step and can die at one step."""
+
+    def __init__(
+        self,
+        log_dir: str,
+        victim: int = 1,
+        at_step: int = -1,
+        step_s: float = 0.0,
+        second: bool = False,
+        fault: str = "kill",
+    ) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.log_dir, self.victim, self.at_step, self.step_s = log_dir, victim, at_step, step_s
+        self.second, self.fault = second, fault
+
+    def train_dataloader(self):
+        return DataLoader(indexed_data(), batch_size=4, shuffle=True)
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        kills = len(list(Path(self.log_dir).glob("*.killed")))
+        due = self.global_rank == self.victim and self.trainer.global_step == self.at_step
+        if due and self.fault == "raise":
+            raise ValueError(f"boom on rank {self.victim}")
+        if due and kills < (2 if self.second else 1):
+            Path(self.log_dir, f"{os.getpid()}.killed").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kills and self.trainer.world_size < 3:
+            # Short of a member: wait until the replacements have started (tens of seconds on a loaded
+            # machine), then slow down, so that they come in before the run ends.
+            deadline = time.monotonic() + 180
+            while len(list(Path(self.log_dir).glob("*.replacement"))) < kills and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(self.step_s)
+        trainer = self.trainer
+        with open(Path(self.log_dir, f"{os.getpid()}.log"), "a") as file:
+            ids = ",".join(str(int(i)) for i in idx)
+            file.write(f"{trainer.current_epoch} {trainer.global_step} {trainer.world_size} {ids}\n")
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def setup(self, stage: str) -> None:
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            Path(self.log_dir, f"{os.getpid()}.replacement").touch()
+
+    def on_train_end(self) -> None:
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in self.parameters())).hexdigest()
+        Path(self.log_dir, f"{os.getpid()}.end").write_text(f"{self.trainer.global_step} {digest}")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)

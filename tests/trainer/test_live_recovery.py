@@ -1,0 +1,127 @@
+"""`Trainer(recovery="live")` with real processes: one of 3 workers is SIGKILLed mid-epoch.
+
+Each run trains `LiveProbe` (tests/trainer/_live.py) for 2 epochs of 96 samples on 3 local workers, the
+worker holding rank 1 killing itself at step 2. The probe logs every step's samples per process, so the
+tests read from the logs alone: who trained which samples at which step and world size, and each
+process's final step and weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from syncline.options import OptionError
+from syncline.trainer import Trainer
+from tests.trainer._faults import run_script
+
+pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="SIGKILLs a worker")
+
+_SCRIPT = """
+import sys
+from syncline.trainer import Trainer
+from tests.trainer._live import LiveProbe
+
+if __name__ == "__main__":
+    task = LiveProbe({logs!r}, victim=1, at_step=2, step_s={step_s}, second={second}, fault={fault!r})
+    trainer = Trainer(
+        max_epochs=2, devices=3, strategy={strategy!r}, accelerator="cpu", recovery="live",
+        max_restarts={restarts}, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        num_sanity_val_steps=0, default_root_dir={root!r},
+    )
+    try:
+        trainer.fit(task)
+    except Exception as error:
+        print(f"{{type(error).__name__}}: {{error}}")
+        sys.exit(1)
+    print("finished at step", trainer.global_step)
+"""
+
+
+def _run(tmp_path: Path, strategy: str, second: bool = False, restarts: int = 1, fault: str = "kill"):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    body = _SCRIPT.format(
+        logs=str(logs), root=str(tmp_path), strategy=strategy, step_s=0.6, second=second, restarts=restarts, fault=fault
+    )
+    result, _ = run_script(tmp_path, body, timeout=420)
+    steps = {}
+    for path in logs.glob("*.log"):
+        steps[int(path.stem)] = [line.split() for line in path.read_text().splitlines()]
+    ends = {int(p.stem): p.read_text().split() for p in logs.glob("*.end")}
+    return result, steps, ends
+
+
+def _check_recovered(result, steps, ends, exact: bool) -> None:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    original = {pid for pid, lines in steps.items() if lines and lines[0][:2] == ["0", "0"]}
+    assert len(original) == 3
+    survivors = original & set(ends)
+    assert len(survivors) == 2, (sorted(original), sorted(ends))
+    replacements = set(ends) - original
+    assert len(replacements) == 1, "a replacement finishes the run"
+    for pid in survivors:
+        numbers = [(int(epoch), int(step)) for epoch, step, *_ in steps[pid]]
+        assert all(later[1] >= earlier[1] - 1 for earlier, later in zip(numbers, numbers[1:])), numbers
+        # At 2 until the replacement came in (or at 3 at once, when it was up before the survivors' new round).
+        assert int(steps[pid][-1][2]) == 3, "the survivors took in the replacement"
+    _check_every_sample(steps)
+    final = {tuple(end) for end in ends.values()}
+    if exact:
+        assert len(final) == 1, f"replicas disagree at the end: {final}"
+    assert not list(result.args and Path(result.args[-1]).parent.rglob("*.ckpt"))
+
+
+def _check_every_sample(steps) -> None:
+    for epoch in ("0", "1"):
+        trained = {int(i) for lines in steps.values() for e, _, _, ids in lines if e == epoch for i in ids.split(",")}
+        assert trained == set(range(96)), f"epoch {epoch} missed {sorted(set(range(96)) - trained)}"
+
+
+@pytest.mark.parametrize("strategy", ["bucketed_ddp", "local_sgd"])
+def test_a_killed_worker_costs_one_step_and_is_replaced_live(tmp_path: Path, strategy: str) -> None:
+    result, steps, ends = _run(tmp_path, strategy)
+    _check_recovered(result, steps, ends, exact=strategy == "bucketed_ddp")
+
+
+def test_a_second_death_right_after_healing_is_a_second_recovery(tmp_path: Path) -> None:
+    result, steps, ends = _run(tmp_path, "bucketed_ddp", second=True, restarts=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert len(list((tmp_path / "logs").glob("*.killed"))) == 2, "two members died"
+    original = {pid for pid, lines in steps.items() if lines and lines[0][:2] == ["0", "0"]}
+    assert len(original & set(ends)) == 1, "one of the first three lived through both deaths"
+    assert len(ends) == 3 and len({tuple(end) for end in ends.values()}) == 1, ends
+    _check_every_sample(steps)
+
+
+def test_a_raise_still_ends_the_run_naming_the_rank(tmp_path: Path) -> None:
+    result, steps, ends = _run(tmp_path, "bucketed_ddp", fault="raise")
+    assert result.returncode == 1
+    assert "WorkerFailedError: Worker rank 1 failed during fit: ValueError" in result.stdout, result.stdout[-3000:]
+    assert "boom on rank 1" in result.stdout
+    assert not ends, "nobody trained on after the raise"
+
+
+def test_strategies_without_live_recovery_refuse_it_at_construction() -> None:
+    with pytest.raises(OptionError, match=r'recovery="live".*PowerSGD'):
+        Trainer(max_epochs=1, strategy="powersgd", devices=2, accelerator="cpu", recovery="live")
+    with pytest.raises(OptionError, match="recovery="):
+        Trainer(max_epochs=1, recovery="restart")
+
+
+def test_the_rest_of_an_epoch_is_split_over_the_new_members_without_losing_a_sample() -> None:
+    from syncline.trainer.live import LiveShardSampler
+
+    def shard(world: int, rank: int, consumed: int, skip: int) -> list[int]:
+        return list(LiveShardSampler(97, 4, True, 7, 1, consumed, skip, world, rank))
+
+    # 2 batches on 3 ranks (24 samples), then the rest on 2 ranks; every rank skips its 2 trained batches.
+    first = [i for rank in range(3) for i in shard(3, rank, 0, 0)[:8]]
+    rest = [shard(2, rank, 24, 2) for rank in range(2)]
+    assert all(len(part) == len(rest[0]) for part in rest), "every rank has as many batches"
+    later = [i for part in rest for i in part[8:]]
+    order = LiveShardSampler(97, 4, True, 7, 1, 0, 0, 1, 0).order()
+    assert sorted(first) == sorted(order[:24]), "the first segment is the epoch's first 24 samples"
+    assert set(later) >= set(order[24:]) and set(first) | set(later) == set(range(97))
+    assert len(later) - len(order[24:]) < 2 * 4, "padding fills the last global batch only"

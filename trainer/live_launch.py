@@ -1,0 +1,388 @@
+"""Live recovery's engine: one elastic agent per replica, membership by torch's rendezvous, groups rebuilt in place.
+
+Engine: torch.distributed's own pieces, not torchft. Each replica is a one-process worker group under its own
+torch elastic agent (`elastic_launch`, as torchrun runs it), so that the agent restarts that worker alone when
+it dies: torch's `LocalElasticAgent` stops and restarts *every* worker it watches on any failure, which is
+exactly the restart-from-disk this path avoids. The replicas find each other through one `TCPStore`, hosted
+by the launching process (on a cluster: whatever host runs the store), with torch elastic's
+`DynamicRendezvousHandler` over it (the c10d backend torchrun uses): it decides who is in each round, notices
+a dead member by its missed keep-alives, keeps a newcomer on its wait list until the members open a new round,
+and gives every round a store of its own, from which a fresh gloo/NCCL default group is made. No transport or
+membership logic is ours; the healing state travels over the new process group (`broadcast_object`).
+
+Why not torchft (0.2.0): its Manager runs a quorum before every step and its own lighthouse and HTTP
+checkpoint transport beside torch's; syncline's strategies already run their collectives on the default
+group, so rebuilding that group is all they need, and the per-step quorum would cost a round trip on every
+step of a run that never fails. torchft also pins torch builds tightly (a C++ extension), while syncline
+supports a torch floor; torch's rendezvous ships with torch.
+
+`launch_live` is the launching side; `LiveMembership` is each worker's side. For diagnosis, set
+``SYNCLINE_LIVE_LOGS=<folder>``: each worker's output goes to files there, with a time-stamped line per
+rendezvous, and a worker still alive after ``SYNCLINE_LIVE_DUMP_S`` seconds (60) prints its stacks and ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+
+if TYPE_CHECKING:
+    from syncline.trainer.task import Task
+    from syncline.trainer.trainer import Trainer
+
+__all__ = ["LiveMembership", "MembershipError", "check_live_recovery", "launch_live"]
+
+#: Seconds between a member's keep-alives, and how many it may miss before the others count it dead.
+KEEP_ALIVE_S = 1
+KEEP_ALIVE_MISSES = 3
+#: Seconds a round stays open for late members once one member is in it.
+LAST_CALL_S = 2.0
+#: Store keys (under the run's prefix).
+_ARRIVED = "syncline/live/arrived"
+_FAILED = "syncline/live/failed"
+_REPLACEMENTS = "syncline/live/replacements"
+_ADMIT = "syncline/live/admit"
+#: Environment variables a replica's worker reads to find the job.
+_STORE_ENV = "SYNCLINE_LIVE_STORE"
+_REPLICAS_ENV = "SYNCLINE_LIVE_REPLICAS"
+_RUN_ENV = "SYNCLINE_LIVE_RUN"
+
+
+class MembershipError(RuntimeError):
+    """The live group cannot go on: no member holds the training state, or the restarts are used up."""
+
+
+def check_live_recovery(strategy: Any) -> None:
+    """Raise `OptionError` naming the strategy and why, if it cannot recover live (one place for every strategy)."""
+    from syncline.options import OptionError
+
+    if strategy.multi_process and strategy.live_recovery_refused:
+        raise OptionError(
+            f'Trainer(recovery="live") does not work with {type(strategy).__name__}: '
+            f'{strategy.live_recovery_refused}. Use recovery="checkpoint", or strategy="bucketed_ddp" or "local_sgd".'
+        )
+
+
+# ------------------------------------------------------------------ launching side
+def launch_live(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> Any:
+    """Run `stage` on `trainer.devices` replicas that survive each other's deaths; return rank 0's result.
+
+    Raises:
+        WorkerFailedError: a worker raised (the job ends, naming it), or every replica died.
+    """
+    from syncline.rng import capture_rng
+    from syncline.trainer.launcher import WorkerFailedError, free_port
+
+    replicas = trainer.devices
+    trainer.strategy.check_world_size(replicas)
+    port = free_port()
+    # The store outlives every worker: it holds the rendezvous state and the job's failure notice.
+    store = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="syncline-live-") as folder:
+        payload = Path(folder, "payload.pkl")
+        payload.write_bytes(pickle.dumps((trainer, task, kwargs, capture_rng())))
+        env = {_STORE_ENV: f"127.0.0.1:{port}", _REPLICAS_ENV: str(replicas), _RUN_ENV: uuid.uuid4().hex[:8]}
+        agents = [
+            context.Process(target=_replica_agent, args=(i, stage, str(payload), folder, env), daemon=False)
+            for i in range(replicas)
+        ]
+        for agent in agents:
+            agent.start()
+        try:
+            for agent in agents:
+                agent.join()
+        finally:
+            for agent in agents:
+                if agent.is_alive():
+                    agent.terminate()
+                    agent.join(10)
+        outcomes = []
+        for path in sorted(Path(folder).glob("result-*.pkl")):
+            with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError):
+                outcomes.append(pickle.loads(path.read_bytes()))
+    failed = store.get(_FAILED).decode() if store.check([_FAILED]) else ""
+    del store
+    if failed:
+        raise WorkerFailedError(failed)
+    finished = [outcome for outcome in outcomes if outcome is not None]
+    if not finished:
+        codes = ", ".join(f"replica {i}: exit {a.exitcode}" for i, a in enumerate(agents))
+        raise WorkerFailedError(f"Every replica of the live {stage} died ({codes}); no result to return.")
+    outcome = finished[0]
+    trainer.apply_worker_result(task, outcome)
+    return outcome["return"]
+
+
+def _replica_agent(replica: int, stage: str, payload: str, folder: str, env: dict[str, str]) -> None:
+    """Run one replica under its own elastic agent, which restarts this replica alone when it dies."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from syncline.trainer.launcher import _quiet_elastic, free_port
+    from syncline.trainer.loopback_rendezvous import LOOPBACK_BACKEND, register
+
+    register()
+    trainer = pickle.loads(Path(payload).read_bytes())[0]
+    os.environ.update(env)
+    logs = Path(os.environ.get("SYNCLINE_LIVE_LOGS") or folder, f"logs-{replica}")
+    logs.mkdir(parents=True)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=1,
+        run_id=f"syncline-live-{replica}-{free_port()}",
+        rdzv_backend=LOOPBACK_BACKEND,
+        rdzv_endpoint="",
+        max_restarts=trainer.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL),
+    )
+    with _quiet_elastic():
+        try:
+            results = elastic_launch(config, _live_worker)(stage, payload)
+        except Exception:
+            results = {0: None}
+    Path(folder, f"result-{replica}.pkl").write_bytes(pickle.dumps(results.get(0)))
+
+
+def _live_worker(stage: str, payload: str) -> dict[str, Any] | None:
+    """One replica's process: join the live group, run the stage, return the result if this ends as rank 0."""
+    from syncline.rng import restore_rng
+    from syncline.strategies.comm import worker_guard
+    from syncline.trainer.launcher import _loopback_interface
+    from syncline.trainer.live import LiveRecovery
+
+    loopback = _loopback_interface()
+    if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    worker_guard.start()
+    if os.environ.get("SYNCLINE_LIVE_LOGS"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ.get("SYNCLINE_LIVE_DUMP_S", "60")), exit=True)
+    _debug("worker started")
+    membership = LiveMembership.from_environ()
+    try:
+        trainer, task, kwargs, rng = pickle.loads(Path(payload).read_bytes())
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // membership.replicas))
+        restore_rng(rng)
+        if membership.replacement:
+            trainer.num_sanity_val_steps = 0  # the members it joins are mid-training: no validation to match
+        membership.start(trainer.max_restarts, trainer.strategy)
+        trainer.live = LiveRecovery(trainer, membership)
+        returned = getattr(trainer, stage)(task, **kwargs)
+    except (MembershipError, RendezvousClosedError):
+        # A replacement that came too late (the run ended, or the restarts are used up): nothing to report.
+        return None
+    except BaseException as error:
+        # A raise is the task's or the configuration's: the job ends, naming this rank (no replacement).
+        import traceback
+
+        membership.announce(
+            f"Worker rank {membership.rank} failed during {stage}: {type(error).__name__} in this traceback:\n"
+            f"{traceback.format_exc().rstrip()}"
+        )
+        # Leaving the group closes this rank's connections: a peer blocked in a collective fails and reads the notice.
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        return None
+    worker_guard.stage_finished()
+    membership.close()
+    if membership.rank != 0:
+        return None
+    return trainer.worker_result(task, returned)
+
+
+# -------------------------------------------------------------------- worker side
+@dataclass
+class _Round:
+    number: int
+    rank: int
+    world_size: int
+
+
+class LiveMembership:
+    """This worker's place in the live group: the rendezvous rounds it joined and the default group of each.
+
+    Args:
+        store: the job's store (hosted by the launching process).
+        replicas: how many replicas the job starts with (the rendezvous's maximum).
+        run_id: keeps this job's rendezvous apart from any other on the store.
+    """
+
+    def __init__(self, store: dist.Store, replicas: int, run_id: str) -> None:
+        self.store = store
+        self.replicas = replicas
+        self.run_id = run_id
+        self.round: _Round | None = None
+        self.backend = "gloo"
+        self.timeout = 300.0
+        #: Whether this process started as a replacement (its agent restarted it after a death).
+        self.replacement = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        self._handler: DynamicRendezvousHandler | None = None
+
+    @classmethod
+    def from_environ(cls) -> LiveMembership:
+        """Connect to the job's store as `launch_live` described it in the environment."""
+        host, port = os.environ[_STORE_ENV].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), None, False, timeout=timedelta(seconds=60))
+        return cls(store, int(os.environ[_REPLICAS_ENV]), os.environ[_RUN_ENV])
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current round."""
+        return self.round.rank if self.round is not None else -1
+
+    def start(self, max_restarts: int, strategy: Any) -> None:
+        """Count this worker in (a replacement against `max_restarts`), then join the first round.
+
+        Raises:
+            MembershipError: this replacement would exceed `max_restarts`, or the job already failed.
+        """
+        self.backend = strategy.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout = float(strategy.timeout)
+        if self.store.check([_FAILED]):
+            raise MembershipError(self.store.get(_FAILED).decode())
+        if self.replacement:
+            used = self.store.add(_REPLACEMENTS, 1)
+            if used > max_restarts:
+                raise MembershipError(
+                    f"A replica died and max_restarts={max_restarts} replacements are used up; the survivors "
+                    "go on without it."
+                )
+        else:
+            # The first round holds every replica: wait until all have connected (their imports take seconds).
+            self.store.add(_ARRIVED, 1)
+            deadline = time.monotonic() + self.timeout
+            while int(self.store.add(_ARRIVED, 0)) < self.replicas:
+                if time.monotonic() > deadline:
+                    raise MembershipError(
+                        f"Only some of the {self.replicas} replicas started within {self.timeout:g} s."
+                    )
+                time.sleep(0.05)
+        self._handler = DynamicRendezvousHandler.from_backend(
+            run_id=f"syncline-live-{self.run_id}",
+            store=self.store,
+            backend=C10dRendezvousBackend(self.store, f"syncline-live-{self.run_id}"),
+            min_nodes=1,
+            max_nodes=self.replicas,
+            timeout=RendezvousTimeout(
+                join=timedelta(seconds=self.timeout),
+                last_call=timedelta(seconds=LAST_CALL_S),
+                close=timedelta(seconds=30),
+            ),
+            keep_alive_interval=KEEP_ALIVE_S,
+            keep_alive_max_attempt=KEEP_ALIVE_MISSES,
+        )
+        if self.replacement:
+            # Set the task, optimizer and strategy up alone first (their collectives are the members' at the
+            # start of fit, not now); the loop then joins the members at a step boundary and heals.
+            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
+            self.round = _Round(-1, 0, 1)
+            return
+        self.next_round()
+
+    def next_round(self) -> _Round:
+        """Leave the current round and its process group; join the next round and a new default group.
+
+        Blocks until every live member has come to the round too (a dead one is dropped once it misses
+        its keep-alives; a waiting replacement comes in). The ranks of the new round follow the
+        rendezvous's order, not the old one.
+        """
+        assert self._handler is not None
+        if dist.is_initialized():
+            # Closes this rank's connections: a peer still blocked in a collective with it fails at once.
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        # Torch's rendezvous would otherwise make its new rank 0 host a second store.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        _debug("rendezvous")
+        info = self._handler.next_rendezvous()
+        _debug(f"joined as {info.rank} of {info.world_size}")
+        number = self._handler._state_holder.state.round  # the round's number keys its group's store
+        self.round = _Round(number, info.rank, info.world_size)
+        os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK="0")
+        # Collective: every member of the round joins its group through the round's own store.
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(f"syncline/live/group{number}", info.store),
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timedelta(seconds=self.timeout),
+        )
+        return self.round
+
+    def waiting(self) -> int:
+        """How many replacements wait to be admitted (one read of the rendezvous state)."""
+        assert self._handler is not None
+        n = self._handler.num_nodes_waiting()
+        _debug(f"waiting {n}")
+        return n
+
+    def post_admission(self, step: int) -> None:
+        """Ask every member to open a new round once it has taken `step` optimizer steps (set once per round)."""
+        assert self.round is not None
+        self.store.compare_set(f"{_ADMIT}/{self.round.number}", "", str(step))
+
+    def admission_step(self) -> int | None:
+        """The step after which the members open a new round for a waiting replacement, if one was posted."""
+        assert self.round is not None
+        key = f"{_ADMIT}/{self.round.number}"
+        if not self.store.check([key]):
+            return None
+        return int(self.store.get(key).decode())
+
+    def close(self) -> None:
+        """Leave the group together and close the rendezvous once training is over.
+
+        A replacement still waiting then ends instead of waiting. The group is destroyed after a barrier:
+        gloo's threads torn down by the interpreter's exit while a peer still talks abort the process
+        ("terminate called without an active exception"), which its agent would take for a death.
+        """
+        with contextlib.suppress(Exception):
+            if dist.is_initialized():
+                # Collective: every member has finished the stage before any leaves the group.
+                if self.backend == "gloo":
+                    dist.monitored_barrier(timeout=timedelta(seconds=60))
+                else:
+                    dist.barrier()
+                dist.destroy_process_group()
+        if self._handler is not None:
+            with contextlib.suppress(Exception):
+                self._handler.set_closed()
+
+    def announce(self, message: str) -> None:
+        """Tell the job (the launching process and every replica) that it is over, and why (first one wins)."""
+        with contextlib.suppress(Exception):
+            self.store.compare_set(_FAILED, "", message)
+
+    def failure(self) -> str | None:
+        """The job's failure notice, if a replica raised."""
+        with contextlib.suppress(Exception):
+            if self.store.check([_FAILED]):
+                return self.store.get(_FAILED).decode()
+        return None
+
+
+def _debug(message: str) -> None:
+    if os.environ.get("SYNCLINE_LIVE_LOGS"):
+        print(f"{time.time():.2f} {os.getpid()} {message}", file=sys.stderr, flush=True)
