@@ -71,6 +71,7 @@ _BEFORE = pytest.StashKey[dict]()
 #: worker busy alone at the end. Keep the longest few here; the order of the rest matters little.
 SLOWEST_FILES = (
     "tests/trainer/test_cli_own_task.py",
+    "tests/trainer/test_live_recovery.py",
     "tests/trainer/test_cli_resume.py",
     "tests/strategies/test_worker_guard.py",
     "tests/trainer/test_cli.py",
