@@ -15,7 +15,9 @@ step, keeping the local progress made while the round was in flight. The thread 
 group (`dist.new_group`, made at setup), so its collectives never interleave with the main thread's.
 
 Stopping is agreed: every round starts with a one-float all-reduce of "someone wants to stop", so every
-rank's thread leaves after the same round and none waits on a peer that has left. Teardown (also after
+rank's thread leaves after the same round and none waits on a peer that has left. After this rank's stage
+failed there is no agreement: the thread starts no new collective (the peers may be cut off), which
+would wait a second collective timeout after the one that failed. Teardown (also after
 an exception) asks the thread to stop and waits a bounded time; the thread is a daemon, so it never keeps
 the process alive.
 
@@ -147,6 +149,10 @@ class AsyncModelAverage(ModelAveraging):
                 while not self._applied.wait(0.05):
                     if self._stop.is_set():
                         break
+                if self._failed:
+                    # This rank's stage failed: its peers may be gone or cut off, so a new collective (even
+                    # the stop agreement) would only wait out its whole timeout after the failure's own.
+                    return
                 flag = torch.tensor([1.0 if self._stop.is_set() else 0.0])
                 # Collective (averaging group): does any rank want to stop? Then all leave after this round.
                 all_reduce(flag, self.comm_counter, group=self._group)

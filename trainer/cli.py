@@ -365,14 +365,14 @@ def _describe(error: Exception, line: _CommandLine) -> str:
         return _describe_bad_value(cause, line.overrides)
     if isinstance(cause, (ConfigKeyError, AttributeError)) and getattr(cause, "full_key", None):
         return _describe_unknown_key(cause.full_key, line)
-    return "error: " + str(error).strip().splitlines()[0] + "\n" + _HINT
+    return "error: " + str(error).strip().splitlines()[0]
 
 
 def _describe_missing_option(missing: str, line: _CommandLine) -> str:
     group, _, option = missing.rpartition("/")
     options = line.group_options(group) if group else []
     if not options:
-        return f"error: no config {missing!r}.\n{_HINT}"
+        return f"error: no config {missing!r}."
     message = (
         f"error: unknown {group} option {option!r}.{_did_you_mean(option, options)}\n"
         f"Valid {group} options: {', '.join(options)}"

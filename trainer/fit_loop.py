@@ -42,13 +42,7 @@ class FitLoop:
         self.trainer = trainer
         self.state = trainer.state
         self.fire = trainer.dispatcher.fire
-        # The hooks of every training step: one that nothing listens to is not fired at all (the callbacks and
-        # the task are fixed for the fit, so this is decided once).
-        self.fire_batch_start = self._step_hook(Callback.on_train_batch_start)
-        self.fire_before_zero_grad = self._step_hook(Callback.on_before_zero_grad)
-        self.fire_before_backward = self._step_hook(Callback.on_before_backward)
-        self.fire_after_backward = self._step_hook(Callback.on_after_backward)
-        self.fire_batch_end = self._step_hook(Callback.on_train_batch_end)
+        self.bind_step_hooks()
         self.accumulate = trainer.accumulate_grad_batches
         self.optim: OptimizerSetup | None = None
         #: The optimizers as `Task.optimizers()` gives them: their step goes through the Trainer.
@@ -81,10 +75,21 @@ class FitLoop:
         self._warned_none = False
         self._warned_min = False
 
+    def bind_step_hooks(self) -> None:
+        """Decide the hooks of every training step for the bound task and callbacks: one that nothing listens
+        to is not fired at all (the callbacks and the task are fixed for a fit, so this is decided once)."""
+        self.fire_batch_start = self._step_hook(Callback.on_train_batch_start)
+        self.fire_before_zero_grad = self._step_hook(Callback.on_before_zero_grad)
+        self.fire_before_backward = self._step_hook(Callback.on_before_backward)
+        self.fire_after_backward = self._step_hook(Callback.on_after_backward)
+        self.fire_before_optimizer_step = self._step_hook(Callback.on_before_optimizer_step)
+        self.fire_batch_end = self._step_hook(Callback.on_train_batch_end)
+
     def setup(self, optim: OptimizerSetup) -> None:
         """Bind the loop to the optimizer of this fit and plan when validation runs."""
         trainer = self.trainer
         self.fire = trainer.dispatcher.fire
+        self.bind_step_hooks()  # the task is bound now: its own overrides listen too
         self.optim = optim
         self.trainer_optimizers = [TrainerOptimizer(optimizer, trainer) for optimizer in optim.optimizers]
         task = trainer.task

@@ -84,7 +84,7 @@ def take_step(trainer: Trainer, optimizer: torch.optim.Optimizer, closure: Calla
     precision = trainer.precision
     assert precision is not None
     precision.unscale(optimizer)
-    trainer.dispatcher.fire(Callback.on_before_optimizer_step, optimizer)
+    trainer.fit_loop.fire_before_optimizer_step(optimizer)
     if trainer.fit_loop.clips:  # automatic optimization, and a clipping hook that would clip (decided per fit)
         trainer.task.configure_gradient_clipping(optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
     trainer.strategy.optimizer_step(optimizer, precision.step(optimizer))

@@ -59,7 +59,10 @@ class NonfiniteLossGuard:
         world, rank = self.strategy.world_size, self.strategy.global_rank
         if world == 1:
             # Host sync: the verdict decides what runs next. One read per loss, nothing to agree on.
-            if all(math.isfinite(loss.item()) for loss in losses):
+            if len(losses) == 1:  # the common case (no accumulation): no generator per step
+                if math.isfinite(losses[0].item()):
+                    return True
+            elif all(math.isfinite(loss.item()) for loss in losses):
                 return True
             bad_ranks = [rank]
         else:

@@ -1,4 +1,8 @@
-"""AsyncModelAverage: the averaging thread averages, pauses for checkpoints, and always stops."""
+"""AsyncModelAverage: the averaging thread averages, pauses for checkpoints, and always stops.
+
+After a failure the thread starts no collective: on a cut link even the stop agreement would wait out a
+whole collective timeout, and the rank's exit with it.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from _averaging import fit, flat_params
 from syncline.options import OptionError
 from syncline.strategies import AsyncModelAverage
 from syncline.testing import run_distributed
-from tests.trainer._tasks import Regressor
+from syncline.trainer import Trainer
+from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 THREAD = "syncline-async-average"
 
@@ -72,6 +77,41 @@ def test_checkpoints_pause_the_thread_resume_restarts_it_and_a_failure_stops_it(
         assert result["alive"] == (False, False)
         assert result["failure_s"] < 30
     assert ranks[0]["rounds"] == ranks[1]["rounds"]
+
+
+class SilentPeer(Slow):
+    """At step 5 rank 0 fails while rank 1 stops answering for 3 s (its thread, too, between two rounds)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == 5:
+            strategy = self.trainer.strategy
+            if self.global_rank == 1:
+                time.sleep(3.0)  # in no collective: a peer cut off, as far as rank 0 can tell
+                raise RuntimeError("rank 1 stops too")
+            thread, started = strategy._thread, time.monotonic()
+            strategy.on_failure()
+            strategy.stop_averaging()
+            self.stopped = (thread is not None, thread.is_alive(), time.monotonic() - started)
+            raise RuntimeError("rank 0 failed")
+        return super().training_step(batch, batch_idx)
+
+
+def _failure_with_a_silent_peer(rank, world_size):
+    task = SilentPeer(lr=0.05)
+    # Rounds 10 s apart: none is in flight at step 5 (one in flight at a failure ends within its own timeout).
+    strategy = AsyncModelAverage(interval_ms=10_000, timeout=20)
+    with pytest.raises(RuntimeError, match="failed|stops too"):
+        Trainer(strategy=strategy, **quiet(), max_steps=16).fit(task, loader(regression_data(64), 4))
+    return getattr(task, "stopped", None)
+
+
+def test_after_a_failure_the_thread_ends_without_waiting_for_a_silent_peer():
+    stopped = run_distributed(_failure_with_a_silent_peer, 2, timeout=120)[0]
+    # It used to start the stop agreement, an all-reduce that waits for the silent peer until the timeout
+    # (20 s here): the thread was still alive when stop_averaging gave up on it (after 2 s).
+    had_thread, alive, seconds = stopped
+    assert had_thread and not alive, stopped
+    assert seconds < 1.5, stopped
 
 
 def test_bad_options_fail_at_construction():

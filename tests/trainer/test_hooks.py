@@ -156,6 +156,19 @@ def test_fit_fires_every_hook_in_lightning_order(tmp_path):
     assert calls == expected
 
 
+def test_a_task_alone_receives_its_step_hooks():
+    """With no callback listening, the task's own step hooks still fire every batch (the loop decides once
+    per fit which hooks to skip, after the task is bound)."""
+    calls: list[str] = []
+    task = _hooked_task(calls)
+    Trainer(**quiet(max_epochs=1, limit_train_batches=2, limit_val_batches=0)).fit(task, loader(regression_data(16), 8))
+    step_hooks = ["on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step"]
+    assert [name for name in calls if name in [*step_hooks, "on_train_batch_end"]] == [
+        *step_hooks,
+        "on_train_batch_end",
+    ] * 2
+
+
 def test_resume_restores_the_task_and_callbacks_before_configure_optimizers(tmp_path):
     """Lightning's resume order: setup, the task's on_load_checkpoint, the callbacks', configure_optimizers."""
     data = loader(regression_data(32), 8)
