@@ -64,3 +64,46 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 _BEFORE = pytest.StashKey[dict]()
+
+#: The test files that take longest (started processes, rendezvous, CLI runs), longest first, from the per-test
+#: durations of whole-suite runs. They start first: `--dist loadfile` hands files to the workers in collection
+#: order (pyproject turns xdist's own order, by count of tests, off), and a long file started last leaves one
+#: worker busy alone at the end. Keep the longest few here; the order of the rest matters little.
+SLOWEST_FILES = (
+    "tests/trainer/test_cli_own_task.py",
+    "tests/trainer/test_live_recovery.py",
+    "tests/trainer/test_cli_resume.py",
+    "tests/strategies/test_worker_guard.py",
+    "tests/trainer/test_cli.py",
+    "tests/trainer/test_preemption.py",
+    "tests/benchmarks/test_benchmarks_smoke_curves.py",
+    "tests/trainer/test_elastic_restart.py",
+    "tests/trainer/test_distributed_trainer.py",
+    "tests/benchmarks/test_lab_faults.py",
+    "tests/trainer/test_manual_distributed.py",
+    "tests/benchmarks/test_benchmarks_smoke_strategies.py",
+    "tests/trainer/test_cli_stops.py",
+    "tests/benchmarks/test_gpt2_study_smoke.py",
+    "tests/trainer/test_datamodule.py",
+    "tests/test_namespace.py",
+    "tests/trainer/test_launcher.py",
+    "tests/benchmarks/test_benchmarks_smoke_overhead.py",
+    "tests/test_options.py",
+    "tests/callbacks/test_checkpoint_monitor.py",
+    "tests/benchmarks/test_cluster.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the slowest files first, then the rest by count of tests (most first), each file's tests together
+    and in their own order."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.nodeid.split("::")[0]] = counts.get(item.nodeid.split("::")[0], 0) + 1
+
+    def order(item: pytest.Item) -> tuple[int, int]:
+        name = item.nodeid.split("::")[0]
+        return rank.get(name, len(rank)), -counts[name]
+
+    items.sort(key=order)

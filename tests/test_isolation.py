@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from syncline.trainer import Trainer
-from tests.conftest import run_folder_files
+from tests.conftest import ROOT, SLOWEST_FILES, run_folder_files
 
 
 def test_a_test_works_in_its_own_temporary_folder(tmp_path):
@@ -23,3 +23,7 @@ def test_the_run_folder_check_sees_a_new_or_rewritten_file(tmp_path):
     (tmp_path / "src" / "model.py").write_text("edited")
     after = run_folder_files(tmp_path)
     assert set(after) - set(before) == {"outputs/2026-01-01/config.yaml", "last.ckpt"}
+
+
+def test_the_slowest_files_that_start_first_exist():
+    assert [name for name in SLOWEST_FILES if not (ROOT / name).is_file()] == []
