@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from syncline.options import OptionError, check_int
-from syncline.strategies.comm.counter import CommCounter, count_bytes
+from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
 from syncline.strategies.comm.hooks import GradBucket
 from syncline.strategies.comm.parameter_exchange import (
@@ -77,10 +77,11 @@ def reduce_to_server_hook(state: ReduceToServerState, bucket: GradBucket) -> Fut
     # Divide before the sum so low-precision sums cannot overflow.
     buffer.div_(world_size)
     if rank != server:
-        count_bytes(state.counter, buffer)
         sends: list[Tensor | None] = [buffer if peer == server else None for peer in range(world_size)]
         # Collective (point to point, asynchronous): this worker's bucket to the server.
-        works = all_to_all_in_pieces(sends, [None] * world_size, group=state.process_group, async_op=True)
+        works = all_to_all_in_pieces(
+            sends, [None] * world_size, group=state.process_group, async_op=True, counter=state.counter
+        )
         return future_of(works).then(lambda _: buffer)
     received = buffer.new_empty(world_size, buffer.numel())
     # Collective (point to point, asynchronous): every worker's bucket, on the server.

@@ -32,9 +32,10 @@ from torch.futures import Future
 
 from syncline.options import check_int, check_number
 from syncline.strategies.comm.compression import ErrorFeedback
-from syncline.strategies.comm.counter import CommCounter, count_bytes
+from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.flat import flatten, unflatten
 from syncline.strategies.comm.hooks import GradBucket
+from syncline.strategies.comm.transfers import all_reduce
 from syncline.strategies.reducer_strategy import ReducerStrategy
 
 __all__ = ["PowerSGD", "PowerSGDState", "powersgd_hook"]
@@ -135,9 +136,8 @@ def _initial_factor(state: PowerSGDState, name: str, matrix: Tensor) -> Tensor:
 def _all_reduce_mean(tensors: list[Tensor], state: PowerSGDState) -> list[Tensor]:
     """Average `tensors` across the group with one all-reduce of their concatenation."""
     flat = flatten(tensors).div_(dist.get_world_size(state.process_group))
-    count_bytes(state.counter, flat)
     # Collective: one all-reduce of every tensor (the exact gradients, or every matrix's P or Q) of this bucket.
-    dist.all_reduce(flat, group=state.process_group)
+    all_reduce(flat, state.counter, group=state.process_group)
     return unflatten(flat, tensors)
 
 

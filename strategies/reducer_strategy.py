@@ -336,15 +336,14 @@ class ReducerStrategy(BackwardSyncControl, Joinable, ProcessGroupStrategy):
             self._broadcast_buffers()
         return call_training_step(task, batch, batch_idx)
 
-    def _broadcast_buffers(self) -> bool:
-        """Give every rank `buffer_source`'s buffers, if buffers are broadcast; return whether they were."""
+    def _broadcast_buffers(self) -> None:
+        """Give every rank `buffer_source`'s buffers, if buffers are broadcast."""
         if not (self.broadcast_buffers and self._buffers):
-            return False
+            return
         # Collective: every rank's forward sees rank 0's buffers, as torch's DDP does (under join, the
         # highest rank's that still has data; the same broadcast on a joined rank and after the last round).
         broadcast_coalesced(self._buffers, src=self.buffer_source, counter=self.comm_counter)
         self._buffers_stale = False
-        return True
 
     def backward(self, loss: Tensor, *, sync: bool, retain_graph: bool = False) -> None:
         """Back-propagate `loss`; average gradients across ranks when `sync` is true and the stage averages them.

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from syncline.strategies.comm.counter import CommCounter, count_bytes
+from syncline.strategies.comm.counter import CommCounter
 from syncline.strategies.comm.hooks import GradBucket
 from syncline.strategies.comm.parameter_exchange import (
     PER_PARAMETER_OPTIMIZERS,
@@ -108,9 +108,8 @@ def reduce_scatter_hook(state: ReduceScatterState, bucket: GradBucket) -> Future
     full = torch.cat([buffer, buffer.new_zeros(padding)]) if padding else buffer
     parts = list(full.split(chunk))
     received = buffer.new_empty(world_size, chunk)
-    count_bytes(state.counter, *(part for peer, part in enumerate(parts) if peer != rank))
     # Collective (point to point, asynchronous): chunk j to rank j; every rank's version of this rank's chunk.
-    works = all_to_all_in_pieces(parts, list(received), group=state.process_group, async_op=True)
+    works = all_to_all_in_pieces(parts, list(received), group=state.process_group, async_op=True, counter=state.counter)
     start, stop = shard_range(buffer.numel(), rank, world_size)
 
     def write_chunk(_: Future[Any]) -> Tensor:
