@@ -47,7 +47,7 @@ from syncline.options import OptionError, check_int, check_number
 from syncline.strategies.comm.comm_thread import CommThread
 from syncline.strategies.comm.compression import ErrorFeedback, compressed_average
 from syncline.strategies.comm.counter import CommCounter
-from syncline.strategies.comm.flat import flatten, group_by_dtype, write_range
+from syncline.strategies.comm.flat import flatten, group_by_dtype, read_range, write_range
 from syncline.strategies.comm.transfers import all_reduce
 from syncline.strategies.model_averaging import ModelAveraging
 
@@ -237,7 +237,7 @@ class DiLoCo(ModelAveraging):
         """Δ_p = θ̃_p - θ_m,p, averaged over the ranks on the thread (or here, blocking)."""
         fragment = self._fragments[index]
         deltas = [
-            glob - flatten(group)[start:end]
+            glob - read_range(group, start, end)
             for group, (start, end), glob in zip(self._groups, fragment.spans, fragment.globals)
         ]
         if self._thread is not None:
@@ -288,7 +288,7 @@ class DiLoCo(ModelAveraging):
         for group, (start, end), glob in zip(self._groups, fragment.spans, fragment.globals):
             glob.grad = None
             # lerp(θ̃, θ, α) = θ̃ + α (θ - θ̃): exactly θ̃ for α = 0.
-            write_range(group, start, end, torch.lerp(glob, flatten(group)[start:end], self.alpha))
+            write_range(group, start, end, torch.lerp(glob, read_range(group, start, end), self.alpha))
 
     def _settle_in_flight(self) -> None:
         """Wait for the exchange in flight (every rank's thread ran it), keeping its result for its merge."""

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-__all__ = ["flatten", "flatten_by_dtype", "group_by_dtype", "unflatten", "unflatten_into", "write_range"]
+__all__ = ["flatten", "flatten_by_dtype", "group_by_dtype", "unflatten", "read_range", "unflatten_into", "write_range"]
 
 
 def group_by_dtype(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
@@ -47,6 +47,18 @@ def unflatten_into(tensors: list[Tensor], flat: Tensor) -> None:
 def flatten_by_dtype(tensors: Iterable[Tensor]) -> list[tuple[list[Tensor], Tensor]]:
     """Return, per (dtype, device), the tensors and one flat copy of them (what one collective sends)."""
     return [(group, flatten(group)) for group in group_by_dtype(tensors)]
+
+
+@torch.no_grad()
+def read_range(tensors: list[Tensor], start: int, end: int) -> Tensor:
+    """Return a copy of elements [start, end) of the flat concatenation of `tensors`, without flattening the rest."""
+    parts, offset = [], 0
+    for tensor in tensors:
+        first, last = max(start, offset), min(end, offset + tensor.numel())
+        if first < last:
+            parts.append(tensor.detach().view(-1)[first - offset : last - offset])
+        offset += tensor.numel()
+    return torch.cat(parts) if parts else tensors[0].detach().new_empty(0)
 
 
 @torch.no_grad()
