@@ -46,6 +46,8 @@ __all__ = [
 TIMELINE_ENV = "SYNCLINE_TIMELINE"
 #: The accelerators `Trainer(accelerator=...)` accepts, and the device type each means.
 ACCELERATORS = {"auto": None, "cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
+#: The values of `Trainer(recovery=...)`: restart from the newest checkpoint, or recover in place.
+RECOVERIES = ("checkpoint", "live")
 
 
 def check_options(options: dict[str, Any]) -> None:
@@ -83,8 +85,7 @@ def check_options(options: dict[str, Any]) -> None:
     check_int("Trainer", "num_sanity_val_steps", options["num_sanity_val_steps"], -1, meaning="-1 for all batches")
     check_int("Trainer", "seed", options["seed"], 0, none_ok=True)
     check_int("Trainer", "max_restarts", options["max_restarts"], 0, meaning="restarts of the worker group")
-    if options["recovery"] not in ("checkpoint", "live"):
-        raise OptionError(f'Trainer(recovery={options["recovery"]!r}): use "checkpoint" or "live".')
+    _check_choice("recovery", options["recovery"], RECOVERIES)
     for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
         limit = options[name]
         if limit == 1 and not isinstance(limit, bool):

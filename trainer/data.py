@@ -24,6 +24,7 @@ __all__ = [
     "epoch_batches",
     "eval_dataloaders",
     "limit_batches",
+    "loader_settings",
     "move_batch",
     "prepare_loader",
     "prepare_loaders",
@@ -112,7 +113,7 @@ def with_batch_indices(loader: Any) -> Any:
         return loader
     if isinstance(loader.batch_sampler, BatchIndexRecorder):
         return loader
-    return DataLoader(loader.dataset, batch_sampler=BatchIndexRecorder(loader.batch_sampler), **_settings(loader))
+    return DataLoader(loader.dataset, batch_sampler=BatchIndexRecorder(loader.batch_sampler), **loader_settings(loader))
 
 
 def _can_shard(loader: Any, sampler_kwargs: dict[str, int] | None) -> bool:
@@ -137,11 +138,15 @@ def _can_shard(loader: Any, sampler_kwargs: dict[str, int] | None) -> bool:
 def _with_sampler(loader: DataLoader, sampler: Sampler[int]) -> DataLoader:
     """Return a DataLoader like `loader` in every setting but its sampler."""
     return DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last, **_settings(loader)
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        drop_last=loader.drop_last,
+        **loader_settings(loader),
     )
 
 
-def _settings(loader: DataLoader) -> dict[str, Any]:
+def loader_settings(loader: DataLoader) -> dict[str, Any]:
     """`loader`'s settings other than its dataset and how it samples and batches, to build a copy with."""
     return {
         "num_workers": loader.num_workers,

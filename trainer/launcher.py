@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from syncline.trainer.task import Task
     from syncline.trainer.trainer import Trainer
 
-__all__ = ["WorkerFailedError", "free_port", "launch", "launched_by_torchrun"]
+__all__ = ["WorkerFailedError", "free_port", "launch", "launched_by_torchrun", "use_loopback_for_gloo"]
 
 #: Exit status of a worker that found the launch being re-entered while it imported the user's script.
 _UNGUARDED_EXIT = 87
@@ -346,15 +346,19 @@ def _loopback_interface() -> str | None:
     return None
 
 
+def use_loopback_for_gloo() -> None:
+    """Keep gloo's connections between the ranks on loopback, unless the environment names an interface."""
+    loopback = _loopback_interface()
+    if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+
+
 def _worker(stage: str, payload: str, stop_file: str) -> dict[str, Any] | None:
     """Entry point of one launched process: run the stage; return rank 0's result, record this rank's error."""
     from syncline.rng import restore_rng
     from syncline.trainer.preemption import TrainingPreempted
 
-    loopback = _loopback_interface()
-    if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
-        # gloo's connections between the ranks listen on this interface: keep them on loopback too.
-        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    use_loopback_for_gloo()
     # End with the launching process (whose pid came with the environment this process started with:
     # if it died while this one imported, the current parent is init), and take a teardown's SIGTERM for
     # what it is.

@@ -42,6 +42,7 @@ from syncline.callbacks.callback import Callback
 from syncline.rank_zero import rank_zero_info
 from syncline.rng import capture_rng
 from syncline.strategies.comm.reducer_errors import CollectiveError
+from syncline.trainer.data import loader_settings
 from syncline.trainer.live_launch import LiveMembership, MembershipError
 
 if TYPE_CHECKING:
@@ -49,10 +50,8 @@ if TYPE_CHECKING:
     from syncline.trainer.task import Task
     from syncline.trainer.trainer import Trainer
 
-__all__ = ["LiveRecovery", "LiveShardSampler", "RECOVERIES"]
+__all__ = ["LiveRecovery", "LiveShardSampler"]
 
-#: The values of `Trainer(recovery=...)`.
-RECOVERIES = ("checkpoint", "live")
 #: Rounds a recovery may take (a member dying while the others heal starts another) before it gives up.
 _MAX_ROUNDS = 4
 #: Seconds between rank 0's looks for replacements waiting to be admitted.
@@ -171,11 +170,7 @@ class LiveRecovery:
                     rank_zero_info(f"Live recovery: admitting a replacement after step {self.trainer.global_step}.")
                     self.recover(loop)
                 except Exception as error:
-                    if not _peer_lost(error):
-                        raise
-                    notice = self._failure_notice()
-                    if notice:
-                        raise RuntimeError(notice) from None
+                    self._raise_unless_recoverable(error)
                     self.recover(loop)
 
         return run_epoch
@@ -229,11 +224,7 @@ class LiveRecovery:
                 if self.has_state or time.monotonic() > deadline:
                     raise
             except Exception as error:
-                if not _peer_lost(error):
-                    raise
-                notice = self._failure_notice()
-                if notice:
-                    raise RuntimeError(notice) from None
+                self._raise_unless_recoverable(error)
                 lost += 1
                 if lost >= _MAX_ROUNDS:
                     raise MembershipError(f"Live recovery gave up: {lost} rounds in a row lost a member.") from None
@@ -366,19 +357,21 @@ class LiveRecovery:
             trainer.world_size,
             trainer.global_rank,
         )
+        # Every setting of the user's loader but its sampler (and drop_last: the shards cover every sample).
         trainer.train_dataloader = DataLoader(
-            loader.dataset,
-            batch_size=loader.batch_size,
-            sampler=sampler,
-            num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory,
+            loader.dataset, batch_size=loader.batch_size, sampler=sampler, **loader_settings(loader)
         )
         trainer.num_training_batches = trainer.state.batch_idx + sampler.remaining_batches()
 
-    def _failure_notice(self) -> str | None:
+    def _raise_unless_recoverable(self, error: Exception) -> None:
+        """Re-raise `error` unless a collective lost a peer; where a rank of the job failed on purpose (a raise,
+        not a death), raise its notice instead, so the job ends naming that rank."""
+        if not _peer_lost(error):
+            raise error
         time.sleep(_NOTICE_WAIT_S)
-        return self.membership.failure()
+        notice = self.membership.failure()
+        if notice:
+            raise RuntimeError(notice) from None
 
 
 def _peer_lost(error: BaseException) -> bool:

@@ -167,12 +167,10 @@ def _live_worker(stage: str, payload: str) -> dict[str, Any] | None:
     """One replica's process: join the live group, run the stage, return the result if this ends as rank 0."""
     from syncline.rng import restore_rng
     from syncline.strategies.comm import worker_guard
-    from syncline.trainer.launcher import _loopback_interface
+    from syncline.trainer.launcher import use_loopback_for_gloo
     from syncline.trainer.live import LiveRecovery
 
-    loopback = _loopback_interface()
-    if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
-        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    use_loopback_for_gloo()
     worker_guard.start()
     if os.environ.get("SYNCLINE_LIVE_LOGS"):
         import faulthandler
