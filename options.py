@@ -24,6 +24,7 @@ __all__ = [
     "check_int",
     "check_number",
     "check_passthrough",
+    "type_hints",
 ]
 
 
@@ -94,7 +95,7 @@ def check_arguments(owner: str, function: Callable[..., Any], arguments: Mapping
     Raises:
         OptionError: naming `owner`, the argument, its value and the type it must have.
     """
-    hints = _hints(function)
+    hints = type_hints(function)
     for name, value in arguments.items():
         hint = hints.get(name)
         if hint is not None and not _mentions_a_number(hint) and not _matches(value, hint):
@@ -143,7 +144,7 @@ def _a(noun: str) -> str:
     return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
-def _hints(function: Callable[..., Any]) -> dict[str, Any]:
+def type_hints(function: Callable[..., Any]) -> dict[str, Any]:
     """The parameters' annotations of `function`, evaluated; one that cannot be (a TYPE_CHECKING name) is left out."""
     try:
         return typing.get_type_hints(function)

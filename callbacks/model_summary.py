@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from syncline.callbacks.callback import Callback
-from syncline.options import MisconfigurationException
 from syncline.rank_zero import rank_zero_info
 from syncline.trainer.model_summary import ModelSummary as Summary
+from syncline.trainer.model_summary import check_max_depth
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -29,8 +29,7 @@ class ModelSummary(Callback):
     reads_parameters = False
 
     def __init__(self, max_depth: int = 1) -> None:
-        if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < -1:
-            raise MisconfigurationException(f"`max_depth` can be -1, 0 or > 0, got {max_depth!r}.")
+        check_max_depth(max_depth)
         self._max_depth = max_depth
 
     def on_fit_start(self, trainer: Trainer, task: Task) -> None:

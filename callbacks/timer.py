@@ -79,8 +79,9 @@ class Timer(Callback):
 
     def time_elapsed(self, stage: str = "train") -> float:
         """Return the seconds `stage` has run (until now if it is running); training includes the resumed time."""
-        start, end = self.start_time(stage), self.end_time(stage)
-        offset = self._offset if _stage(stage) == "train" else 0.0
+        stage = _stage(stage)
+        start, end = self._start[stage], self._end[stage]
+        offset = self._offset if stage == "train" else 0.0
         if start is None:
             return offset
         return (time.monotonic() if end is None else end) - start + offset
@@ -89,32 +90,29 @@ class Timer(Callback):
         """Return the seconds left of `duration` for `stage` (None without a duration)."""
         return None if self._duration is None else self._duration - self.time_elapsed(stage)
 
-    def _mark(self, times: dict[str, float | None], stage: str) -> None:
-        times[stage] = time.monotonic()
-
     def on_train_start(self, trainer: Trainer, task: Task) -> None:
         """Start the training clock."""
-        self._mark(self._start, "train")
+        self._start["train"] = time.monotonic()
 
     def on_train_end(self, trainer: Trainer, task: Task) -> None:
         """Stop the training clock."""
-        self._mark(self._end, "train")
+        self._end["train"] = time.monotonic()
 
     def on_validation_start(self, trainer: Trainer, task: Task) -> None:
         """Start the validation clock."""
-        self._mark(self._start, "validate")
+        self._start["validate"] = time.monotonic()
 
     def on_validation_end(self, trainer: Trainer, task: Task) -> None:
         """Stop the validation clock."""
-        self._mark(self._end, "validate")
+        self._end["validate"] = time.monotonic()
 
     def on_test_start(self, trainer: Trainer, task: Task) -> None:
         """Start the test clock."""
-        self._mark(self._start, "test")
+        self._start["test"] = time.monotonic()
 
     def on_test_end(self, trainer: Trainer, task: Task) -> None:
         """Stop the test clock."""
-        self._mark(self._end, "test")
+        self._end["test"] = time.monotonic()
 
     def on_fit_start(self, trainer: Trainer, task: Task) -> None:
         """Stop at once when a resumed run has spent its budget already."""

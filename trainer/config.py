@@ -9,11 +9,9 @@ defaults, and their help from its docstring), for every class in `strategies.STR
 starts: registering a strategy is all it takes to make it selectable as ``strategy=<name>``.
 """
 
-import contextlib
 import dataclasses
 import inspect
 import re
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
 
+from syncline.options import type_hints
 from syncline.strategies.registry import STRATEGIES
 from syncline.trainer.trainer import Trainer
 
@@ -96,7 +95,7 @@ def _options(cls: type) -> dict[str, tuple[Any, Any]]:
         init = base.__dict__.get("__init__")
         if init is None:
             continue
-        hints = _hints(init)
+        hints = type_hints(init)
         takes_more = False
         for option, parameter in inspect.signature(init).parameters.items():
             if parameter.kind is inspect.Parameter.VAR_KEYWORD:
@@ -109,19 +108,6 @@ def _options(cls: type) -> dict[str, tuple[Any, Any]]:
     for option, default in getattr(cls, "passthrough_options", {}).items():
         options.setdefault(option, (type(default), default))
     return options
-
-
-def _hints(function: Any) -> dict[str, Any]:
-    """The resolved annotations of `function` (an unresolvable one, a TYPE_CHECKING import, is left out)."""
-    try:
-        return typing.get_type_hints(function)
-    except NameError:
-        namespace = vars(sys.modules[function.__module__])
-        hints = {}
-        for option, annotation in function.__annotations__.items():
-            with contextlib.suppress(Exception):
-                hints[option] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
-        return hints
 
 
 _PLAIN = (int, float, bool, str)

@@ -8,7 +8,7 @@ from torch import nn
 
 from syncline.options import MisconfigurationException
 
-__all__ = ["ModelSummary", "human_readable_count", "summarize"]
+__all__ = ["ModelSummary", "check_max_depth", "human_readable_count", "summarize"]
 
 _UNITS = ("", "K", "M", "B", "T")
 
@@ -20,6 +20,16 @@ def human_readable_count(number: float) -> str:
     power = min(int(math.log10(number) // 3), len(_UNITS) - 1)
     scaled = number / 1000**power
     return f"{scaled:,.1f} {_UNITS[power]}" if scaled < 100 else f"{scaled:,.0f} {_UNITS[power]}"
+
+
+def check_max_depth(max_depth: int) -> None:
+    """Refuse a `max_depth` that is not an int >= -1 (-1: every module, 0: none, n: n levels).
+
+    Raises:
+        MisconfigurationException: naming the value.
+    """
+    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < -1:
+        raise MisconfigurationException(f"`max_depth` can be -1, 0 or > 0, got {max_depth!r}.")
 
 
 class ModelSummary:
@@ -35,8 +45,7 @@ class ModelSummary:
     """
 
     def __init__(self, model: nn.Module, max_depth: int = 1) -> None:
-        if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < -1:
-            raise MisconfigurationException(f"`max_depth` can be -1, 0 or > 0, got {max_depth!r}.")
+        check_max_depth(max_depth)
         self._model = model
         self._max_depth = max_depth
         named = [] if max_depth == 0 else list(model.named_modules())[1:]

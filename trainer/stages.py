@@ -88,7 +88,7 @@ def _reload_fit_data(trainer: Trainer, train_dataloaders: Any, val_dataloaders: 
     """Ask for the loaders again when `epochs_run` epochs of this fit are a multiple of
     `reload_dataloaders_every_n_epochs` (Lightning's rule: every n epochs after the fit's first)."""
     every = trainer.reload_dataloaders_every_n_epochs
-    if every and epochs_run and epochs_run % every == 0:
+    if epochs_run and epochs_run % every == 0:
         _load_fit_data(trainer, train_dataloaders, val_dataloaders, warn=False)
 
 
