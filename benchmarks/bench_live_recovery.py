@@ -10,8 +10,8 @@ with the death minus that of the clean fit of the same mode, run back to back; m
     python -m benchmarks live-recovery [--devices 3] [--batches 30] [--step-s 0.1] [--kill-at 12]
                                        [--checkpoint-every 10] [--repeats 3] [--out f.json]
 
-On the lab's nodes (one launcher per node, torchrun) the same comparison needs the multi-node launch path,
-which live recovery does not have yet; this script measures one machine.
+This script measures one machine; `python -m benchmarks lab live-recovery` measures lab nodes (one launcher per
+node under "live", torchrun under "checkpoint") on shaped links.
 """
 
 from __future__ import annotations

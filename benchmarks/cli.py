@@ -53,6 +53,7 @@ LAB_COMMANDS: dict[str, str] = {
     "tradeoff": ".lab.tradeoff",
     "deferred-update": ".lab.deferred_update",
     "faults": ".lab.faults",
+    "live-recovery": ".lab.live_recovery",
 }
 _HIDDEN = {"example-run", "gpt2-train"}
 

@@ -86,6 +86,8 @@ def check_options(options: dict[str, Any]) -> None:
     check_int("Trainer", "seed", options["seed"], 0, none_ok=True)
     check_int("Trainer", "max_restarts", options["max_restarts"], 0, meaning="restarts of the worker group")
     _check_choice("recovery", options["recovery"], RECOVERIES)
+    check_int("Trainer", "num_nodes", options["num_nodes"], 1, meaning="machines, each running this script")
+    _check_nodes(options["num_nodes"], options["recovery"])
     for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
         limit = options[name]
         if limit == 1 and not isinstance(limit, bool):
@@ -166,6 +168,26 @@ def add_timer(callbacks: list[Callback], max_time: Any) -> None:
     if any(isinstance(c, Timer) for c in callbacks):
         raise OptionError("Trainer(max_time=...) adds a Timer, and callbacks has one too: pass only one of them.")
     callbacks.insert(0, Timer(duration=max_time, interval="step"))
+
+
+def _check_nodes(num_nodes: int, recovery: str) -> None:
+    """Several nodes are launched by the Trainer under ``recovery="live"`` only; torchrun's agent cannot run it."""
+    from syncline.trainer.launcher import launched_by_torchrun
+    from syncline.trainer.live_launch import inside_live_worker
+
+    if inside_live_worker():
+        return
+    if recovery == "live" and launched_by_torchrun():
+        raise OptionError(
+            'Trainer(recovery="live") under torchrun: torchrun\'s agent restarts every worker of every node after '
+            "any failure. Start the script itself on each node instead (python train.py, with MASTER_ADDR, "
+            'MASTER_PORT and NODE_RANK set) with Trainer(num_nodes=N, recovery="live").'
+        )
+    if num_nodes > 1 and recovery != "live" and not launched_by_torchrun():
+        raise OptionError(
+            f'Trainer(num_nodes={num_nodes}) launches the nodes itself under recovery="live" only; with '
+            f'recovery="checkpoint", run each node under torchrun --nnodes {num_nodes} --node-rank i.'
+        )
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

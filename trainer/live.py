@@ -42,7 +42,7 @@ from syncline.callbacks.callback import Callback
 from syncline.rank_zero import rank_zero_info
 from syncline.rng import capture_rng
 from syncline.strategies.comm.reducer_errors import CollectiveError
-from syncline.trainer.data import loader_settings
+from syncline.trainer.data import limit_batches, loader_settings
 from syncline.trainer.live_launch import LiveMembership, MembershipError
 
 if TYPE_CHECKING:
@@ -72,7 +72,8 @@ class LiveShardSampler(DistributedSampler):
     """This rank's share of the rest of an epoch, after `skip_batches` batches it already trained.
 
     The epoch is one sequence of the data set's indices (a permutation from ``seed + epoch`` when
-    shuffling); `consumed` of them are trained. The rest is read in global batches of
+    shuffling), of which the first `end` are trained (all of them unless `limit_train_batches` caps the
+    epoch); `consumed` of them are trained. The rest is read in global batches of
     ``world_size * batch_size``, rank r taking the r-th `batch_size` slice of each; the last global
     batch wraps around to the sequence's start so that every rank has the same number of batches.
     The first ``skip_batches * batch_size`` indices only fill the batches the loop skips on re-entry.
@@ -80,11 +81,12 @@ class LiveShardSampler(DistributedSampler):
 
     def __init__(
         self, size: int, batch_size: int, shuffle: bool, seed: int, epoch: int, consumed: int, skip_batches: int,
-        world_size: int, rank: int,
+        world_size: int, rank: int, end: int | None = None,
     ) -> None:  # fmt: skip
         # A DistributedSampler by type (the loop then knows every rank has as many batches), not by its init.
         self.size, self.batch_size, self.shuffle, self.seed, self.epoch = size, batch_size, shuffle, seed, epoch
         self.consumed, self.skip_batches, self.world_size, self.rank = consumed, skip_batches, world_size, rank
+        self.end = size if end is None else min(end, size)
 
     def order(self) -> list[int]:
         """The epoch's sequence of sample indices."""
@@ -96,11 +98,11 @@ class LiveShardSampler(DistributedSampler):
 
     def remaining_batches(self) -> int:
         """Batches per rank of the rest of the epoch."""
-        return math.ceil(max(self.size - self.consumed, 0) / (self.world_size * self.batch_size))
+        return math.ceil(max(self.end - self.consumed, 0) / (self.world_size * self.batch_size))
 
     def __iter__(self) -> Iterator[int]:
         order = self.order()
-        rest = order[self.consumed :]
+        rest = order[self.consumed : self.end]
         span = self.world_size * self.batch_size
         total = self.remaining_batches() * span
         padded = (rest + order * (1 + total // max(len(order), 1)))[:total]
@@ -225,6 +227,8 @@ class LiveRecovery:
                     raise
             except Exception as error:
                 self._raise_unless_recoverable(error)
+                # A member is gone, or the store that tells who is left: that one ends the run (StoreLostError).
+                self.membership.check_store()
                 lost += 1
                 if lost >= _MAX_ROUNDS:
                     raise MembershipError(f"Live recovery gave up: {lost} rounds in a row lost a member.") from None
@@ -339,6 +343,18 @@ class LiveRecovery:
         self.segment_world = self.trainer.world_size
         self._install_sampler()
 
+    def _epoch_samples(self) -> int:
+        """The samples an epoch trains: all, or what `limit_train_batches` gives the run's full world.
+
+        The limit counts batches per rank of the world the run was launched with, so the epoch holds as many
+        samples after a member is lost (its rest re-sharded over fewer ranks: more batches each) as before.
+        """
+        size, batch = len(self._loader.dataset), int(self._loader.batch_size or 1)  # type: ignore[arg-type]
+        world = self.membership.replicas
+        per_rank = math.ceil(size / (world * batch))
+        limited = limit_batches(range(per_rank), self.trainer.limit_train_batches, "limit_train_batches")
+        return min(size, int(limited) * world * batch)
+
     def _consumed_now(self) -> int:
         """Samples of the epoch trained in steps that were taken (this rank's completed batches, every rank's)."""
         batch = int(self._loader.batch_size or 1)
@@ -356,6 +372,7 @@ class LiveRecovery:
             trainer.state.batch_idx,
             trainer.world_size,
             trainer.global_rank,
+            self._epoch_samples(),
         )
         # Every setting of the user's loader but its sampler (and drop_last: the shards cover every sample).
         trainer.train_dataloader = DataLoader(
@@ -367,6 +384,7 @@ class LiveRecovery:
         """Re-raise `error` unless a collective lost a peer; where a rank of the job failed on purpose (a raise,
         not a death), raise its notice instead, so the job ends naming that rank."""
         if not _peer_lost(error):
+            self.membership.check_store()  # a failed store call (rendezvous, admission) means the store is gone
             raise error
         time.sleep(_NOTICE_WAIT_S)
         notice = self.membership.failure()

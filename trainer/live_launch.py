@@ -4,7 +4,8 @@ Engine: torch.distributed's own pieces, not torchft. Each replica is a one-proce
 torch elastic agent (`elastic_launch`, as torchrun runs it), so that the agent restarts that worker alone when
 it dies: torch's `LocalElasticAgent` stops and restarts *every* worker it watches on any failure, which is
 exactly the restart-from-disk this path avoids. The replicas find each other through one `TCPStore`, hosted
-by the launching process (on a cluster: whatever host runs the store), with torch elastic's
+by the launching process (with `num_nodes` > 1: node 0's launcher, on MASTER_ADDR:MASTER_PORT, where torchrun's
+c10d rendezvous endpoint would be; each node runs a launcher of its own), with torch elastic's
 `DynamicRendezvousHandler` over it (the c10d backend torchrun uses): it decides who is in each round, notices
 a dead member by its missed keep-alives, keeps a newcomer on its wait list until the members open a new round,
 and gives every round a store of its own, from which a fresh gloo/NCCL default group is made. No transport or
@@ -27,6 +28,7 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -46,7 +48,14 @@ if TYPE_CHECKING:
     from syncline.trainer.task import Task
     from syncline.trainer.trainer import Trainer
 
-__all__ = ["LiveMembership", "MembershipError", "check_live_recovery", "launch_live"]
+__all__ = [
+    "LiveMembership",
+    "MembershipError",
+    "StoreLostError",
+    "check_live_recovery",
+    "inside_live_worker",
+    "launch_live",
+]
 
 #: Seconds between a member's keep-alives, and how many it may miss before the others count it dead.
 KEEP_ALIVE_S = 1
@@ -58,14 +67,37 @@ _ARRIVED = "syncline/live/arrived"
 _FAILED = "syncline/live/failed"
 _REPLACEMENTS = "syncline/live/replacements"
 _ADMIT = "syncline/live/admit"
+#: Store keys a multi-node run's launchers agree through: the run's id, its shape, and how often each node started.
+_RUN = "syncline/live/run"
+_SHAPE = "syncline/live/shape"
+_NODE = "syncline/live/node"
+#: Seconds a store call may take before the store counts as gone (node 0's launcher died or was cut off).
+_STORE_TIMEOUT = timedelta(seconds=60)
 #: Environment variables a replica's worker reads to find the job.
 _STORE_ENV = "SYNCLINE_LIVE_STORE"
 _REPLICAS_ENV = "SYNCLINE_LIVE_REPLICAS"
 _RUN_ENV = "SYNCLINE_LIVE_RUN"
+_NODES_ENV = "SYNCLINE_LIVE_NODES"
+_NODE_ENV = "SYNCLINE_LIVE_NODE"
+_JOIN_ENV = "SYNCLINE_LIVE_JOIN"
+#: What every node of a multi-node live run is started with (Lightning's general cluster's variables).
+_ADDR_ENV, _PORT_ENV, _NODE_RANK_ENV = "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"
 
 
 class MembershipError(RuntimeError):
     """The live group cannot go on: no member holds the training state, or the restarts are used up."""
+
+
+class StoreLostError(RuntimeError):
+    """The run's store is gone (the launcher hosting it died or was cut off): the run cannot recover without it."""
+
+    def __init__(self, address: str, nodes: int, cause: BaseException | str) -> None:
+        host = "node 0's launcher" if nodes > 1 else "the launching process"
+        super().__init__(
+            f"The live run's store at {address}, hosted by {host}, is gone ({str(cause).splitlines()[0][:200]}). "
+            "Membership and healing need it, as torchrun's c10d rendezvous endpoint is needed: every member ends. "
+            'Restart every node and resume with ckpt_path="last" (keep a ModelCheckpoint(save_last=True) for this).'
+        )
 
 
 def check_live_recovery(strategy: Any) -> None:
@@ -80,57 +112,157 @@ def check_live_recovery(strategy: Any) -> None:
 
 
 # ------------------------------------------------------------------ launching side
-def launch_live(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> Any:
-    """Run `stage` on `trainer.devices` replicas that survive each other's deaths; return rank 0's result.
+@dataclass
+class _Job:
+    """Where this launcher's replicas find the run: its store, its id, and this node's place in it."""
+
+    store: dist.TCPStore
+    address: str
+    run_id: str
+    replicas: int
+    nodes: int
+    node: int
+    #: Whether this node was started before in this run (and lost): its replicas join the members live.
+    rejoin: bool
+
+
+def inside_live_worker() -> bool:
+    """Whether this process is a replica's worker of a live run."""
+    return _STORE_ENV in os.environ
+
+
+def _node_environ(nodes: int) -> tuple[str, int, int]:
+    """Node 0's address and port and this node's rank, from the environment every node is started with."""
+    from syncline.options import OptionError
+
+    missing = [name for name in (_ADDR_ENV, _PORT_ENV, _NODE_RANK_ENV) if not os.environ.get(name)]
+    if missing:
+        raise OptionError(
+            f'Trainer(num_nodes={nodes}, recovery="live") runs this script on every node, each with MASTER_ADDR '
+            "and MASTER_PORT (node 0's address and a free port on it, where node 0 hosts the run's store) and "
+            f"NODE_RANK (0 to {nodes - 1}) set; missing here: {', '.join(missing)}."
+        )
+    node = int(os.environ[_NODE_RANK_ENV])
+    if not 0 <= node < nodes:
+        raise OptionError(f"NODE_RANK={node}, but Trainer(num_nodes={nodes}) numbers the nodes 0 to {nodes - 1}.")
+    return os.environ[_ADDR_ENV], int(os.environ[_PORT_ENV]), node
+
+
+def _connect(trainer: Trainer) -> _Job:
+    """Host the run's store (one node: on 127.0.0.1; several: node 0, at MASTER_ADDR:MASTER_PORT) or join it.
 
     Raises:
-        WorkerFailedError: a worker raised (the job ends, naming it), or every replica died.
+        MembershipError: this node cannot reach node 0's store, or its Trainer differs from node 0's in shape.
+    """
+    from syncline.trainer.launcher import free_port
+
+    nodes, devices = trainer.num_nodes, trainer.devices
+    if nodes == 1:
+        port = free_port()
+        # The store outlives every worker: it holds the rendezvous state and the job's failure notice.
+        store = dist.TCPStore("127.0.0.1", port, None, True, timeout=_STORE_TIMEOUT, wait_for_workers=False)
+        return _Job(store, f"127.0.0.1:{port}", uuid.uuid4().hex[:8], devices, 1, 0, False)
+    host, port, node = _node_environ(nodes)
+    try:
+        # Node 0 listens on every interface, as torchrun's c10d endpoint does; the others wait for it to come up.
+        wait = timedelta(seconds=float(getattr(trainer.strategy, "timeout", 300.0)))
+        store = dist.TCPStore(host, port, None, node == 0, timeout=wait, wait_for_workers=False)
+        shape = f"{nodes} nodes x {devices} devices"
+        if node == 0:
+            store.set(_RUN, uuid.uuid4().hex[:8])
+            store.set(_SHAPE, shape)
+        run_id, theirs = store.get(_RUN).decode(), store.get(_SHAPE).decode()
+        rejoin = store.add(f"{_NODE}{node}", 1) > 1
+    except (RuntimeError, dist.DistError) as error:
+        what = "host" if node == 0 else "reach"
+        raise MembershipError(f"Node {node} could not {what} the live run's store at {host}:{port}: {error}") from None
+    if theirs != shape:
+        raise MembershipError(f"Node {node} runs {shape}, but node 0 runs {theirs}: start every node alike.")
+    store.set_timeout(_STORE_TIMEOUT)
+    return _Job(store, f"{host}:{port}", run_id, nodes * devices, nodes, node, rejoin)
+
+
+def launch_live(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> Any:
+    """Run `stage` on `trainer.devices` replicas (per node) that survive each other's deaths; return rank 0's result
+    (on another node than rank 0's, the result of this node's lowest rank).
+
+    Raises:
+        WorkerFailedError: a worker raised (the job ends, naming it), every replica of this node died, or the
+            run's store (node 0's launcher) is gone.
+        TrainingPreempted: the workers stopped on a preemption signal and saved a checkpoint.
     """
     from syncline.rng import capture_rng
-    from syncline.trainer.launcher import WorkerFailedError, free_port
+    from syncline.trainer.launcher import WorkerFailedError, _reaped, _stop_gracefully
+    from syncline.trainer.preemption import TrainingPreempted
 
-    replicas = trainer.devices
-    trainer.strategy.check_world_size(replicas)
-    port = free_port()
-    # The store outlives every worker: it holds the rendezvous state and the job's failure notice.
-    store = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    job = _connect(trainer)
+    trainer.strategy.check_world_size(job.replicas)
+    # Ctrl-C and the preemption signal to this process: every replica stops after the same step with last.ckpt.
+    graceful = ["SIGINT"] + [s.name for s in trainer.preemption.signals if s != signal.SIGINT and stage == "fit"]
     context = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="syncline-live-") as folder:
+    launch_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    with tempfile.TemporaryDirectory(prefix="syncline-live-") as folder, _reaped(launch_id):
         payload = Path(folder, "payload.pkl")
         payload.write_bytes(pickle.dumps((trainer, task, kwargs, capture_rng())))
-        env = {_STORE_ENV: f"127.0.0.1:{port}", _REPLICAS_ENV: str(replicas), _RUN_ENV: uuid.uuid4().hex[:8]}
+        stop_file = str(Path(folder, "stop"))
+        env = {
+            _STORE_ENV: job.address,
+            _REPLICAS_ENV: str(job.replicas),
+            _RUN_ENV: job.run_id,
+            _NODES_ENV: str(job.nodes),
+            _JOIN_ENV: "1" if job.rejoin else "0",
+            _NODE_ENV: str(job.node),
+        }
         agents = [
-            context.Process(target=_replica_agent, args=(i, stage, str(payload), folder, env), daemon=False)
-            for i in range(replicas)
+            context.Process(
+                target=_replica_agent, args=(i, stage, str(payload), folder, env, stop_file, graceful), daemon=False
+            )
+            for i in range(trainer.devices)
         ]
-        for agent in agents:
-            agent.start()
         try:
-            for agent in agents:
-                agent.join()
+            with _stop_gracefully(graceful, stop_file):
+                for agent in agents:
+                    agent.start()
+                for agent in agents:
+                    agent.join()
         finally:
             for agent in agents:
                 if agent.is_alive():
-                    agent.terminate()
+                    agent.kill()  # an agent ignores the graceful signals (its worker takes them)
                     agent.join(10)
         outcomes = []
         for path in sorted(Path(folder).glob("result-*.pkl")):
             with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError):
                 outcomes.append(pickle.loads(path.read_bytes()))
-    failed = store.get(_FAILED).decode() if store.check([_FAILED]) else ""
-    del store
+    finished = sorted((o for o in outcomes if o is not None), key=lambda o: o.get("rank", 0))
+    failed = _failure_notice(job.store) or next((o["failed"] for o in finished if o.get("failed")), "")
+    del job.store
     if failed:
         raise WorkerFailedError(failed)
-    finished = [outcome for outcome in outcomes if outcome is not None]
     if not finished:
         codes = ", ".join(f"replica {i}: exit {a.exitcode}" for i, a in enumerate(agents))
-        raise WorkerFailedError(f"Every replica of the live {stage} died ({codes}); no result to return.")
+        where = f" on node {job.node}" if job.nodes > 1 else ""
+        raise WorkerFailedError(f"Every replica of the live {stage}{where} died ({codes}); no result to return.")
     outcome = finished[0]
     trainer.apply_worker_result(task, outcome)
+    if outcome.get("preempted"):
+        # The workers' output goes to their log files: say it here, as rank 0 says it under `launch`.
+        print(f"preempted: {outcome['preempted']}", file=sys.stderr, flush=True)
+        raise TrainingPreempted(outcome["preempted"], announced=True)
     return outcome["return"]
 
 
-def _replica_agent(replica: int, stage: str, payload: str, folder: str, env: dict[str, str]) -> None:
+def _failure_notice(store: dist.Store) -> str:
+    """The job's failure notice ("" if none, or if the store is gone: the replicas then said why themselves)."""
+    with contextlib.suppress(Exception):
+        if store.check([_FAILED]):
+            return store.get(_FAILED).decode()
+    return ""
+
+
+def _replica_agent(
+    replica: int, stage: str, payload: str, folder: str, env: dict[str, str], stop_file: str, graceful: list[str]
+) -> None:
     """Run one replica under its own elastic agent, which restarts this replica alone when it dies."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -138,11 +270,15 @@ def _replica_agent(replica: int, stage: str, payload: str, folder: str, env: dic
     from syncline.trainer.launcher import _quiet_elastic, free_port
     from syncline.trainer.loopback_rendezvous import LOOPBACK_BACKEND, register
 
+    # Ctrl-C and the preemption signal are the worker's to take (it stops after the step with last.ckpt), not
+    # the agent's (it would kill its worker).
+    for name in graceful:
+        signal.signal(signal.Signals[name], signal.SIG_IGN)
     register()
     trainer = pickle.loads(Path(payload).read_bytes())[0]
     os.environ.update(env)
     logs = Path(os.environ.get("SYNCLINE_LIVE_LOGS") or folder, f"logs-{replica}")
-    logs.mkdir(parents=True)
+    logs.mkdir(parents=True, exist_ok=True)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -153,41 +289,55 @@ def _replica_agent(replica: int, stage: str, payload: str, folder: str, env: dic
         max_restarts=trainer.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        signals_to_handle=",".join(s for s in ("SIGTERM", "SIGHUP", "SIGQUIT") if s not in graceful),
         logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL),
     )
     with _quiet_elastic():
         try:
-            results = elastic_launch(config, _live_worker)(stage, payload)
+            results = elastic_launch(config, _live_worker)(stage, payload, stop_file)
         except Exception:
             results = {0: None}
     Path(folder, f"result-{replica}.pkl").write_bytes(pickle.dumps(results.get(0)))
 
 
-def _live_worker(stage: str, payload: str) -> dict[str, Any] | None:
-    """One replica's process: join the live group, run the stage, return the result if this ends as rank 0."""
+def _live_worker(stage: str, payload: str, stop_file: str) -> dict[str, Any] | None:
+    """One replica's process: join the live group, run the stage, return the result if this ends as rank 0 (or
+    as the lowest rank of its node, with several nodes)."""
     from syncline.rng import restore_rng
     from syncline.strategies.comm import worker_guard
     from syncline.trainer.launcher import use_loopback_for_gloo
     from syncline.trainer.live import LiveRecovery
+    from syncline.trainer.preemption import TrainingPreempted
 
-    use_loopback_for_gloo()
-    worker_guard.start()
+    if int(os.environ[_NODES_ENV]) == 1:
+        use_loopback_for_gloo()  # several nodes: gloo uses GLOO_SOCKET_IFNAME, or the host name's interface
+    worker_guard.start(stop_file)
     if os.environ.get("SYNCLINE_LIVE_LOGS"):
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ.get("SYNCLINE_LIVE_DUMP_S", "60")), exit=True)
     _debug("worker started")
-    membership = LiveMembership.from_environ()
+    preempted = None
+    membership: LiveMembership | None = None
     try:
+        membership = LiveMembership.from_environ()
         trainer, task, kwargs, rng = pickle.loads(Path(payload).read_bytes())
         if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // membership.replicas))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // trainer.devices))
         restore_rng(rng)
         if membership.replacement:
             trainer.num_sanity_val_steps = 0  # the members it joins are mid-training: no validation to match
         membership.start(trainer.max_restarts, trainer.strategy)
         trainer.live = LiveRecovery(trainer, membership)
-        returned = getattr(trainer, stage)(task, **kwargs)
+        try:
+            returned = getattr(trainer, stage)(task, **kwargs)
+        except TrainingPreempted as stop:
+            # A clean stop (every member saved last.ckpt at the same step), not a death: no replacement.
+            returned, preempted = None, str(stop)
+    except StoreLostError as error:
+        # Node 0's launcher (the store) is gone: no member can be told apart from a dead one any more.
+        print(f"syncline: {error}", file=sys.stderr, flush=True)
+        return {"failed": str(error), "rank": -1}
     except (MembershipError, RendezvousClosedError):
         # A replacement that came too late (the run ended, or the restarts are used up): nothing to report.
         return None
@@ -195,6 +345,8 @@ def _live_worker(stage: str, payload: str) -> dict[str, Any] | None:
         # A raise is the task's or the configuration's: the job ends, naming this rank (no replacement).
         import traceback
 
+        if membership is None:
+            raise
         membership.announce(
             f"Worker rank {membership.rank} failed during {stage}: {type(error).__name__} in this traceback:\n"
             f"{traceback.format_exc().rstrip()}"
@@ -204,10 +356,11 @@ def _live_worker(stage: str, payload: str) -> dict[str, Any] | None:
             dist.destroy_process_group()
         return None
     worker_guard.stage_finished()
+    rank, first_here = membership.rank, membership.lowest_rank_of_node()
     membership.close()
-    if membership.rank != 0:
+    if rank != 0 and not first_here:
         return None
-    return trainer.worker_result(task, returned)
+    return {**trainer.worker_result(task, returned), "preempted": preempted, "rank": rank}
 
 
 # -------------------------------------------------------------------- worker side
@@ -227,23 +380,62 @@ class LiveMembership:
         run_id: keeps this job's rendezvous apart from any other on the store.
     """
 
-    def __init__(self, store: dist.Store, replicas: int, run_id: str) -> None:
+    def __init__(
+        self, store: dist.Store, replicas: int, run_id: str, address: str = "", nodes: int = 1, node: int = 0
+    ) -> None:
         self.store = store
         self.replicas = replicas
         self.run_id = run_id
+        self.address, self.nodes, self.node = address, nodes, node
         self.round: _Round | None = None
         self.backend = "gloo"
         self.timeout = 300.0
-        #: Whether this process started as a replacement (its agent restarted it after a death).
-        self.replacement = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        #: Whether its agent restarted this process after a death (a replacement counted by `max_restarts`).
+        self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        #: Whether this process joins members already training: restarted, or on a node started again.
+        self.replacement = self.restarted or os.environ.get(_JOIN_ENV) == "1"
         self._handler: DynamicRendezvousHandler | None = None
 
     @classmethod
     def from_environ(cls) -> LiveMembership:
-        """Connect to the job's store as `launch_live` described it in the environment."""
-        host, port = os.environ[_STORE_ENV].rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), None, False, timeout=timedelta(seconds=60))
-        return cls(store, int(os.environ[_REPLICAS_ENV]), os.environ[_RUN_ENV])
+        """Connect to the job's store as `launch_live` described it in the environment.
+
+        Raises:
+            StoreLostError: the store does not answer (its host is gone).
+        """
+        address, nodes = os.environ[_STORE_ENV], int(os.environ.get(_NODES_ENV, "1"))
+        host, port = address.rsplit(":", 1)
+        try:
+            store = dist.TCPStore(host, int(port), None, False, timeout=_STORE_TIMEOUT)
+        except (RuntimeError, dist.DistError) as error:
+            raise StoreLostError(address, nodes, error) from None
+        node = int(os.environ.get(_NODE_ENV, "0"))
+        return cls(store, int(os.environ[_REPLICAS_ENV]), os.environ[_RUN_ENV], address, nodes, node)
+
+    def check_store(self) -> None:
+        """Raise `StoreLostError` if the run's store does not answer (one small call; up to the store's timeout).
+
+        A failed collective says a peer is gone; this says whether the store that decides who is left is too.
+        """
+        try:
+            self.store.check([_RUN])
+        except (RuntimeError, dist.DistError) as error:
+            raise StoreLostError(self.address, self.nodes, error) from None
+
+    def lowest_rank_of_node(self) -> bool:
+        """Whether this member has the lowest rank of its node's members (with one node: whether it is rank 0).
+
+        A collective over the current group with several nodes: each node's launcher returns one result.
+        """
+        if self.nodes == 1 or not dist.is_initialized():
+            return self.rank == 0
+        nodes: list[int] = [0] * dist.get_world_size()
+        try:
+            # Collective: every member's node, once the stage is over.
+            dist.all_gather_object(nodes, self.node)
+        except Exception:
+            return True
+        return nodes.index(self.node) == self.rank
 
     @property
     def rank(self) -> int:
@@ -260,14 +452,14 @@ class LiveMembership:
         self.timeout = float(strategy.timeout)
         if self.store.check([_FAILED]):
             raise MembershipError(self.store.get(_FAILED).decode())
-        if self.replacement:
+        if self.restarted:
             used = self.store.add(_REPLACEMENTS, 1)
             if used > max_restarts:
                 raise MembershipError(
                     f"A replica died and max_restarts={max_restarts} replacements are used up; the survivors "
                     "go on without it."
                 )
-        else:
+        if not self.replacement:
             # The first round holds every replica: wait until all have connected (their imports take seconds).
             self.store.add(_ARRIVED, 1)
             deadline = time.monotonic() + self.timeout

@@ -98,6 +98,9 @@ class Trainer:
         recovery: what a worker's death costs, with `devices` > 1: "checkpoint" restarts every worker from the
             newest ``last.ckpt``; "live" keeps the survivors training at the smaller size, re-shards the epoch's
             rest, and admits a restarted worker (at most `max_restarts` in all) with a healthy peer's state.
+        num_nodes: machines of a ``recovery="live"`` run, each running this script with MASTER_ADDR, MASTER_PORT
+            (node 0's address and a free port on it: node 0 hosts the run's store there) and NODE_RANK set, as
+            Lightning's general cluster does; under torchrun, torchrun's ``--nnodes`` decides instead.
         preemption_signal: "SIGTERM", "SIGUSR1", "SIGUSR2" or None: this signal (or Ctrl-C) stops every rank
             after the current step with ``last.ckpt`` and exit status 75 (`TrainingPreempted`).
         fast_dev_run: True or n: n batches (True: 1) of every stage, one epoch, no sanity check, checkpoint or log.
@@ -146,6 +149,7 @@ class Trainer:
         uneven_inputs: str = "check",
         max_restarts: int = 0,
         recovery: str = "checkpoint",
+        num_nodes: int = 1,
         preemption_signal: str | None = "SIGTERM",
         fast_dev_run: bool | int = False,
         overfit_batches: int | float = 0.0,
@@ -186,10 +190,12 @@ class Trainer:
         self.uneven_inputs = uneven_inputs
         self.max_restarts = max_restarts
         self.recovery = recovery
+        self._num_nodes = num_nodes
         #: The loop's side of ``recovery="live"`` in a live worker (None elsewhere: nothing runs per step).
         self.live: Any = None
         self.preemption = PreemptionWatch(preemption_signal)
-        self.strategy = strategy_of(strategy, devices, accumulate_grad_batches, uneven_inputs)
+        # Every node's processes: a live run's other nodes start the same script.
+        self.strategy = strategy_of(strategy, devices * num_nodes, accumulate_grad_batches, uneven_inputs)
         if recovery == "live":
             check_live_recovery(self.strategy)
         self.accelerator = accelerator
@@ -368,7 +374,9 @@ class Trainer:
 
     @property
     def num_nodes(self) -> int:
-        """Number of machines: the processes over those on each machine."""
+        """Number of machines: `num_nodes` of a live run; under torchrun, the processes over those on each machine."""
+        if self.recovery == "live" or not launched_by_torchrun():
+            return self._num_nodes
         return max(1, self.world_size // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", self.devices))))
 
     @property
@@ -504,7 +512,7 @@ class Trainer:
         if stage == "fit" and isinstance(task, Task):
             check_optimization_mode(self, task)  # Lightning's rules for manual optimization, before any launch
             self.strategy.check_fit_options(gradient_clip_val=self.gradient_clip_val, precision=self.precision_name)
-        if self.devices > 1 and not launched_by_torchrun():
+        if (self.devices > 1 or self._num_nodes > 1) and not launched_by_torchrun():
             # The launcher checks the options against the world size before it looks at the task.
             start = launch_live if self.recovery == "live" else launch
             return start(self, stage, task, dict(kwargs, datamodule=self.datamodule, ckpt_path=ckpt_path, **options))

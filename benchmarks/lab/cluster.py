@@ -414,18 +414,33 @@ def torchrun_command(nodes: int, node: int, procs_per_node: int, command: Sequen
 
 
 def start_nodes(
-    nodes: int, procs_per_node: int, command: Sequence[str], log_dir: Path, env: dict[str, str]
+    nodes: int,
+    procs_per_node: int,
+    command: Sequence[str],
+    log_dir: Path,
+    env: dict[str, str],
+    torchrun: bool = True,
+    only: Sequence[int] | None = None,
 ) -> tuple[list[subprocess.Popen], list[str]]:
-    """Start torchrun running `command` on every node (its own session each); return them and their logs."""
+    """Start torchrun running `command` on every node (its own session each); return them and their logs.
+
+    With ``torchrun=False`` each node runs ``python <command>`` itself, with MASTER_ADDR (node 0's address),
+    MASTER_PORT and NODE_RANK set: one launcher per node, as ``Trainer(num_nodes=N, recovery="live")`` runs.
+    `only` starts those nodes alone (a node started again), its log appended to.
+    """
     processes, logs = [], []
-    for node in range(nodes):
+    for node in range(nodes) if only is None else only:
         log = str(log_dir / f"node{node}.log")
-        torchrun = torchrun_command(nodes, node, procs_per_node, command)
         node_env = {**os.environ, **env, "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
-        with open(log, "w") as out:
+        if torchrun:
+            line = torchrun_command(nodes, node, procs_per_node, command)
+        else:
+            line = [sys.executable, *command]
+            node_env.update(MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(MASTER_PORT), NODE_RANK=str(node))
+        with open(log, "w" if only is None else "a") as out:
             processes.append(
                 subprocess.Popen(
-                    ["ip", "netns", "exec", f"node{node}", *torchrun],
+                    ["ip", "netns", "exec", f"node{node}", *line],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     env=node_env,

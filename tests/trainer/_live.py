@@ -4,7 +4,8 @@
 at the end of training each process writes ``<pid>.end`` with its step and a digest of its weights. The
 process holding rank `victim` at step `at_step` kills itself with SIGKILL, once; with `second`, twice (the
 member that holds rank `victim` when the healed group retries that step dies too); with ``fault="raise"`` it
-raises instead.
+raises instead. With `preempt_at`, rank 0 sends SIGTERM to process `caller` (the launching script) once, at that
+step; with ``replaced=False`` the survivors do not wait for a replacement.
 """
 
 from __future__ import annotations
@@ -41,11 +42,15 @@ class LiveProbe(Task):
         step_s: float = 0.0,
         second: bool = False,
         fault: str = "kill",
+        preempt_at: int = -1,
+        caller: int = 0,
+        replaced: bool = True,
     ) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.log_dir, self.victim, self.at_step, self.step_s = log_dir, victim, at_step, step_s
         self.second, self.fault = second, fault
+        self.preempt_at, self.caller, self.replaced = preempt_at, caller, replaced
 
     def train_dataloader(self):
         return DataLoader(indexed_data(), batch_size=4, shuffle=True)
@@ -59,7 +64,11 @@ class LiveProbe(Task):
         if due and kills < (2 if self.second else 1):
             Path(self.log_dir, f"{os.getpid()}.killed").touch()
             os.kill(os.getpid(), signal.SIGKILL)
-        if kills and self.trainer.world_size < 3:
+        signalled = Path(self.log_dir, "preempted")
+        if self.global_rank == 0 and self.trainer.global_step == self.preempt_at and not signalled.exists():
+            signalled.touch()
+            os.kill(self.caller, signal.SIGTERM)
+        if kills and self.trainer.world_size < 3 and self.replaced:
             # Short of a member: wait until the replacements have started (tens of seconds on a loaded
             # machine), then slow down, so that they come in before the run ends.
             deadline = time.monotonic() + 180

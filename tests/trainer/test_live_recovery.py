@@ -19,16 +19,20 @@ from tests.trainer._faults import run_script
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="SIGKILLs a worker")
 
 _SCRIPT = """
+import os
 import sys
 from syncline.trainer import Trainer
 from tests.trainer._live import LiveProbe
 
 if __name__ == "__main__":
-    task = LiveProbe({logs!r}, victim=1, at_step=2, step_s={step_s}, second={second}, fault={fault!r})
+    task = LiveProbe(
+        {logs!r}, victim=1, at_step=2, step_s={step_s}, second={second}, fault={fault!r}, preempt_at={preempt_at},
+        caller=os.getpid(), replaced={restarts} > 0,
+    )
     trainer = Trainer(
         max_epochs=2, devices=3, strategy={strategy!r}, accelerator="cpu", recovery="live",
         max_restarts={restarts}, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        num_sanity_val_steps=0, default_root_dir={root!r},
+        num_sanity_val_steps=0, default_root_dir={root!r}, limit_train_batches={limit},
     )
     try:
         trainer.fit(task)
@@ -39,12 +43,21 @@ if __name__ == "__main__":
 """
 
 
-def _run(tmp_path: Path, strategy: str, second: bool = False, restarts: int = 1, fault: str = "kill"):
+def _run(
+    tmp_path: Path,
+    strategy: str,
+    second: bool = False,
+    restarts: int = 1,
+    fault: str = "kill",
+    preempt_at: int = -1,
+    limit: int | None = None,
+):
     logs = tmp_path / "logs"
     logs.mkdir()
     body = _SCRIPT.format(
-        logs=str(logs), root=str(tmp_path), strategy=strategy, step_s=0.6, second=second, restarts=restarts, fault=fault
-    )
+        logs=str(logs), root=str(tmp_path), strategy=strategy, step_s=0.6, second=second, restarts=restarts,
+        fault=fault, preempt_at=preempt_at, limit=limit,
+    )  # fmt: skip
     result, _ = run_script(tmp_path, body, timeout=420)
     steps = {}
     for path in logs.glob("*.log"):
@@ -103,11 +116,46 @@ def test_a_raise_still_ends_the_run_naming_the_rank(tmp_path: Path) -> None:
     assert not ends, "nobody trained on after the raise"
 
 
+def test_after_a_loss_the_limited_epoch_keeps_its_samples_and_sigterm_to_the_caller_saves_and_exits_75(
+    tmp_path: Path,
+) -> None:
+    # No replacement: the two survivors finish the epoch. limit_train_batches=5 on 3 ranks is 60 samples an epoch
+    # (of 96); after the loss at step 2 (24 trained), the other 36 take 5 steps on 2 ranks. Then SIGTERM to the
+    # script that launched the workers, in the second epoch: every rank saves last.ckpt and the script exits 75.
+    from syncline.trainer.live import LiveShardSampler
+
+    result, steps, ends = _run(tmp_path, "bucketed_ddp", restarts=0, preempt_at=9, limit=5)
+    assert result.returncode == 75, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "preempted: Stopped by SIGTERM" in result.stderr, result.stderr[-3000:]
+    assert (tmp_path / "last.ckpt").is_file()
+    survivors = [lines for lines in steps.values() if lines[-1][2] == "2"]
+    assert len(survivors) == 2 and len(steps) == 3
+    first_epoch = [(int(step), ids) for lines in survivors for epoch, step, _, ids in lines if epoch == "0"]
+    assert sorted({step for step, _ in first_epoch}) == list(range(7)), "2 steps on 3 ranks, then 5 on 2"
+    trained = {int(i) for lines in steps.values() for e, _, _, ids in lines if e == "0" for i in ids.split(",")}
+    assert trained == set(LiveShardSampler(96, 4, True, 0, 0, 0, 0, 1, 0).order()[:60])
+    assert {lines[-1][1] for lines in survivors} == {lines[-1][1] for lines in survivors[:1]}, "one last step"
+    assert 9 <= int(survivors[0][-1][1]) <= 11 and not ends
+
+
 def test_strategies_without_live_recovery_refuse_it_at_construction() -> None:
     with pytest.raises(OptionError, match=r'recovery="live".*PowerSGD'):
         Trainer(max_epochs=1, strategy="powersgd", devices=2, accelerator="cpu", recovery="live")
     with pytest.raises(OptionError, match="recovery="):
         Trainer(max_epochs=1, recovery="restart")
+    with pytest.raises(OptionError, match=r"num_nodes=2\) launches the nodes itself under recovery=\"live\" only"):
+        Trainer(max_epochs=1, num_nodes=2, strategy="bucketed_ddp", accelerator="cpu")
+
+
+def test_several_nodes_need_node_0s_address_and_this_nodes_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.trainer._tasks import Regressor, loader, regression_data
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    trainer = Trainer(max_epochs=1, num_nodes=2, recovery="live", strategy="bucketed_ddp", accelerator="cpu")
+    with pytest.raises(OptionError, match="MASTER_ADDR and MASTER_PORT .* missing here: MASTER_PORT, NODE_RANK"):
+        trainer.fit(Regressor(), loader(regression_data(8)))
 
 
 def test_the_rest_of_an_epoch_is_split_over_the_new_members_without_losing_a_sample() -> None:

@@ -1,0 +1,331 @@
+"""Live recovery on lab nodes: what one failure costs with `recovery="live"` against a restart from `last.ckpt`.
+
+Each node of a lab cluster (`benchmarks.lab.cluster`: network namespaces on one bridge, links shaped to a rate)
+trains a paced task (every step sleeps ``--step-s``, so the figures are about the recovery, not the model) on one
+process. Cases:
+
+- ``worker_killed``: node 1's worker SIGKILLs itself at step ``--kill-at`` (an out-of-memory kill, say). With
+  ``recovery="live"`` (one launcher per node: ``python`` with MASTER_ADDR, MASTER_PORT and NODE_RANK) the others
+  go on and node 1's agent starts a replacement, which joins live; with ``"checkpoint"`` (torchrun on every node,
+  ``--max-restarts 1``, ``last.ckpt`` every ``--checkpoint-every`` steps) every worker restarts from it.
+- ``node_lost`` (live only): every process of the last node is SIGKILLed at step ``--kill-at``; the others go on at
+  the smaller size; the node's launcher is then started again and joins live.
+
+Seconds lost = the time from the death until the job finishes a step past the one in flight, less one step (what
+that step would have taken anyway). A checkpoint restart also repeats the steps since the last save: on average
+half the interval, which guide.md puts at 10-30 minutes of training, so the table adds 300 s (half of 10 minutes)
+for "checkpoint at the guide's interval", to the restart's own cost measured here (its repeated steps taken off).
+
+    python -m benchmarks lab live-recovery --nodes 2 4 --rates 1gbit 100mbit
+    python -m benchmarks lab live-recovery --nodes 3 --cases node_lost
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from syncline.trainer import Task
+
+from .. import MODULE
+from ..common import ROOT, write_json
+from .cluster import build_nodes, end_nodes, lab_rate, namespaces_unavailable, start_nodes
+
+__all__ = ["LabProbe", "add_arguments", "command", "run_cell"]
+
+CASES = ("worker_killed", "node_lost")
+MODES = ("live", "checkpoint")
+#: Half of guide.md's shortest recommended checkpoint interval (10 minutes): the steps a restart repeats on average.
+GUIDE_HALF_INTERVAL_S = 300.0
+#: Seconds a case may take in all before its processes are killed and it is reported as hung.
+CASE_LIMIT_S = 400.0
+_INSIDE = "--inside-lab"
+_TRAIN = "--train"
+
+
+class LabProbe(Task):
+    """A small MLP whose every step sleeps `step_s` and appends ``time epoch step world`` to its process's log."""
+
+    def __init__(self, spec: dict[str, Any], node: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        self.spec, self.node = spec, node
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(self.spec["samples"], 8, generator=generator)
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
+
+    def setup(self, stage: str) -> None:
+        self._write(f"start {time.time():.3f} {self.node}")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        spec, step, world = self.spec, self.trainer.global_step, self.trainer.world_size
+        marker = Path(spec["dir"], "killed")
+        if spec["case"] == "worker_killed" and self.node == 1 and step == spec["kill_at"] and not marker.exists():
+            marker.write_text(f"{time.time():.3f}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if spec.get("wait_for_rejoin") and world < spec["nodes"] and step > spec["kill_at"]:
+            # Short of a node: wait (bounded) until the lab has started it again, so that it joins before the end.
+            deadline = time.monotonic() + 120
+            while not Path(spec["dir"], "restarted").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        self._write(f"{time.time():.3f} {self.trainer.current_epoch} {step} {world}")
+        time.sleep(spec["step_s"])
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def _write(self, line: str) -> None:
+        with open(Path(self.spec["dir"], "steps", f"{os.getpid()}.log"), "a") as file:
+            file.write(line + "\n")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+# ------------------------------------------------------------------ the job each node runs
+def train(spec: dict[str, Any]) -> None:
+    """One node's job: live (this process launches the node's replica) or under torchrun (this is the worker)."""
+    from syncline.callbacks import ModelCheckpoint
+    from syncline.trainer import Trainer
+
+    live = spec["mode"] == "live"
+    node = int(os.environ["NODE_RANK" if live else "GROUP_RANK"])
+    callbacks = []
+    if not live:
+        every = spec["checkpoint_every"]
+        callbacks = [ModelCheckpoint(dirpath=spec["dir"], every_n_train_steps=every, save_last=True, save_top_k=0)]
+    trainer = Trainer(
+        max_epochs=1,
+        devices=1,
+        num_nodes=spec["nodes"] if live else 1,
+        strategy="bucketed_ddp",
+        accelerator="cpu",
+        recovery=spec["mode"],
+        max_restarts=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=not live,
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
+        enable_model_summary=False,
+        default_root_dir=spec["dir"],
+    )
+    trainer.fit(LabProbe(spec, node))
+
+
+# ------------------------------------------------------------------ the lab (inside the namespaces)
+def _inside(spec: dict[str, Any]) -> None:
+    build_nodes(spec["nodes"], spec["rate"])
+    records = []
+    for case in spec["cases"]:
+        for mode in MODES if case == "worker_killed" else ("live",):
+            records.append(_one(case, mode, spec))
+            print(json.dumps(records[-1]), flush=True)
+    Path(spec["result"]).write_text(json.dumps(records, indent=2) + "\n")
+
+
+def _one(case: str, mode: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one job on the nodes, let `case` happen at step ``kill_at``, and read what it cost off the step logs."""
+    nodes = spec["nodes"]
+    work = Path(tempfile.mkdtemp(prefix=f"syncline-live-{case}-{mode}-", dir=spec["dir"]))
+    (work / "steps").mkdir()
+    job = {
+        **{k: spec[k] for k in ("nodes", "step_s", "kill_at", "checkpoint_every")},
+        "case": case,
+        "mode": mode,
+        "dir": str(work),
+        "samples": nodes * spec["batches"] * 4,
+        "wait_for_rejoin": case == "node_lost",
+    }
+    (work / "job.json").write_text(json.dumps(job))
+    command = ["-m", MODULE, "lab", "live-recovery", _TRAIN, str(work / "job.json")]
+    if mode == "checkpoint":
+        command = ["--max-restarts", "1", *command]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SYNCLINE_GRACE_S": "5"}
+    started = time.monotonic()
+    processes, _ = start_nodes(nodes, 1, command, work, env, torchrun=mode == "checkpoint")
+    record: dict[str, Any] = {"case": case, "mode": mode, "nodes": nodes, "rate": spec["rate"]}
+    try:
+        if case == "node_lost":
+            record.update(_lose_and_restart_node(nodes - 1, processes, work, command, env, job))
+        deadline = started + CASE_LIMIT_S
+        while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        record["hung"] = any(p.poll() is None for p in processes)
+    finally:
+        end_nodes(range(nodes), grace=1.0)
+        for process in processes:
+            process.wait()
+    record["wall_s"] = round(time.monotonic() - started, 2)
+    record["codes"] = [p.returncode for p in processes]
+    record.update(_read_steps(work, job))
+    record["log_tail"] = {f"node{n}": (work / f"node{n}.log").read_text()[-1500:] for n in range(nodes)}
+    shutil.rmtree(work, ignore_errors=True)
+    return record
+
+
+def _lose_and_restart_node(
+    node: int, processes: list[subprocess.Popen], work: Path, command: list[str], env: dict[str, str], job: dict
+) -> dict[str, Any]:
+    """SIGKILL every process of `node` once a step past ``kill_at`` is logged; start its launcher again once the
+    others have trained a step without it."""
+    deadline = time.monotonic() + CASE_LIMIT_S / 2
+    while _latest(work)[0] < job["kill_at"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed = time.time()
+    (work / "killed").write_text(f"{killed:.3f}")
+    _kill_node(node)
+    processes[node].wait()
+    while _latest(work)[1] >= job["nodes"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    restarted, _ = start_nodes(job["nodes"], 1, command, work, env, torchrun=False, only=[node])
+    (work / "restarted").write_text(f"{time.time():.3f}")
+    processes[node] = restarted[0]
+    return {"node_killed_at": killed}
+
+
+def _kill_node(node: int) -> None:
+    """SIGKILL every process of `node` (its launcher, agent and worker), until none is left; a SIGTERM would be
+    a preemption."""
+    while True:
+        out = subprocess.run(["ip", "netns", "pids", f"node{node}"], capture_output=True, text=True)
+        pids = [int(pid) for pid in out.stdout.split()]
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+
+
+def _latest(work: Path) -> tuple[int, int]:
+    """The highest step logged so far, and the world size of the latest line logged."""
+    lines = [line.split() for path in (work / "steps").glob("*.log") for line in path.read_text().splitlines()]
+    steps = [(float(t), int(step), int(world)) for t, _, step, world in (x for x in lines if x[0] != "start")]
+    if not steps:
+        return -1, 0
+    latest = max(steps)
+    return max(s for _, s, _ in steps), latest[2]
+
+
+def _read_steps(work: Path, job: dict[str, Any]) -> dict[str, Any]:
+    """Seconds lost, and how soon a replacement (a process that started after the death) trained."""
+    marker = work / "killed"
+    if not marker.exists():
+        return {"error": "no failure happened"}
+    death = float(marker.read_text())
+    starts, steps = {}, []
+    for path in (work / "steps").glob("*.log"):
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if parts[0] == "start":
+                starts.setdefault(path.stem, float(parts[1]))
+            else:
+                steps.append((float(parts[0]), int(parts[2]), int(parts[3]), path.stem))
+    after = sorted((t, step) for t, step, _, _ in steps if t > death and step > job["kill_at"])
+    lost = after[0][0] - death - job["step_s"] if after else None
+    new = {pid: t for pid, t in starts.items() if t > death}
+    first_steps = [min((t for t, _, _, p in steps if p == pid), default=None) for pid in new]
+    joined = [round(first - new[pid], 2) for pid, first in zip(new, first_steps) if first is not None]
+    result: dict[str, Any] = {
+        "seconds_lost": round(lost, 2) if lost is not None else None,
+        "replacement_first_step_s": joined,
+        "final_world": max(steps)[2] if steps else 0,
+    }
+    if job["mode"] == "checkpoint" and lost is not None:
+        repeated = (job["kill_at"] % job["checkpoint_every"]) * job["step_s"]
+        result["restart_s"] = round(lost - repeated, 2)
+        result["seconds_lost_at_guide_interval"] = round(lost - repeated + GUIDE_HALF_INTERVAL_S, 1)
+    return result
+
+
+# ------------------------------------------------------------------ command line
+def run_cell(nodes: int, rate: str | None, cases: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run `cases` on a fresh lab of `nodes` nodes at `rate`; return the records."""
+    work = Path(tempfile.mkdtemp(prefix="syncline-lab-live-"))
+    spec = {
+        "nodes": nodes,
+        "rate": rate,
+        "cases": cases,
+        "step_s": args.step_s,
+        "batches": args.batches,
+        "kill_at": args.kill_at,
+        "checkpoint_every": args.checkpoint_every,
+        "dir": str(work),
+        "result": str(work / "result.json"),
+    }
+    try:
+        lab = subprocess.Popen(
+            ["unshare", "-mn", sys.executable, "-m", MODULE, "lab", "live-recovery", _INSIDE, json.dumps(spec)],
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        lab.wait()
+        return json.loads(Path(spec["result"]).read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options."""
+    parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rates", type=lab_rate, nargs="+", default=["1gbit", "100mbit"], help="or none: unshaped")
+    parser.add_argument("--cases", nargs="+", default=["worker_killed"], choices=CASES)
+    parser.add_argument("--batches", type=int, default=40, help="batches per node in the epoch")
+    parser.add_argument("--step-s", type=float, default=0.1)
+    parser.add_argument("--kill-at", type=int, default=15)
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(_INSIDE, metavar="SPEC", help=argparse.SUPPRESS)
+    parser.add_argument(_TRAIN, metavar="JOB", help=argparse.SUPPRESS)
+
+
+def command(args: argparse.Namespace) -> int | None:
+    """``python -m benchmarks lab live-recovery [--nodes 2 4] [--rates 1gbit 100mbit] [--cases ...]``."""
+    if args.inside_lab is not None:
+        _inside(json.loads(args.inside_lab))
+        return 0
+    if args.train is not None:
+        train(json.loads(Path(args.train).read_text()))
+        return 0
+    reason = namespaces_unavailable()
+    if reason is not None:
+        print(f"lab live-recovery: skipped: {reason}")
+        return 0
+    records = []
+    print(f"{'nodes':>5} {'link':>8} {'case':>14} {'mode':>11} {'s lost':>7} {'restart s':>9} "
+          f"{'+ guide interval':>16} {'replacement s':>13} {'codes':>12}")  # fmt: skip
+    for nodes in args.nodes:
+        for rate in args.rates:
+            for record in run_cell(nodes, rate, args.cases, args):
+                records.append({k: v for k, v in record.items() if k != "log_tail"})
+                print(_row(record), flush=True)
+    if args.out is not None:
+        write_json(args.out, {"records": records})
+    return 0 if all(not r.get("hung") and r.get("seconds_lost") is not None for r in records) else 1
+
+
+def _row(r: dict[str, Any]) -> str:
+    def num(key: str) -> str:
+        return f"{r[key]:.1f}" if isinstance(r.get(key), (int, float)) else "-"
+
+    joined = ",".join(f"{s:.1f}" for s in r.get("replacement_first_step_s", [])) or "-"
+    return (
+        f"{r['nodes']:>5} {r['rate'] or 'none':>8} {r['case']:>14} {r['mode']:>11} {num('seconds_lost'):>7} "
+        f"{num('restart_s'):>9} {num('seconds_lost_at_guide_interval'):>16} {joined:>13} {str(r['codes']):>12}"
+    )
