@@ -235,7 +235,11 @@ def launch_live(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]
             with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError):
                 outcomes.append(pickle.loads(path.read_bytes()))
     finished = sorted((o for o in outcomes if o is not None), key=lambda o: o.get("rank", 0))
-    failed = _failure_notice(job.store) or next((o["failed"] for o in finished if o.get("failed")), "")
+    failed = next((o["failed"] for o in finished if o.get("failed")), "")
+    if not failed and not finished:
+        # No replica of this node finished: a raise elsewhere ended the job, or every one of them died. (Where one
+        # finished, the store is not read: node 0's may be closing, and a call to it would print C++ warnings.)
+        failed = _failure_notice(job.store)
     del job.store
     if failed:
         raise WorkerFailedError(failed)

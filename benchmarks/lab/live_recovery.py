@@ -12,9 +12,10 @@ process. Cases:
   the smaller size; the node's launcher is then started again and joins live.
 
 Seconds lost = the time from the death until the job finishes a step past the one in flight, less one step (what
-that step would have taken anyway). A checkpoint restart also repeats the steps since the last save: on average
-half the interval, which guide.md puts at 10-30 minutes of training, so the table adds 300 s (half of 10 minutes)
-for "checkpoint at the guide's interval", to the restart's own cost measured here (its repeated steps taken off).
+that step would have taken anyway). A replacement's seconds run from its process's start to its first step. A
+checkpoint restart also repeats the steps since the last save: on average half the interval, which guide.md puts at
+10-30 minutes of training, so the table adds 300 s (half of 10 minutes) for "checkpoint at the guide's interval" to
+the restart's own cost measured here (its repeated steps taken off).
 
     python -m benchmarks lab live-recovery --nodes 2 4 --rates 1gbit 100mbit
     python -m benchmarks lab live-recovery --nodes 3 --cases node_lost
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +73,7 @@ class LabProbe(Task):
         return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
 
     def setup(self, stage: str) -> None:
-        self._write(f"start {time.time():.3f} {self.node}")
+        self._write(f"start {_process_started():.3f} {self.node}")
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         spec, step, world = self.spec, self.trainer.global_step, self.trainer.world_size
@@ -79,15 +81,25 @@ class LabProbe(Task):
         if spec["case"] == "worker_killed" and self.node == 1 and step == spec["kill_at"] and not marker.exists():
             marker.write_text(f"{time.time():.3f}")
             os.kill(os.getpid(), signal.SIGKILL)
-        if spec.get("wait_for_rejoin") and world < spec["nodes"] and step > spec["kill_at"]:
-            # Short of a node: wait (bounded) until the lab has started it again, so that it joins before the end.
-            deadline = time.monotonic() + 120
-            while not Path(spec["dir"], "restarted").exists() and time.monotonic() < deadline:
-                time.sleep(0.2)
         self._write(f"{time.time():.3f} {self.trainer.current_epoch} {step} {world}")
+        if spec.get("wait_for_rejoin") and world < spec["nodes"] and step > spec["kill_at"]:
+            # Short of a node: wait (bounded) until the node started again has a process training, then go slowly
+            # until it is in, so that it joins before the epoch ends.
+            deadline = time.monotonic() + 120
+            while not self._rejoined() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(1.0)
         time.sleep(spec["step_s"])
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
+
+    def _rejoined(self) -> bool:
+        restarted = Path(self.spec["dir"], "restarted")
+        if not restarted.exists():
+            return False
+        since = float(restarted.read_text())
+        logs = Path(self.spec["dir"], "steps").glob("*.log")
+        return any(line.startswith("start ") and float(line.split()[1]) > since for p in logs for line in p.open())
 
     def _write(self, line: str) -> None:
         with open(Path(self.spec["dir"], "steps", f"{os.getpid()}.log"), "a") as file:
@@ -95,6 +107,13 @@ class LabProbe(Task):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _process_started() -> float:
+    """When this process started (seconds since the epoch, to the second of the boot time), from /proc."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line[:5] == "btime")
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------ the job each node runs
@@ -245,7 +264,8 @@ def _read_steps(work: Path, job: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "seconds_lost": round(lost, 2) if lost is not None else None,
         "replacement_first_step_s": joined,
-        "final_world": max(steps)[2] if steps else 0,
+        # The world size of each change, in order (3, 2, 3: a node lost, then back).
+        "worlds": [w for i, (_, _, w, _) in enumerate(sorted(steps)) if i == 0 or w != sorted(steps)[i - 1][2]],
     }
     if job["mode"] == "checkpoint" and lost is not None:
         repeated = (job["kill_at"] % job["checkpoint_every"]) * job["step_s"]
@@ -255,17 +275,25 @@ def _read_steps(work: Path, job: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ command line
-def run_cell(nodes: int, rate: str | None, cases: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Run `cases` on a fresh lab of `nodes` nodes at `rate`; return the records."""
+def run_cell(
+    nodes: int,
+    rate: str | None,
+    cases: Sequence[str],
+    step_s: float = 0.1,
+    batches: int = 40,
+    kill_at: int = 15,
+    checkpoint_every: int = 10,
+) -> list[dict[str, Any]]:
+    """Run `cases` on a fresh lab of `nodes` nodes at `rate`; return the records (with each node's log's tail)."""
     work = Path(tempfile.mkdtemp(prefix="syncline-lab-live-"))
     spec = {
         "nodes": nodes,
         "rate": rate,
-        "cases": cases,
-        "step_s": args.step_s,
-        "batches": args.batches,
-        "kill_at": args.kill_at,
-        "checkpoint_every": args.checkpoint_every,
+        "cases": list(cases),
+        "step_s": step_s,
+        "batches": batches,
+        "kill_at": kill_at,
+        "checkpoint_every": checkpoint_every,
         "dir": str(work),
         "result": str(work / "result.json"),
     }
@@ -312,7 +340,8 @@ def command(args: argparse.Namespace) -> int | None:
           f"{'+ guide interval':>16} {'replacement s':>13} {'codes':>12}")  # fmt: skip
     for nodes in args.nodes:
         for rate in args.rates:
-            for record in run_cell(nodes, rate, args.cases, args):
+            cell = run_cell(nodes, rate, args.cases, args.step_s, args.batches, args.kill_at, args.checkpoint_every)
+            for record in cell:
                 records.append({k: v for k, v in record.items() if k != "log_tail"})
                 print(_row(record), flush=True)
     if args.out is not None:

@@ -6,6 +6,9 @@ on one node when the rank on the other node raises: it is given the one grace pe
 the job is over (`SYNCLINE_GRACE_S`, 3 s here instead of the default 30 s) and the job ends within it.
 (A killed agent is timed by `python -m benchmarks lab faults` and, with `devices=2`, by
 tests/strategies/test_worker_guard.py.)
+
+Under `recovery="live"` on three nodes (one launcher per node), a node whose every process is SIGKILLed mid-epoch
+leaves the other two training, and the node started again joins them live.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import pytest
 
 from benchmarks.lab.cluster import namespaces_unavailable
 from benchmarks.lab.faults import run
+from benchmarks.lab.live_recovery import run_cell
 
 pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
 
@@ -35,3 +39,11 @@ def test_a_partition_and_a_stuck_rank_end_every_process_in_bounded_time(monkeypa
     assert "boom on rank 0" in stuck["raised"]["node0"]
     for record in (partition, stuck):
         assert record["listening_after"] == {"node0": [], "node1": []}
+
+
+def test_live_recovery_a_node_lost_leaves_the_others_training_and_the_node_started_again_joins_live():
+    (record,) = run_cell(3, None, ["node_lost"], step_s=0.1, batches=20, kill_at=5)
+    tails = record["log_tail"]
+    assert not record["hung"] and record["codes"] == [0, 0, 0], tails
+    assert record["worlds"] == [3, 2, 3], "3 nodes, then 2 after the loss, then 3 with the node back"
+    assert record["seconds_lost"] is not None and len(record["replacement_first_step_s"]) == 1, record
