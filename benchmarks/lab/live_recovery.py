@@ -10,6 +10,8 @@ process. Cases:
   ``--max-restarts 1``, ``last.ckpt`` every ``--checkpoint-every`` steps) every worker restarts from it.
 - ``node_lost`` (live only): every process of the last node is SIGKILLed at step ``--kill-at``; the others go on at
   the smaller size; the node's launcher is then started again and joins live.
+- ``store_host_lost`` (live only): node 0, whose launcher hosts the run's store, is SIGKILLed likewise; every other
+  node ends, naming the store (recorded: their exit codes, and the seconds until the last process is gone).
 
 Seconds lost = the time from the death until the job finishes a step past the one in flight, less one step (what
 that step would have taken anyway). A replacement's seconds run from its process's start to its first step. A
@@ -49,7 +51,7 @@ from .cluster import build_nodes, end_nodes, lab_rate, namespaces_unavailable, s
 
 __all__ = ["LabProbe", "add_arguments", "command", "run_cell"]
 
-CASES = ("worker_killed", "node_lost")
+CASES = ("worker_killed", "node_lost", "store_host_lost")
 MODES = ("live", "checkpoint")
 #: Half of guide.md's shortest recommended checkpoint interval (10 minutes): the steps a restart repeats on average.
 GUIDE_HALF_INTERVAL_S = 300.0
@@ -182,10 +184,14 @@ def _one(case: str, mode: str, spec: dict[str, Any]) -> dict[str, Any]:
     try:
         if case == "node_lost":
             record.update(_lose_and_restart_node(nodes - 1, processes, work, command, env, job))
+        if case == "store_host_lost":
+            _kill_at_step(0, processes, work, job)
         deadline = started + CASE_LIMIT_S
         while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
             time.sleep(0.1)
         record["hung"] = any(p.poll() is None for p in processes)
+        if case == "store_host_lost":
+            record["ended_s"] = round(time.time() - float((work / "killed").read_text()), 2)
     finally:
         end_nodes(range(nodes), grace=1.0)
         for process in processes:
@@ -204,18 +210,25 @@ def _lose_and_restart_node(
     """SIGKILL every process of `node` once a step past ``kill_at`` is logged; start its launcher again once the
     others have trained a step without it."""
     deadline = time.monotonic() + CASE_LIMIT_S / 2
-    while _latest(work)[0] < job["kill_at"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    killed = time.time()
-    (work / "killed").write_text(f"{killed:.3f}")
-    _kill_node(node)
-    processes[node].wait()
+    killed = _kill_at_step(node, processes, work, job)
     while _latest(work)[1] >= job["nodes"] and time.monotonic() < deadline:
         time.sleep(0.1)
     restarted, _ = start_nodes(job["nodes"], 1, command, work, env, torchrun=False, only=[node])
     (work / "restarted").write_text(f"{time.time():.3f}")
     processes[node] = restarted[0]
     return {"node_killed_at": killed}
+
+
+def _kill_at_step(node: int, processes: list[subprocess.Popen], work: Path, job: dict[str, Any]) -> float:
+    """SIGKILL every process of `node` once a step at or past ``kill_at`` is logged; return when."""
+    deadline = time.monotonic() + CASE_LIMIT_S / 2
+    while _latest(work)[0] < job["kill_at"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed = time.time()
+    (work / "killed").write_text(f"{killed:.3f}")
+    _kill_node(node)
+    processes[node].wait()
+    return killed
 
 
 def _kill_node(node: int) -> None:

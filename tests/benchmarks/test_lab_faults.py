@@ -8,7 +8,8 @@ the job is over (`SYNCLINE_GRACE_S`, 3 s here instead of the default 30 s) and t
 tests/strategies/test_worker_guard.py.)
 
 Under `recovery="live"` on three nodes (one launcher per node), a node whose every process is SIGKILLed mid-epoch
-leaves the other two training, and the node started again joins them live.
+leaves the other two training, and the node started again joins them live; node 0 killed (its launcher hosts the
+run's store) ends every other node with one message naming the store.
 """
 
 from __future__ import annotations
@@ -42,8 +43,14 @@ def test_a_partition_and_a_stuck_rank_end_every_process_in_bounded_time(monkeypa
 
 
 def test_live_recovery_a_node_lost_leaves_the_others_training_and_the_node_started_again_joins_live():
-    (record,) = run_cell(3, None, ["node_lost"], step_s=0.1, batches=20, kill_at=5)
-    tails = record["log_tail"]
-    assert not record["hung"] and record["codes"] == [0, 0, 0], tails
-    assert record["worlds"] == [3, 2, 3], "3 nodes, then 2 after the loss, then 3 with the node back"
-    assert record["seconds_lost"] is not None and len(record["replacement_first_step_s"]) == 1, record
+    lost, store_host = run_cell(3, None, ["node_lost", "store_host_lost"], step_s=0.1, batches=20, kill_at=5)
+    assert not lost["hung"] and lost["codes"] == [0, 0, 0], lost["log_tail"]
+    assert lost["worlds"] == [3, 2, 3], "3 nodes, then 2 after the loss, then 3 with the node back"
+    assert lost["seconds_lost"] is not None and len(lost["replacement_first_step_s"]) == 1, lost
+    # Node 0 hosts the store: without it no round can form, and every other node ends, naming it.
+    assert not store_host["hung"] and store_host["codes"][1:] == [1, 1], store_host["log_tail"]
+    for node in ("node1", "node2"):
+        assert (
+            "The live run's store at 10.77.0.1:29500, hosted by node 0's launcher, is gone"
+            in (store_host["log_tail"][node])
+        )
