@@ -170,10 +170,11 @@ class LiveRecovery:
                     return
                 except _Admit:
                     rank_zero_info(f"Live recovery: admitting a replacement after step {self.trainer.global_step}.")
-                    self.recover(loop)
                 except Exception as error:
                     self._raise_unless_recoverable(error)
-                    self.recover(loop)
+                # Out of the `except`: the failed collective's traceback (its frames hold the old group) is gone, so
+                # leaving the group closes this rank's connections and peers blocked in a collective fail at once.
+                self.recover(loop)
 
         return run_epoch
 
@@ -216,6 +217,7 @@ class LiveRecovery:
             try:
                 own = self._snapshot() if self.has_state else None
                 trainer.strategy.teardown()
+                trainer.preemption.forget_pending()  # its work holds the old group open
                 self.membership.next_round()
                 self._rebuild_strategy(loop)
                 self._heal(own)

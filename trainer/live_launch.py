@@ -25,6 +25,7 @@ rendezvous, and a worker still alive after ``SYNCLINE_LIVE_DUMP_S`` seconds (60)
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 import pickle
@@ -507,6 +508,9 @@ class LiveMembership:
             # Closes this rank's connections: a peer still blocked in a collective with it fails at once.
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+            # gloo closes its connections only when nothing holds the group any more (a cycle may): a member not
+            # next to the dead one in gloo's ring, blocked in a collective, learns of the death only from them.
+            gc.collect()
         # Torch's rendezvous would otherwise make its new rank 0 host a second store.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         _debug("rendezvous")

@@ -47,7 +47,7 @@ from syncline.trainer import Task
 
 from .. import MODULE
 from ..common import ROOT, write_json
-from .cluster import build_nodes, end_nodes, lab_rate, namespaces_unavailable, start_nodes
+from .cluster import _interrupt, _stop_lab, build_nodes, end_nodes, lab_rate, namespaces_unavailable, start_nodes
 
 __all__ = ["LabProbe", "add_arguments", "command", "run_cell"]
 
@@ -55,6 +55,9 @@ CASES = ("worker_killed", "node_lost", "store_host_lost")
 MODES = ("live", "checkpoint")
 #: Half of guide.md's shortest recommended checkpoint interval (10 minutes): the steps a restart repeats on average.
 GUIDE_HALF_INTERVAL_S = 300.0
+#: The strategy's collective timeout by default (its own default is minutes): with gloo, how long a member that is
+#: not next to the dead one in the ring waits in its collective (4 or more members; guide.md, "Live recovery").
+COLLECTIVE_TIMEOUT_S = 30.0
 #: Seconds a case may take in all before its processes are killed and it is reported as hung.
 CASE_LIMIT_S = 400.0
 _INSIDE = "--inside-lab"
@@ -122,6 +125,7 @@ def _process_started() -> float:
 def train(spec: dict[str, Any]) -> None:
     """One node's job: live (this process launches the node's replica) or under torchrun (this is the worker)."""
     from syncline.callbacks import ModelCheckpoint
+    from syncline.strategies import BucketedDDP
     from syncline.trainer import Trainer
 
     live = spec["mode"] == "live"
@@ -134,7 +138,8 @@ def train(spec: dict[str, Any]) -> None:
         max_epochs=1,
         devices=1,
         num_nodes=spec["nodes"] if live else 1,
-        strategy="bucketed_ddp",
+        # Both modes alike: a rank that fails under torchrun can wait out this timeout on its way out.
+        strategy=BucketedDDP(timeout=spec["timeout"]),
         accelerator="cpu",
         recovery=spec["mode"],
         max_restarts=1,
@@ -151,10 +156,13 @@ def train(spec: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------ the lab (inside the namespaces)
 def _inside(spec: dict[str, Any]) -> None:
+    # SIGTERM or SIGHUP (from `run_cell`, on its own Ctrl-C or SIGTERM) end the nodes' processes before the lab goes.
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, _interrupt)
     build_nodes(spec["nodes"], spec["rate"])
     records = []
     for case in spec["cases"]:
-        for mode in MODES if case == "worker_killed" else ("live",):
+        for mode in spec["modes"] if case == "worker_killed" else ("live",):
             records.append(_one(case, mode, spec))
             print(json.dumps(records[-1]), flush=True)
     Path(spec["result"]).write_text(json.dumps(records, indent=2) + "\n")
@@ -166,7 +174,7 @@ def _one(case: str, mode: str, spec: dict[str, Any]) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"syncline-live-{case}-{mode}-", dir=spec["dir"]))
     (work / "steps").mkdir()
     job = {
-        **{k: spec[k] for k in ("nodes", "step_s", "kill_at", "checkpoint_every")},
+        **{k: spec[k] for k in ("nodes", "step_s", "kill_at", "checkpoint_every", "timeout")},
         "case": case,
         "mode": mode,
         "dir": str(work),
@@ -296,6 +304,8 @@ def run_cell(
     batches: int = 40,
     kill_at: int = 15,
     checkpoint_every: int = 10,
+    modes: Sequence[str] = MODES,
+    timeout: float = COLLECTIVE_TIMEOUT_S,
 ) -> list[dict[str, Any]]:
     """Run `cases` on a fresh lab of `nodes` nodes at `rate`; return the records (with each node's log's tail)."""
     work = Path(tempfile.mkdtemp(prefix="syncline-lab-live-"))
@@ -303,6 +313,8 @@ def run_cell(
         "nodes": nodes,
         "rate": rate,
         "cases": list(cases),
+        "modes": list(modes),
+        "timeout": timeout,
         "step_s": step_s,
         "batches": batches,
         "kill_at": kill_at,
@@ -316,7 +328,11 @@ def run_cell(
             cwd=ROOT,
             start_new_session=True,
         )
-        lab.wait()
+        try:
+            lab.wait()
+        except BaseException:
+            _stop_lab(lab)
+            raise
         return json.loads(Path(spec["result"]).read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -327,10 +343,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rates", type=lab_rate, nargs="+", default=["1gbit", "100mbit"], help="or none: unshaped")
     parser.add_argument("--cases", nargs="+", default=["worker_killed"], choices=CASES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="for worker_killed")
     parser.add_argument("--batches", type=int, default=40, help="batches per node in the epoch")
     parser.add_argument("--step-s", type=float, default=0.1)
     parser.add_argument("--kill-at", type=int, default=15)
     parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=COLLECTIVE_TIMEOUT_S, help="the strategy's collective timeout")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(_INSIDE, metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument(_TRAIN, metavar="JOB", help=argparse.SUPPRESS)
@@ -353,7 +371,10 @@ def command(args: argparse.Namespace) -> int | None:
           f"{'+ guide interval':>16} {'replacement s':>13} {'codes':>12}")  # fmt: skip
     for nodes in args.nodes:
         for rate in args.rates:
-            cell = run_cell(nodes, rate, args.cases, args.step_s, args.batches, args.kill_at, args.checkpoint_every)
+            cell = run_cell(
+                nodes, rate, args.cases, args.step_s, args.batches, args.kill_at, args.checkpoint_every, args.modes,
+                args.timeout,
+            )  # fmt: skip
             for record in cell:
                 records.append({k: v for k, v in record.items() if k != "log_tail"})
                 print(_row(record), flush=True)
