@@ -20,8 +20,8 @@ PowerSGD hook (rank 4, 10 exact iterations, as `powersgd`) and with torch's post
 time to torch's. They run in torchrun jobs of their own (`TORCH_ROWS`), so a run that fails (torch's PowerSGD
 hook died of a collective-size mismatch on gloo in every 4-node run of 2026-11-26) is recorded as a failure and
 counted over repeats (``--repeat``) instead of ending the grid. Where torchft imports (`pip install
-'syncline[ft]'`), torchft's DiLoCo runs the same way beside syncline's ``diloco H=50`` and ``H=100``
-(`ft_diloco.py`); elsewhere those rows are skipped with one line.
+'syncline[ft]'`), torchft's DiLoCo runs the same way beside syncline's ``diloco`` rows at H=20 (outer momentum
+0.5), 50 and 100 (`ft_diloco.py`); elsewhere those rows are skipped with one line.
 
     python -m benchmarks lab tradeoff --nodes 2 4 --rates none 1gbit 100mbit   # about 50 minutes
     python -m benchmarks lab tradeoff --nodes 4 --rates 10mbit --only bucketed_ddp powersgd "diloco H=100"
@@ -104,6 +104,7 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("torch powersgd", "native_ddp", {"comm_hook": "powersgd"}),
     ("torch post-local sgd", "native_ddp", {"comm_hook": "post_local_sgd"}),
     # torchft's DiLoCo at the settings of syncline's rows (`ft_diloco.py`); where torchft imports.
+    ("torchft diloco H=20 outer_momentum=0.5", ft_diloco.NAME, {"period": 20, "outer_momentum": 0.5}),
     ("torchft diloco H=50", ft_diloco.NAME, {"period": 50}),
     ("torchft diloco H=100", ft_diloco.NAME, {"period": 100}),
 ]
@@ -112,6 +113,7 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
 COUNTERPARTS = {
     "torch powersgd": "powersgd",
     "torch post-local sgd": "local_sgd",
+    "torchft diloco H=20 outer_momentum=0.5": "diloco H=20 outer_momentum=0.5",
     "torchft diloco H=50": "diloco H=50",
     "torchft diloco H=100": "diloco H=100",
 }
