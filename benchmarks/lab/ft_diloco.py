@@ -126,7 +126,7 @@ def train_to_target(label: str, options: dict[str, Any], spec: dict[str, Any], g
     guard = StallGuard(label)
     train_s_at_step: list[float] = []
     validations: list[list[float]] = []
-    exchanges, validating = 0, 0.0
+    exchanges, validating, reached = 0, 0.0, None
     started = time.perf_counter()
     with DiLoCo(manager, [task], inner, outer, sync_every=options["period"]):
         for inputs, targets in train:
@@ -140,9 +140,11 @@ def train_to_target(label: str, options: dict[str, Any], spec: dict[str, Any], g
             train_s_at_step.append(time.perf_counter() - started - validating)
             if step % spec["val_every"] == 0:
                 begun = time.perf_counter()
-                validations.append([step, round(validation_loss(), 4)])
+                loss = validation_loss()
+                validations.append([step, round(loss, 4)])
                 validating += time.perf_counter() - begun
-                if validations[-1][1] <= spec["target"]:
+                if loss <= spec["target"]:
+                    reached = step
                     break
             if step == spec["max_steps"]:
                 break
@@ -150,7 +152,6 @@ def train_to_target(label: str, options: dict[str, Any], spec: dict[str, Any], g
     manager.shutdown(wait=False)
     if server is not None:
         server.shutdown()
-    reached = next((s for s, v in validations if v <= spec["target"]), None)
     steps = reached or len(train_s_at_step)
     parameter_bytes = sum(p.numel() * p.element_size() for p in task.parameters())
     return {
