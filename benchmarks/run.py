@@ -23,7 +23,7 @@ Sections (in the order they run):
   servers, tensor_fusion, the sharded server and tensor_fusion under bf16-mixed, bucketed_ddp and
   native_ddp: samples per second, memory per rank, bytes per step and time to a target validation loss.
 - `lab` (only when named, `--sections lab`; about two hours -> results/lab.json; root and iproute2): the
-  network lab (benchmarks/lab/__init__.py): every strategy against its link's bound on 2 and 4 nodes at 1 Gbit/s
+  network lab (benchmarks/lab_section.py): every strategy against its link's bound on 2 and 4 nodes at 1 Gbit/s
   and 100 Mbit/s, the overlap and bucket-size sweep on shaped links, and BAGUA's trade-off (seconds to a
   fixed validation loss, strategy x link x nodes). Where namespaces are not permitted it says so in one
   line and records only that.
@@ -54,7 +54,7 @@ from .common import ROOT, load_average, machine
 from .ddp import run_ddp_workload, run_device_workload
 from .example_runs import run_example, summarize_runs
 from .gpt2_study import run_gpt2_study
-from .lab import run_lab_section
+from .lab_section import run_lab_section
 from .overhead import run_overhead
 from .plans import PLANS, Plan
 from .plot import plot_all

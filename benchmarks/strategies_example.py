@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from .common import ROOT
+from .common import ROOT, run_process
 
 __all__ = ["STRATEGIES", "run_strategy", "table"]
 
@@ -55,10 +54,8 @@ def run_strategy(overrides: list[str], steps: int, timeout: float) -> dict[str, 
             f"hydra.run.dir={run_dir}",
         ]
         start = time.perf_counter()
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        run_process(command, timeout, cwd=ROOT)  # a timeout ends the launcher's ranks with it
         process_s = time.perf_counter() - start
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         scalars = _scalars(Path(run_dir))
     train = scalars["train_loss"]
     step_ms = (train[-1][0] - train[0][0]) / (train[-1][1] - train[0][1]) * 1e3

@@ -5,7 +5,7 @@ target quality sooner than exact all-reduce where the network is slow, and costs
 This runs the claim on the default example: `examples/char_gpt.py`'s CharGPT with its default
 hyperparameters and schedule (one epoch of 439 steps of 32 windows), the global batch split over the
 nodes (16 windows per rank on 2 nodes, 8 on 4), one process per node with one thread, in a lab cluster
-(`benchmarks/lab/cluster.py`) whose links are unshaped or shaped to 1 Gbit/s or 100 Mbit/s.
+(`cluster.py`) whose links are unshaped or shaped to 1 Gbit/s or 100 Mbit/s.
 
 Every strategy trains until the validation loss (the first `val_batches` x 32 windows of the validation
 text, the same windows at any node count, every `val_every` steps) first reaches `target`, or until the
@@ -21,9 +21,12 @@ time to torch's. They run in torchrun jobs of their own (`TORCH_ROWS`), so a run
 hook died of a collective-size mismatch on gloo in every 4-node run of 2026-11-26) is recorded as a failure and
 counted over repeats (``--repeat``) instead of ending the grid.
 
-    python -m benchmarks lab tradeoff --nodes 2 4 --rates none 1gbit 100mbit   # about 50 minutes
-    python -m benchmarks lab tradeoff --nodes 4 --rates 10mbit --only bucketed_ddp powersgd "diloco H=100"
-    python -m benchmarks lab tradeoff --plot docs/img/tradeoff.png --write docs/performance.md  # from the JSON
+    python -m syncline.lab tradeoff --nodes 2 4 --rates none 1gbit 100mbit --out tradeoff.json  # about 50 minutes
+    python -m syncline.lab tradeoff --nodes 4 --rates 10mbit --only bucketed_ddp powersgd "diloco H=100"
+    python -m syncline.lab tradeoff --out tradeoff.json --plot tradeoff.png --write page.md  # from the JSON
+
+With ``--out`` the runs are merged into the file (a cell's earlier runs replaced, or with ``--repeat`` kept for
+medians); without it they are only printed.
 """
 
 from __future__ import annotations
@@ -37,16 +40,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..common import QUIET_TRAINER, RESULTS, fill_marked_block
 from .cluster import (
     StallGuard,
     add_worker_argument,
     lab_rate,
+    lab_worker,
     run_isolating,
     run_worker_if_asked,
     run_worker_job,
     skipped_without_namespaces,
 )
+from .records import QUIET_TRAINER, fill_marked_block
 from .strategies import TORCH_ROWS
 
 __all__ = [
@@ -119,7 +123,7 @@ def _worker(spec: dict[str, Any]) -> None:
     from syncline.trainer import Trainer
     from syncline.trainer.seed import seed_everything
 
-    from ..gpt2_train import StudyRecorder, step_times
+    from .step_recorder import StepRecorder, step_times
 
     torch.set_num_threads(1)
     target = spec["target"]
@@ -127,7 +131,7 @@ def _worker(spec: dict[str, Any]) -> None:
     class StopAtLoss(Callback):
         """Stop once the validation loss (reduced over the ranks, so every rank agrees) reaches `target`."""
 
-        def on_validation_end(self, trainer, task) -> None:
+        def on_validation_end(self, trainer: Trainer, task: CharGPT) -> None:
             if float(trainer.callback_metrics["val_loss"]) <= target:
                 trainer.should_stop = True
 
@@ -139,7 +143,7 @@ def _worker(spec: dict[str, Any]) -> None:
         def __init__(self, guard: StallGuard) -> None:
             self.guard = guard
 
-        def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        def on_train_batch_end(self, trainer: Trainer, task: CharGPT, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.guard.beat()
 
     records = []
@@ -147,7 +151,7 @@ def _worker(spec: dict[str, Any]) -> None:
         seed_everything(0)
         world = int(os.environ["WORLD_SIZE"])  # torchrun's; the process group starts in fit
         task = CharGPT(batch_size=GLOBAL_BATCH // world, sample_chars=0)
-        recorder = StudyRecorder()
+        recorder = StepRecorder()
         guard = StallGuard(label)
         trainer = Trainer(
             max_steps=spec["max_steps"],
@@ -205,7 +209,7 @@ def run_cell(
         "val_every": val_every,
         "val_batches": val_batches,
     }
-    records = run_worker_job("tradeoff", spec, nodes, rate, timeout)
+    records = run_worker_job(lab_worker("tradeoff"), spec, nodes, rate, timeout)
     for record in records:
         record.update(nodes=nodes, rate=rate or "unshaped")
     return records
@@ -435,7 +439,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--target", type=float, default=TARGET_LOSS)
     parser.add_argument("--max-steps", type=int, default=439)
-    parser.add_argument("--out", type=Path, default=RESULTS / "lab_tradeoff.json")
+    parser.add_argument("--out", type=Path, help="merge the runs into this JSON file (without it: only printed)")
     parser.add_argument("--plot", type=Path, help="only draw the figure from --out's JSON into this PNG")
     parser.add_argument(
         "--write", type=Path, metavar="PAGE", help="only fill PAGE's block named after --out (lab-tradeoff, ...)"
@@ -446,6 +450,8 @@ def command(args: argparse.Namespace) -> int | None:
     """Run every cell asked for, print its table, and write the JSON (merged into an existing file)."""
     if run_worker_if_asked(args, _worker):
         return 0
+    if (args.plot or args.write) and args.out is None:
+        sys.exit("--plot and --write draw from the runs of a JSON file: name it with --out.")
     if args.plot or args.write:
         data = json.loads(args.out.read_text())
         if args.plot:
@@ -461,7 +467,7 @@ def command(args: argparse.Namespace) -> int | None:
     if skipped_without_namespaces("lab_tradeoff"):
         return 0
     strategies = [s for s in STRATEGIES if not args.only or s[0] in args.only]
-    data = json.loads(args.out.read_text()) if args.out.is_file() else {"target": args.target, "rows": []}
+    data = json.loads(args.out.read_text()) if args.out and args.out.is_file() else {"target": args.target, "rows": []}
     if data["target"] != args.target:
         sys.exit(f"{args.out} holds runs to target {data['target']}, not {args.target}: pass another --out")
     for nodes in args.nodes:
@@ -474,7 +480,8 @@ def command(args: argparse.Namespace) -> int | None:
             if not args.repeat:
                 data["rows"] = [r for r in data["rows"] if (r["nodes"], r["rate"], r["label"]) not in done]
             data["rows"] += new
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"\nwrote {args.out}\n{table(medians(data['rows']))}")
+            if args.out is not None:  # after every cell: a later cell's failure keeps what was measured
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(data, indent=1) + "\n")
+    print(("" if args.out is None else f"\nwrote {args.out}") + f"\n{table(medians(data['rows']))}")
     return 0

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import lab
-from benchmarks.lab.tradeoff import fill_page, grid_tables, marker_of, speedups
+from benchmarks import lab_section as lab
 from benchmarks.plans import PLANS
+from syncline.lab.tradeoff import fill_page, grid_tables, marker_of, speedups
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "lab_tradeoff.json"
@@ -44,7 +44,7 @@ def test_speedups_are_per_cell_and_zero_where_the_target_was_never_reached():
 def test_performance_page_quotes_the_committed_tradeoff_run(results):
     page = (ROOT / "docs" / "performance.md").read_text()
     data = json.loads(results.read_text())
-    fix = f"run `python -m benchmarks lab tradeoff --out {results.relative_to(ROOT)} --write docs/performance.md`"
+    fix = f"run `python -m syncline.lab tradeoff --out {results.relative_to(ROOT)} --write docs/performance.md`"
     assert fill_page(page, data, marker_of(results)) == page, fix
     assert {r["rate"] for r in data["rows"]} == {"unshaped", "1gbit", "100mbit"}
     assert {r["nodes"] for r in data["rows"]} == {2, 4}
