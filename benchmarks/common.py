@@ -39,6 +39,7 @@ __all__ = [
     "CHECKOUT_ENV",
     "QUIET_TRAINER",
     "add_child_arguments",
+    "add_out_argument",
     "fill_marked_block",
     "LAUNCHED_AT",
     "RESULTS",
@@ -158,6 +159,14 @@ def add_child_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of a command `run_child` starts: what to train (``--config JSON``) and where to write (``--out``)."""
     parser.add_argument("--config", required=True, help="JSON: what to train and how")
     parser.add_argument("--out", type=Path, required=True)
+
+
+def add_out_argument(parser: argparse.ArgumentParser, committed: str) -> None:
+    """``--out FILE``: also write the results as JSON there. Without it they only print, so that the committed
+    figures (`benchmarks/results/<committed>`) change only when asked."""
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"also write the JSON here (the committed figures: results/{committed})"
+    )
 
 
 def run_child_command(train: Callable[[dict[str, Any]], Any], args: argparse.Namespace) -> None:
