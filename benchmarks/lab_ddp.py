@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from syncline.lab.cluster import (
+    UNAVAILABLE,
     add_worker_argument,
     lab_rate,
+    lab_unavailable,
     parse_rate,
     run_worker_if_asked,
     run_worker_job,
-    skipped_without_namespaces,
 )
 
 from .common import CHECKOUT_ENV, paper_worker, write_json
@@ -121,8 +122,8 @@ def command(args: argparse.Namespace) -> int | None:
     """Run the sweep at each rate; print the tables and write the JSON."""
     if run_worker_if_asked(args, _worker):
         return 0
-    if skipped_without_namespaces("lab_ddp"):
-        return 0
+    if lab_unavailable("lab ddp"):
+        return UNAVAILABLE
     plan = replace(DEFAULT_PLAN, caps_mb=tuple(args.caps), repeats=args.repeats, steps=args.steps)
     variants = lab_variants(tuple(args.caps))
     results = []

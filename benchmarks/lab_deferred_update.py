@@ -33,7 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from syncline.lab.cluster import add_worker_argument, run_worker_if_asked, run_worker_job, skipped_without_namespaces
+from syncline.lab.cluster import (
+    UNAVAILABLE,
+    add_worker_argument,
+    lab_unavailable,
+    run_worker_if_asked,
+    run_worker_job,
+)
 from syncline.lab.strategies import DEFAULT_MODEL
 
 from .common import CHECKOUT_ENV, QUIET_TRAINER, paper_worker, write_json
@@ -289,8 +295,8 @@ def command(args: argparse.Namespace) -> int | None:
     """Run the experiment for each batch size; print a table and write the JSON."""
     if run_worker_if_asked(args, _worker):
         return 0
-    if skipped_without_namespaces("lab_deferred_update"):
-        return 0
+    if lab_unavailable("lab deferred-update"):
+        return UNAVAILABLE
     cells = []
     for batch_size in args.batch_sizes:
         trace = None if args.timeline is None else args.timeline / f"bucketed_ddp_batch{batch_size}.json"

@@ -37,6 +37,7 @@ from typing import Any
 from . import MODULE
 
 __all__ = [
+    "UNAVAILABLE",
     "LabResult",
     "NodeResult",
     "StepReport",
@@ -46,6 +47,7 @@ __all__ = [
     "build_nodes",
     "end_nodes",
     "lab_rate",
+    "lab_unavailable",
     "lab_worker",
     "link_bound",
     "namespaces_unavailable",
@@ -58,7 +60,6 @@ __all__ = [
     "run_lab",
     "run_worker_if_asked",
     "run_worker_job",
-    "skipped_without_namespaces",
     "start_nodes",
     "step_report",
     "step_starts",
@@ -366,11 +367,16 @@ def run_worker_if_asked(args: argparse.Namespace, worker: Callable[[dict[str, An
     return True
 
 
-def skipped_without_namespaces(script: str) -> bool:
-    """Where the lab cannot run, print one line naming `script` and why, and return True."""
+#: The exit status of a lab command on a machine where the lab cannot run.
+UNAVAILABLE = 3
+
+
+def lab_unavailable(command: str) -> bool:
+    """Where the lab cannot run, say so in one line on stderr naming `command` and why, and return True (the
+    command then exits with `UNAVAILABLE`)."""
     reason = namespaces_unavailable()
     if reason is not None:
-        print(f"{script}: skipped: {reason}")
+        print(f"{command}: network lab unavailable: {reason}", file=sys.stderr)
     return reason is not None
 
 
@@ -697,10 +703,8 @@ def _command(args: argparse.Namespace) -> int | None:
         print(names, file=sys.stderr)
         return 2
     torchrun_args = bounded(torchrun_args, args.max_steps)
-    reason = namespaces_unavailable()
-    if reason is not None:
-        print(f"network lab unavailable: {reason}", file=sys.stderr)
-        return 3
+    if lab_unavailable("lab cluster"):
+        return UNAVAILABLE
     log_dir = Path(args.log_dir) if args.log_dir else Path(_temporary_dir())
     link = f"{args.rate} links" if args.rate else "unshaped links"
     steps = next((arg for arg in torchrun_args if arg.startswith("trainer.max_steps=")), None)

@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import (
+    UNAVAILABLE,
     add_inside_argument,
     build_nodes,
+    lab_unavailable,
     lab_worker,
     namespaces_unavailable,
     run_in_namespaces,
-    skipped_without_namespaces,
     start_nodes,
 )
 from .records import write_json
@@ -256,8 +257,8 @@ def command(args: argparse.Namespace) -> int | None:
     if args.train is not None:
         train(json.loads(Path(args.train).read_text()))
         return 0
-    if skipped_without_namespaces("lab_faults"):
-        return 0
+    if lab_unavailable("lab faults"):
+        return UNAVAILABLE
     for record in run(args.strategies, args.faults, args.timeout, args.out):
         ended = record.get("last_gone_s")
         print(

@@ -42,16 +42,17 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import (
+    UNAVAILABLE,
     StallGuard,
     add_worker_argument,
     lab_rate,
+    lab_unavailable,
     lab_worker,
     link_bound,
     parse_rate,
     run_isolating,
     run_worker_if_asked,
     run_worker_job,
-    skipped_without_namespaces,
 )
 from .records import QUIET_TRAINER, write_json
 
@@ -498,8 +499,8 @@ def command(args: argparse.Namespace) -> int | None:
     if args.phases:
         print(json.dumps({"model": model, "phases_ms": local_phases(model)}))
         return 0
-    if skipped_without_namespaces("lab_strategies"):
-        return 0
+    if lab_unavailable("lab strategies"):
+        return UNAVAILABLE
     strategies = select_strategies(args.only or ())
     # Timed here, before any cluster runs: the split of the local step the algorithmic bound needs.
     phases_ms = local_phases(model)

@@ -41,14 +41,15 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import (
+    UNAVAILABLE,
     StallGuard,
     add_worker_argument,
     lab_rate,
+    lab_unavailable,
     lab_worker,
     run_isolating,
     run_worker_if_asked,
     run_worker_job,
-    skipped_without_namespaces,
 )
 from .records import QUIET_TRAINER, fill_marked_block
 from .strategies import TORCH_ROWS
@@ -464,8 +465,8 @@ def command(args: argparse.Namespace) -> int | None:
                 sys.exit(f"{args.write}: {error}")
             print(f"{args.write}: filled the trade-off tables from {args.out}")
         return 0
-    if skipped_without_namespaces("lab_tradeoff"):
-        return 0
+    if lab_unavailable("lab tradeoff"):
+        return UNAVAILABLE
     strategies = [s for s in STRATEGIES if not args.only or s[0] in args.only]
     data = json.loads(args.out.read_text()) if args.out and args.out.is_file() else {"target": args.target, "rows": []}
     if data["target"] != args.target:
