@@ -26,7 +26,7 @@ counted over repeats (``--repeat``) instead of ending the grid.
 
     python -m benchmarks lab tradeoff --nodes 2 4 --rates none 1gbit 100mbit   # about 50 minutes
     python -m benchmarks lab tradeoff --nodes 4 --rates 10mbit --only bucketed_ddp powersgd "diloco H=100"
-    python -m benchmarks lab tradeoff --nodes 4 --rates 10mbit --max-seconds 600 --resume  # the cells not yet in --out
+    python -m benchmarks lab tradeoff --nodes 4 --rates 10mbit --max-seconds 600 --runs 3  # resumable: 3 runs a cell
     python -m benchmarks lab tradeoff --plot docs/img/tradeoff.png --write docs/performance.md  # from the JSON
 """
 
@@ -38,6 +38,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -493,7 +494,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeat", action="store_true", help="add these runs to the cells' earlier ones (medians), not replace them"
     )
     parser.add_argument(
-        "--resume", action="store_true", help="run only the (nodes, rate, strategy) cells --out does not hold yet"
+        "--runs",
+        type=int,
+        metavar="K",
+        help="bring every (nodes, rate, strategy) to K runs in --out, a pass over the grid at a time, adding to "
+        "the runs it holds (the same command goes on after a stop)",
     )
     parser.add_argument("--target", type=float, default=TARGET_LOSS)
     parser.add_argument(
@@ -531,26 +536,28 @@ def command(args: argparse.Namespace) -> int | None:
     data = json.loads(args.out.read_text()) if args.out.is_file() else {"target": args.target, "rows": []}
     if data["target"] != args.target:
         sys.exit(f"{args.out} holds runs to target {data['target']}, not {args.target}: pass another --out")
-    if args.resume and args.repeat:
-        sys.exit("--resume runs the cells --out lacks and --repeat adds runs to the cells it has: pass one of them")
-    for nodes in args.nodes:
-        for rate in args.rates:
-            held = {r["label"] for r in data["rows"] if (r["nodes"], r["rate"]) == (nodes, rate or "unshaped")}
-            todo = [s for s in strategies if not (args.resume and s[0] in held)]
-            if not todo:
-                print(f"{nodes} nodes, {rate or 'unshaped'}: every strategy asked for is in {args.out}", flush=True)
-                continue
-            started = time.monotonic()
-            new = run_cell_counting_failures(
-                nodes, rate, todo, target=args.target, max_steps=args.max_steps, max_seconds=args.max_seconds
-            )
-            took = time.monotonic() - started
-            print(f"\n{nodes} nodes, {rate or 'unshaped'} ({took:.0f} s)\n{table(new)}", flush=True)
-            done = {(r["nodes"], r["rate"], r["label"]) for r in new}
-            if not args.repeat:
-                data["rows"] = [r for r in data["rows"] if (r["nodes"], r["rate"], r["label"]) not in done]
-            data["rows"] += new
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(data, indent=1) + "\n")
+    if args.runs is not None and args.repeat:
+        sys.exit("--runs K adds runs to the cells that hold fewer than K, --repeat to every cell: pass one of them")
+    # With --runs K, pass k over the grid runs what holds fewer than k runs: the same command goes on after a stop.
+    for wanted in range(1, args.runs + 1) if args.runs else [None]:
+        for nodes in args.nodes:
+            for rate in args.rates:
+                cell = (nodes, rate or "unshaped")
+                held = Counter(r["label"] for r in data["rows"] if (r["nodes"], r["rate"]) == cell)
+                todo = [s for s in strategies if wanted is None or held[s[0]] < wanted]
+                if not todo:
+                    continue
+                started = time.monotonic()
+                new = run_cell_counting_failures(
+                    nodes, rate, todo, target=args.target, max_steps=args.max_steps, max_seconds=args.max_seconds
+                )
+                took = time.monotonic() - started
+                print(f"\n{nodes} nodes, {rate or 'unshaped'} ({took:.0f} s)\n{table(new)}", flush=True)
+                done = {(r["nodes"], r["rate"], r["label"]) for r in new}
+                if not args.repeat and wanted is None:
+                    data["rows"] = [r for r in data["rows"] if (r["nodes"], r["rate"], r["label"]) not in done]
+                data["rows"] += new
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"\nwrote {args.out}\n{table(medians(data['rows']))}")
     return 0
