@@ -1,6 +1,8 @@
 """A task for live-recovery tests: it logs every sample it trains on, and one replica dies at one step.
 
-`LiveProbe` appends, per optimizer step, a line ``epoch step world_size idx,idx,...`` to ``<log_dir>/<pid>.log``;
+`LiveProbe` appends, per optimizer step, a line ``epoch step world_size idx,idx,... steps digest`` to
+``<log_dir>/<pid>.log`` (`steps`: the strategy's optimizer steps, -1 where it counts none; `digest`: of the
+weights the step starts from);
 at the end of training each process writes ``<pid>.end`` with its step, a digest of its weights and one of the
 strategy's outer state (DiLoCo's global copies, outer momentum and step count; "-" for other strategies), and a
 replacement writes ``<pid>.healed``: 1 if its first step starts from DiLoCo's global copies θ̃. The
@@ -87,7 +89,9 @@ class LiveProbe(Task):
         trainer = self.trainer
         with open(Path(self.log_dir, f"{os.getpid()}.log"), "a") as file:
             ids = ",".join(str(int(i)) for i in idx)
-            file.write(f"{trainer.current_epoch} {trainer.global_step} {trainer.world_size} {ids}\n")
+            inner = getattr(trainer.strategy, "steps", -1)
+            where = f"{trainer.current_epoch} {trainer.global_step} {trainer.world_size}"
+            file.write(f"{where} {ids} {inner} {_digest(self.parameters())[:16]}\n")
         return nn.functional.mse_loss(self.net(x), y)
 
     def setup(self, stage: str) -> None:

@@ -78,7 +78,9 @@ def _check_recovered(result, steps, ends, exact: bool) -> None:
 
 def _check_every_sample(steps) -> None:
     for epoch in ("0", "1"):
-        trained = {int(i) for lines in steps.values() for e, _, _, ids in lines if e == epoch for i in ids.split(",")}
+        trained = {
+            int(i) for lines in steps.values() for e, _, _, ids, *_ in lines if e == epoch for i in ids.split(",")
+        }
         assert trained == set(range(96)), f"epoch {epoch} missed {sorted(set(range(96)) - trained)}"
 
 
@@ -98,6 +100,16 @@ def test_a_killed_worker_costs_one_step_and_is_replaced_live(tmp_path: Path, str
         assert len({end[2] for end in ends.values()}) == 1, ends
         healed = [path.read_text() for path in (tmp_path / "logs").glob("*.healed")]
         assert healed == ["1"], "the replacement's replica starts at the global copies θ̃"
+    if strategy == _DILOCO:
+        # One fragment, no overlap: right after each outer step every replica is θ̃. The steps that start there
+        # with all three members (the replacement among them) start from the same weights, bit for bit.
+        starts: dict[int, dict[int, str]] = {}
+        for pid, lines in steps.items():
+            for _, _, world, _, inner, digest in lines:
+                if world == "3" and int(inner) > 0 and int(inner) % 4 == 0:
+                    starts.setdefault(int(inner), {})[pid] = digest
+        together = [by_pid for by_pid in starts.values() if len(by_pid) == 3]
+        assert together and all(len(set(by_pid.values())) == 1 for by_pid in together), starts
 
 
 def test_a_second_death_right_after_healing_is_a_second_recovery(tmp_path: Path) -> None:
