@@ -27,18 +27,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from syncline.lab.ft_diloco import missing
+
 from . import MODULE
+from .common import CHECKOUT_ENV
 
 __all__ = ["fit", "missing"]
-
-
-def missing(rows: str = "torchft row") -> str | None:
-    """Why torchft's `rows` cannot run in this interpreter (one line), or None where torchft imports."""
-    try:
-        import torchft  # noqa: F401
-    except ImportError as error:
-        return f"{rows} skipped: torchft does not import here ({error}); pip install 'syncline[ft]'"
-    return None
 
 
 def fit(
@@ -65,7 +59,8 @@ def fit(
             mine = json.dumps({**spec, "replica": replica, "replacement": replacement})
             argv = [sys.executable, "-m", f"{MODULE}.ft_reference", mine]
             with open(Path(root, f"replica{replica}.log"), "a") as log:  # the child keeps its own descriptor
-                return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+                env = {**os.environ, **CHECKOUT_ENV}  # `benchmarks` is found from the checkout, not installed
+                return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
 
         try:
             started = time.perf_counter()

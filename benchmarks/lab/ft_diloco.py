@@ -19,10 +19,19 @@ import time
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["NAME", "train_to_target"]
+__all__ = ["NAME", "missing", "train_to_target"]
 
 #: The name that marks a trade-off row as torchft's DiLoCo (not a registered syncline strategy).
 NAME = "torchft_diloco"
+
+
+def missing(rows: str = "torchft row") -> str | None:
+    """Why torchft's `rows` cannot run in this interpreter (one line), or None where torchft imports."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError as error:
+        return f"{rows} skipped: torchft does not import here ({error}); pip install 'syncline[ft]'"
+    return None
 
 
 def _own_address(master: str) -> str:
