@@ -563,6 +563,8 @@ def command(args: argparse.Namespace) -> int | None:
     if skipped and any(name == ft_diloco.NAME for _, name, _ in strategies):
         print(skipped)
         strategies = [s for s in strategies if s[1] != ft_diloco.NAME]
+        if not strategies:
+            return 0
     data = json.loads(args.out.read_text()) if args.out and args.out.is_file() else {"target": args.target, "rows": []}
     if data["target"] != args.target:
         sys.exit(f"{args.out} holds runs to target {data['target']}, not {args.target}: pass another --out")
