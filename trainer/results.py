@@ -96,6 +96,8 @@ class _Entry:
     weight: float = 0.0
     #: Logged since its epoch value was last resolved.
     pending: bool = False
+    #: The key of its step values: ``name_step`` when it has epoch values too, else its name.
+    step_key: str = ""
 
 
 def infer_batch_size(batch: Any) -> int:
@@ -219,7 +221,8 @@ class ResultCollection:
                 "torch.mean/sum/max/min; for another reduction log a torchmetrics Metric."
             )
         on_step, on_epoch = self._levels(name, on_step, on_epoch)
-        entry = _Entry(on_step, on_epoch, prog_bar, logger, sync_dist, reduce)  # type: ignore[arg-type]
+        step_key = f"{name}_step" if on_epoch else name
+        entry = _Entry(on_step, on_epoch, prog_bar, logger, sync_dist, reduce, step_key=step_key)  # type: ignore[arg-type]
         if isinstance(value, Metric):
             entry.metric = value
         restored = self._restored_aggregates.pop(name, None)
@@ -252,7 +255,7 @@ class ResultCollection:
         return on_step, on_epoch
 
     def _record_step(self, name: str, entry: _Entry, value: Tensor) -> None:
-        key = f"{name}_step" if entry.on_epoch else name
+        key = entry.step_key
         if self.training:
             # As in Lightning, evaluation step values reach the loggers and the bar, not callback_metrics.
             self.callback_metrics[key] = value
@@ -382,7 +385,8 @@ class ResultCollection:
                 metric._computed = None
         for name, saved in state.get("entries", {}).items():
             metric = modules.get(saved["metric"]) if saved["metric"] is not None else None
-            entry = _Entry(*saved["options"], saved["reduce_fx"], metric)  # type: ignore[arg-type]
+            step_key = f"{name}_step" if saved["options"][1] else name
+            entry = _Entry(*saved["options"], saved["reduce_fx"], metric, step_key=step_key)  # type: ignore[arg-type]
             entry.total, entry.weight, entry.pending = saved["total"], saved["weight"], saved["pending"]
             self.entries[name] = entry
         # Checkpoints of syncline <= 0.1 kept bare aggregates, attached when their names are logged again.
