@@ -323,8 +323,9 @@ class CallbackDispatcher:
         self._call(listeners.name, listeners.monitoring if monitoring else listeners.others + listeners.task)
 
     def _call(self, name: str, listeners: Sequence[Listener], *args: Any, **kwargs: Any) -> None:
-        results = self.trainer.results
+        trainer, task = self.trainer, self.task
+        results = trainer.results
         previous, results.hook = results.hook, name
         for listener in listeners:
-            listener(self.trainer, self.task, *args, **kwargs)
+            listener(trainer, task, *args, **kwargs)
         results.hook = previous
