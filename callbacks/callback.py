@@ -285,10 +285,6 @@ class CallbackDispatcher:
             listeners = self._listeners[hook] = self._resolve(hook)
         return listeners
 
-    def listens(self, hook: Hook) -> bool:
-        """Whether the task or any callback overrides `hook` (firing it would call something)."""
-        return bool(self._listeners_of(hook).ordered)
-
     def reads_parameters(self, hook: Hook) -> bool:
         """Whether the task or a callback listening to `hook` may read the parameters (`Callback.reads_parameters`)."""
         return self._listeners_of(hook).reads_parameters
