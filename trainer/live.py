@@ -12,7 +12,10 @@ The engine (one elastic agent per replica, torch's rendezvous, the default group
   along (the lowest rank among equals) sends its state over the new group: weights, optimizer,
   strategy state, progress, data position and RNG. Under an exact strategy every other member takes all
   of it, so replicas agree bit for bit; under a relaxed one a survivor keeps its own replica and takes
-  the progress and data position only; a replacement takes everything. Nothing is read from or written to disk.
+  the progress and data position only; a replacement takes everything. Then every member but the source
+  takes what the strategy says all members hold alike (`Strategy.heal_from`: DiLoCo's outer state), and a
+  survivor first drops the strategy's work in flight that lost its peer (`Strategy.on_peer_lost`). Nothing
+  is read from or written to disk.
 - **The rest of the epoch** is re-sharded: the epoch's samples are one sequence (shuffled per epoch from the
   seed), consumed in global batches of ``world_size x batch_size``; after a change the samples not yet
   consumed are split over the new members, the last global batch padded by wrapping around, as
@@ -169,6 +172,7 @@ class LiveRecovery:
                     self.recover(loop)
                 except Exception as error:
                     self._raise_unless_recoverable(error)
+                    self.trainer.strategy.on_peer_lost()
                     self.recover(loop)
 
         return run_epoch
@@ -223,6 +227,7 @@ class LiveRecovery:
                     raise
             except Exception as error:
                 self._raise_unless_recoverable(error)
+                trainer.strategy.on_peer_lost()
                 lost += 1
                 if lost >= _MAX_ROUNDS:
                     raise MembershipError(f"Live recovery gave up: {lost} rounds in a row lost a member.") from None
@@ -287,6 +292,9 @@ class LiveRecovery:
             self._load_position(state)
         elif own is not None:
             self._load(own)
+        if trainer.global_rank != source:
+            # What every member holds alike (a relaxed strategy's outer state, its step count) is the source's.
+            strategy.heal_from(state["strategy"], replacement=own is None)
         self.has_state = True
 
     def _load(self, state: dict[str, Any]) -> None:
