@@ -1,6 +1,9 @@
-"""syncline's benchmark suite: the DDP paper's experiments on this machine. Run `python -m benchmarks`."""
+"""syncline's benchmark suite: the DDP paper's experiments on this machine. Run `python -m benchmarks`.
 
-#: The module that starts a benchmark command in a fresh interpreter (a training run, a lab node's worker).
-#: Installed, the suite is `syncline.benchmarks`, importable from any folder (the top-level `benchmarks` only
-#: from a checkout's root), so a lab job can run in the user's own folder.
-MODULE = "syncline.benchmarks"
+The suite is not installed: it runs from the checkout's root (its results are committed under `results/`). What
+users run, the network lab, is: its sources are `lab/`, installed as `syncline.lab`.
+"""
+
+#: The module that starts a benchmark command in a fresh interpreter (a training run, a paper experiment's worker on
+#: a lab node); `common.ROOT` goes on the child's PYTHONPATH, so that it finds the checkout from any folder.
+MODULE = "benchmarks"

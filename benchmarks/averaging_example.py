@@ -1,6 +1,6 @@
 """The averaging family on the default example: CharGPT, 2 processes, the same shortened run for each.
 
-    python -m benchmarks averaging                      # all runs -> benchmarks/results/averaging.json
+    python -m benchmarks averaging --out benchmarks/results/averaging.json   # all runs, the committed figures
     python -m benchmarks averaging --steps 150 --repeats 3
 
 Each run is a fresh process (`run_child`) that trains `examples/char_gpt.py`'s CharGPT for `--steps`
@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,10 +29,9 @@ import torch
 from syncline.callbacks import Callback
 from syncline.strategies.native_ddp import NativeDDP
 
-from .common import QUIET_TRAINER, machine, run_child
+from .common import QUIET_TRAINER, add_out_argument, machine, run_child, write_json
 from .example_runs import StepRecorder
 
-RESULTS = Path(__file__).parent / "results" / "averaging.json"
 WARMUP = 25
 PERIOD = 4
 
@@ -158,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the speed comparison")
     parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    add_out_argument(parser, "averaging.json")
 
 
 def command(args: argparse.Namespace) -> None:
@@ -195,5 +193,6 @@ def command(args: argparse.Namespace) -> None:
         },
         "wall_s": round(time.time() - started, 1),
     }
-    args.out.write_text(json.dumps(report, indent=1))
+    if args.out is not None:
+        write_json(args.out, report)
     print(json.dumps({"quality": quality, "speed": report["speed"]["train_s_median"]}, indent=1))

@@ -15,7 +15,7 @@ the cap "auto" chose in each repeat, and what tuning cost (its steps' time beyon
 steady steps with the chosen cap).
 
 Started alone, it spawns `--world-size` local processes; under torchrun (the network lab) it joins the
-job's group and rank 0 prints and writes the result (`--out`, default results/autotune.json).
+job's group and rank 0 prints the result, and writes it with `--out` (committed: results/autotune.json).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from syncline.strategies.bucketed_ddp import BucketedDDP
 from syncline.strategies.comm.process_group import init_process_group_from_env
 
-from .common import RESULTS, machine, run_world, summary, write_json
+from .common import add_out_argument, machine, run_world, summary, write_json
 from .workloads import LayerStack
 
 DEFAULT_CAPS = (1.0, 5.0, 25.0, 100.0)
@@ -159,7 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=int, default=12)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    parser.add_argument("--out", type=Path, default=RESULTS / "autotune.json")
+    add_out_argument(parser, "autotune.json")
 
 
 def command(args: argparse.Namespace) -> None:
@@ -174,4 +173,5 @@ def command(args: argparse.Namespace) -> None:
     result = summarize(gathered, args)
     result["machine"]["load_average_1min"] = load
     print_table(result)
-    write_json(args.out, result)
+    if args.out is not None:
+        write_json(args.out, result)

@@ -16,18 +16,16 @@ backward of each strategy against a plain `loss.backward()` without any reducer:
 plain median backward) / parameter tensors is the reducer's own cost per parameter during the
 backward, and `prepare_for_backward` alone times the unused-parameter graph walk.
 
-Results go to a table on stdout and to `benchmarks/results/many_params.json` (`--one-process`:
-`many_params_one_process.json`).
+Results go to a table on stdout, and with `--out` to JSON (committed: `benchmarks/results/many_params.json`;
+`--one-process`: `many_params_one_process.json`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,7 +35,7 @@ from syncline.strategies.comm.process_group import init_process_group_from_env
 from syncline.strategies.native_ddp import NativeDDP
 from syncline.trainer.launcher import free_port
 
-from .common import machine, ms, paired_block_ratio, run_world, slowest_rank, write_json
+from .common import add_out_argument, machine, ms, paired_block_ratio, run_world, slowest_rank, write_json
 from .ddp import Variant, per_step, rank_timings
 from .plans import Plan
 from .workloads import LayerStack
@@ -204,12 +202,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per repeat")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each block")
     parser.add_argument("--one-process", action="store_true", help="the reducer's own per-parameter cost")
-    parser.add_argument("--out", type=Path, default=None)
+    add_out_argument(parser, "many_params.json; --one-process: many_params_one_process.json")
 
 
 def command(args: argparse.Namespace) -> None:
     """Run the command."""
-    results_dir = Path(__file__).parent / "results"
     if args.one_process:
         result = one_process(args)
         for name, v in result["variants"].items():
@@ -217,15 +214,14 @@ def command(args: argparse.Namespace) -> None:
                 f"{name:22} backward {v['backward_median_ms']:8.2f} ms (min {v['backward_min_ms']:8.2f})  "
                 f"prepare {v['prepare_median_ms']:6.3f} ms  over plain {v['overhead_per_parameter_us']:6.2f} us/param"
             )
-        out = args.out or results_dir / "many_params_one_process.json"
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"\nwrote {out}")
+        if args.out is not None:
+            write_json(args.out, result)
         return
-    args.out = args.out or results_dir / "many_params.json"
     plan = _plan(args)
     job = ("layers", plan.size, build_variants(), plan, plan.timeout_s, "cpu")
     per_rank, load = run_world(rank_timings, args.world_size, job, plan.timeout_s)
     summary = summarize(per_rank, args)
     summary["machine"]["load_average_1min"] = load
     print_table(summary)
-    write_json(args.out, summary)
+    if args.out is not None:
+        write_json(args.out, summary)

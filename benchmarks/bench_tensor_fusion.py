@@ -9,7 +9,7 @@ with the strategy's synchronization, SGD step, zero_grad) after 3 untimed ones, 
 processes, variants interleaved in a rotated order per repeat so that load from other processes spreads
 over all of them. A step is timed as the slower rank's. Reported: the median step (p25-p75) over every
 timed step, the ratio to `bucketed_ddp`, and for `tensor_fusion` the fused all-reduces and negotiation
-cycles of one synchronized backward. Results: stdout and `benchmarks/results/tensor_fusion.json`.
+cycles of one synchronized backward. Results: stdout, and with `--out` JSON (committed: results/tensor_fusion.json).
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from torch import nn
 from syncline.strategies import BucketedDDP, Strategy, TensorFusion
 from syncline.testing import run_distributed
 
-from .common import ROOT, load_average, machine, summary, write_json
+from .common import add_out_argument, load_average, machine, summary, write_json
 
 DEPTH, WIDTH, BATCH, WARMUP = 8, 512, 32, 3
-OUT = ROOT / "benchmarks" / "results" / "tensor_fusion.json"
 
 #: The variants compared, by label.
 VARIANTS: dict[str, Callable[[], Strategy]] = {
@@ -74,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's options."""
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
+    add_out_argument(parser, "tensor_fusion.json")
 
 
 def command(args: argparse.Namespace) -> None:
@@ -91,8 +91,10 @@ def command(args: argparse.Namespace) -> None:
             f"{row['median_ms'] / reference:.2f}x | {row.get('fusion/allreduces', '-')} | "
             f"{row.get('fusion/cycles', '-')} | {int(row['comm/bytes']):,} |"
         )
+    if args.out is None:
+        return
     write_json(
-        OUT,
+        args.out,
         {
             "machine": machine(),
             "load_average": {"before": load_before, "after": load_average()},

@@ -6,8 +6,12 @@
   every rank's timings, and two variants' ratio per repeat.
 - `run_world(fn, world_size, args, timeout)`: `fn(rank, world_size, *args)` on local ranks joined by gloo,
   through the runner the tests use (`testing.py`), with the load average around it.
-- `run_child(command, args, timeout)`: `python -m benchmarks <command> ...` in a fresh interpreter (its own
-  session, killed with its children on timeout); returns the JSON object it wrote to the file named by `--out`.
+- `run_process(argv, timeout)`: any command in a fresh process of its own session, killed with its children on
+  timeout; `run_child(command, args, timeout)` runs ``python -m benchmarks <command> ...`` through it and returns
+  the JSON object the child wrote to the file named by `--out`.
+- `paper_worker(command)`: a paper experiment's worker on the network lab's nodes (`syncline.lab.cluster`).
+
+The Trainer settings of a measured run and the result files are the installed lab's (`syncline.lab.records`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import signal
 import statistics
 import subprocess
@@ -27,12 +30,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from syncline.lab.records import QUIET_TRAINER, fill_marked_block, write_json
 from syncline.testing import run_distributed
 
 from . import MODULE
 
 __all__ = [
+    "CHECKOUT_ENV",
+    "QUIET_TRAINER",
     "add_child_arguments",
+    "add_out_argument",
     "fill_marked_block",
     "LAUNCHED_AT",
     "RESULTS",
@@ -41,15 +48,20 @@ __all__ = [
     "cpu_model",
     "machine",
     "ms",
+    "paper_worker",
     "run_child",
     "run_child_command",
+    "run_process",
     "run_world",
     "summary",
+    "write_json",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Where the committed results live.
 RESULTS = ROOT / "benchmarks" / "results"
+#: What a process started from anywhere needs to import the suite (it is not installed): the checkout on its path.
+CHECKOUT_ENV = {"PYTHONPATH": str(ROOT)}
 #: Environment variable in which `run_child` passes the wall-clock time it started the child.
 LAUNCHED_AT = "SYNCLINE_BENCH_LAUNCHED_AT"
 
@@ -143,21 +155,18 @@ def run_world(
     return values, {"before": before, "after": os.getloadavg()[0]}
 
 
-#: The Trainer arguments of a measured run: the CPU (these studies are of gloo on CPU cores, also on a machine with
-#: a GPU), no logs, checkpoints or progress output, no sanity validation.
-QUIET_TRAINER: dict[str, Any] = {
-    "accelerator": "cpu",
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_progress_bar": False,
-    "num_sanity_val_steps": 0,
-}
-
-
 def add_child_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of a command `run_child` starts: what to train (``--config JSON``) and where to write (``--out``)."""
     parser.add_argument("--config", required=True, help="JSON: what to train and how")
     parser.add_argument("--out", type=Path, required=True)
+
+
+def add_out_argument(parser: argparse.ArgumentParser, committed: str) -> None:
+    """``--out FILE``: also write the results as JSON there. Without it they only print, so that the committed
+    figures (`benchmarks/results/<committed>`) change only when asked."""
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"also write the JSON here (the committed figures: results/{committed})"
+    )
 
 
 def run_child_command(train: Callable[[dict[str, Any]], Any], args: argparse.Namespace) -> None:
@@ -165,11 +174,34 @@ def run_child_command(train: Callable[[dict[str, Any]], Any], args: argparse.Nam
     args.out.write_text(json.dumps(train(json.loads(args.config))))
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write `data` as indented JSON to `path` (creating its folder) and say so."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"\nwrote {path}")
+def run_process(
+    argv: Sequence[str], timeout: float, cwd: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None
+) -> str:
+    """Run `argv` in a process of its own session; return its output (stdout and stderr together).
+
+    Its own session, so that a timeout kills the process's own workers too (a launcher spawns ranks).
+
+    Raises:
+        BenchmarkError: the process exited with a non-zero status, or ran past `timeout` seconds.
+    """
+    process = subprocess.Popen(
+        list(argv),
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise BenchmarkError(f"{' '.join(argv)} timed out after {timeout:g} s:\n{output[-3000:]}") from None
+    if process.returncode != 0:
+        raise BenchmarkError(f"{' '.join(argv)} failed ({process.returncode}):\n{output[-3000:]}")
+    return output
 
 
 def run_child(command: str, args: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -181,37 +213,16 @@ def run_child(command: str, args: Sequence[str], timeout: float, env: dict[str, 
     with tempfile.TemporaryDirectory(prefix="syncline-bench-") as tmp:
         out = Path(tmp, "result.json")
         argv = [sys.executable, "-m", MODULE, *command.split(), *args, "--out", str(out)]
-        child_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        child_env = {**os.environ, **CHECKOUT_ENV, **(env or {})}
         # The child measures its time to first step from this moment (the same clock, the same machine).
         child_env[LAUNCHED_AT] = repr(time.time())
-        # Its own session, so that a timeout kills the child's own workers too (elastic launch spawns ranks).
-        process = subprocess.Popen(
-            argv,
-            cwd=tmp,
-            env=child_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            output, _ = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            raise BenchmarkError(f"{' '.join(argv)} timed out after {timeout:g} s:\n{output[-3000:]}") from None
-        if process.returncode != 0 or not out.exists():
-            raise BenchmarkError(f"{' '.join(argv)} failed ({process.returncode}):\n{output[-3000:]}")
+        output = run_process(argv, timeout, cwd=tmp, env=child_env)
+        if not out.exists():
+            raise BenchmarkError(f"{' '.join(argv)} wrote no {out.name}:\n{output[-3000:]}")
         return json.loads(out.read_text())
 
 
-def fill_marked_block(page: str, marker: str, text: str) -> str:
-    """Return `page` with what lies between ``<!-- marker -->`` and ``<!-- /marker -->`` replaced by `text`.
-
-    Raises:
-        ValueError: the page has no such block.
-    """
-    block = re.compile(rf"(<!-- {re.escape(marker)} -->\n)(?:.*?\n)?(<!-- /{re.escape(marker)} -->)", re.DOTALL)
-    if not block.search(page):
-        raise ValueError(f"the page has no <!-- {marker} --> ... <!-- /{marker} --> block")
-    return block.sub(lambda m: f"{m.group(1)}\n{text}\n\n{m.group(2)}", page)
+def paper_worker(command: str) -> list[str]:
+    """What torchrun runs on each lab node for the worker of paper experiment `command` (`python -m benchmarks lab
+    <command>`); the job needs `CHECKOUT_ENV` (the lab's nodes start it from the user's folder)."""
+    return ["-m", MODULE, "lab", command]

@@ -1,6 +1,6 @@
 """The DDP comparison: syncline's reducer against torch's DDP, per workload, size and precision.
 
-    python -m benchmarks ddp          # the layer stack, world size 2, gloo -> benchmarks/results/ddp.json
+    python -m benchmarks ddp          # the layer stack, world size 2, gloo (--out FILE: also the JSON)
 
 One harness for every job that sets the two reducers side by side: the suite's `ddp` and `device` sections
 (`benchmarks/run.py`), this module's `ddp` command, `many-params` and the lab's `ddp` job all describe their
@@ -41,7 +41,6 @@ import argparse
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,7 +48,7 @@ import torch.distributed as dist
 
 from syncline.testing import run_distributed
 
-from .common import RESULTS, machine, ms, paired_block_ratio, run_world, slowest_rank, summary, write_json
+from .common import add_out_argument, machine, ms, paired_block_ratio, run_world, slowest_rank, summary, write_json
 from .plans import Plan
 from .workloads import build
 
@@ -477,7 +476,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=COMMAND_PLAN.repeats)
     parser.add_argument("--steps", type=int, default=COMMAND_PLAN.steps, help="timed steps per variant per repeat")
     parser.add_argument("--warmup", type=int, default=COMMAND_PLAN.warmup, help="untimed steps before each block")
-    parser.add_argument("--out", type=Path, default=RESULTS / "ddp.json")
+    add_out_argument(parser, "ddp.json")
 
 
 def command(args: argparse.Namespace) -> None:
@@ -488,4 +487,5 @@ def command(args: argparse.Namespace) -> None:
     result = summarize_comparison(per_rank, plan, args.world_size)
     result["machine"]["load_average_1min"] = load
     _print_table(result)
-    write_json(args.out, result)
+    if args.out is not None:
+        write_json(args.out, result)

@@ -6,9 +6,9 @@ batch (all of it in one process for `single`, split over two ranks otherwise), v
 `val_every` steps on the first `val_batches` batches of the validation text (the same windows whatever
 the world size). Two callbacks measure:
 
-- `StudyRecorder` (rank 0): when each step ended, how long each validation took (so that steps can be
-  timed without them) and each validation loss, and the strategy's `communication_stats()` after every
-  step (`comm/bytes` of the last one is reported).
+- `StepRecorder` (`syncline.lab.step_recorder`, rank 0): when each step ended, how long each validation took
+  (so that steps can be timed without them) and each validation loss, and the strategy's `communication_stats()`
+  after every step (`comm/bytes` of the last one is reported).
 - `MemoryProbe` (every rank): the largest bytes (`numel * element_size`, each tensor once) of the
   parameters' gradients after any backward, and of the parameters and the optimizer's state tensors at
   the end of any optimizer step (before gradients are reset); their sum is the peak the three reach
@@ -30,10 +30,11 @@ import torch
 from torch import Tensor
 
 from syncline.callbacks import Callback
+from syncline.lab.step_recorder import StepRecorder, step_times
 
 from .common import QUIET_TRAINER, add_child_arguments, run_child_command
 
-__all__ = ["MemoryProbe", "StudyRecorder", "tensor_bytes"]
+__all__ = ["MemoryProbe", "tensor_bytes"]
 
 
 def tensor_bytes(tensors: list[Tensor]) -> int:
@@ -79,54 +80,6 @@ class MemoryProbe(Callback):
         self.ranks = state_dict["ranks"]
 
 
-class StudyRecorder(Callback):
-    """Record, on rank 0, step end times, validation times and losses, and the communication counters."""
-
-    reads_parameters = False  # times and counts only: a step in flight stays in flight
-
-    def __init__(self) -> None:
-        self.start = 0.0
-        self.step_ends: list[float] = []
-        #: (global step, seconds the validation took, validation loss) per validation.
-        self.validations: list[tuple[int, float, float]] = []
-        self.comm: dict[str, float] = {}
-        #: The most bytes one optimizer step handed to collectives (`comm/bytes`).
-        self.peak_comm_bytes = 0.0
-        self._val_start = 0.0
-        self._stepping = False
-
-    def on_train_start(self, trainer, task):
-        self.start = time.perf_counter()
-
-    def on_before_optimizer_step(self, trainer, task, optimizer):
-        self._stepping = True
-
-    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):
-        # Right after an optimizer step (on_before_zero_grad comes before the next window's backward).
-        if self._stepping:
-            self.step_ends.append(time.perf_counter())
-            self.comm = dict(trainer.strategy.communication_stats())
-            self.peak_comm_bytes = max(self.peak_comm_bytes, self.comm.get("comm/bytes", 0.0))
-        self._stepping = False
-
-    def on_validation_start(self, trainer, task):
-        self._val_start = time.perf_counter()
-
-    def on_validation_end(self, trainer, task):
-        if self.validations and self.validations[-1][0] == trainer.global_step:
-            # The Trainer validates a second time when max_steps ends the epoch on a validation step.
-            return
-        loss = float(trainer.callback_metrics["val_loss"])  # host sync: a CPU scalar, once per validation
-        self.validations.append((trainer.global_step, time.perf_counter() - self._val_start, loss))
-
-    def state_dict(self):
-        return {"start": self.start, "step_ends": self.step_ends, "validations": self.validations, "comm": self.comm}
-
-    def load_state_dict(self, state_dict):
-        self.start, self.step_ends = state_dict["start"], state_dict["step_ends"]
-        self.validations, self.comm = [tuple(v) for v in state_dict["validations"]], state_dict["comm"]
-
-
 def _strategy(name: str, devices: int, timeout: float) -> Any:
     from syncline.strategies.registry import STRATEGIES
 
@@ -147,7 +100,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(config["threads"])
     seed_everything(0)
     task = CharGPT(**{**config["model"], "batch_size": config["global_batch"] // devices})
-    recorder, memory = StudyRecorder(), MemoryProbe()
+    recorder, memory = StepRecorder(), MemoryProbe()
     trainer = Trainer(
         max_steps=config["steps"],
         val_check_interval=config["val_every"],
@@ -174,20 +127,6 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         "comm_total_bytes": recorder.comm.get("comm/total_bytes", 0.0),
         "memory_per_rank": memory.ranks,
     }
-
-
-def step_times(start: float, ends: list[float], validations: list[tuple[int, float, float]]) -> dict[str, Any]:
-    """Each step's seconds without the validation that ran before it, and training seconds at each step's end."""
-    val_after = {step: seconds for step, seconds, _ in validations}
-    steps_s, train_s, previous, elapsed = [], [], start, 0.0
-    for step, end in enumerate(ends, start=1):
-        # Validation after step k runs before step k + 1 ends: its time is not training time.
-        seconds = end - previous - val_after.get(step - 1, 0.0)
-        elapsed += seconds
-        steps_s.append(round(seconds, 4))
-        train_s.append(round(elapsed, 3))
-        previous = end
-    return {"step_s": steps_s, "train_s_at_step": train_s}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ repeat or run trains), and a job leaves the fields it does not read at their def
   warmup, repeats;
 - `gpt2`: the GPT-2 study (`benchmarks/gpt2_study.py`): model, batch (global), steps, warmup, repeats,
   val_every, val_batches, target_loss, labels (configs);
-- `lab_strategies`, `lab_ddp`, `lab_tradeoff`: the network lab's jobs (`benchmarks/lab/`): nodes, rates,
+- `lab_strategies`, `lab_ddp`, `lab_tradeoff`: the network lab's jobs (`benchmarks/lab_section.py`): nodes, rates,
   steps, labels; `lab_ddp` also caps_mb and repeats.
 
 Every job but the lab's reads `timeout_s`.

@@ -1,9 +1,9 @@
 """Run syncline's benchmark suite: the DDP paper's experiments on this machine, in one command.
 
-    python -m benchmarks              # the full suite, about 15 minutes on 2 cores -> results/suite.json
-    python -m benchmarks --report     # the same, then the figures (docs/img) and the tables of docs/performance.md
+    python -m benchmarks              # the full suite, about 15 minutes on 2 cores; its headline figures print
+    python -m benchmarks --report     # the same into results/suite.json, the figures (docs/img), docs/performance.md
     python -m benchmarks --quick      # the same experiments, fewer points and repeats, about 2.5 minutes
-    python -m benchmarks --sections ddp,overhead --out /tmp/x.json
+    python -m benchmarks --sections ddp,overhead --out /tmp/x.json   # every figure as JSON
 
 Sections (in the order they run):
 
@@ -18,12 +18,12 @@ Sections (in the order they run):
   synchronizing every k micro-batches: loss curves and final validation loss.
 - `overhead`: Trainer vs hand-written loop vs pytorch-lightning on the tiny MLP, in fresh processes.
 - `strategies`: CharGPT for a fixed number of steps with every registered strategy.
-- `gpt2` (only when named, `--sections gpt2`; about 30 minutes -> results/gpt2_study.json): the GPT-2
+- `gpt2` (only when named, `--sections gpt2 --out benchmarks/results/gpt2_study.json`; about 30 minutes): the GPT-2
   data-parallel study (benchmarks/gpt2_study.py): a 4.8 M-parameter CharGPT with single, both parameter
   servers, tensor_fusion, the sharded server and tensor_fusion under bf16-mixed, bucketed_ddp and
   native_ddp: samples per second, memory per rank, bytes per step and time to a target validation loss.
-- `lab` (only when named, `--sections lab`; about two hours -> results/lab.json; root and iproute2): the
-  network lab (benchmarks/lab/__init__.py): every strategy against its link's bound on 2 and 4 nodes at 1 Gbit/s
+- `lab` (only when named, `--sections lab --out benchmarks/results/lab.json`; about two hours; root, iproute2): the
+  network lab (benchmarks/lab_section.py): every strategy against its link's bound on 2 and 4 nodes at 1 Gbit/s
   and 100 Mbit/s, the overlap and bucket-size sweep on shaped links, and BAGUA's trade-off (seconds to a
   fixed validation loss, strategy x link x nodes). Where namespaces are not permitted it says so in one
   line and records only that.
@@ -40,7 +40,6 @@ import datetime
 import json
 import math
 import sys
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -54,7 +53,7 @@ from .common import ROOT, load_average, machine
 from .ddp import run_ddp_workload, run_device_workload
 from .example_runs import run_example, summarize_runs
 from .gpt2_study import run_gpt2_study
-from .lab import run_lab_section
+from .lab_section import run_lab_section
 from .overhead import run_overhead
 from .plans import PLANS, Plan
 from .plot import plot_all
@@ -66,8 +65,8 @@ __all__ = ["OPTIONAL_SECTIONS", "SECTIONS", "add_arguments", "command", "run_sui
 Plans = Mapping[str, Plan]
 
 SECTIONS = ("ddp", "device", "curves", "overhead", "strategies")
-#: Sections that run only when `--sections` names them, each into its own results file by default.
-OPTIONAL_SECTIONS = {"gpt2": "gpt2_study", "lab": "lab"}
+#: Sections that run only when `--sections` names them: the committed results file of each (`--out`).
+OPTIONAL_SECTIONS = {"gpt2": "gpt2_study.json", "lab": "lab.json"}
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "performance.md"
 FIGURES = ROOT / "docs" / "img"
@@ -207,8 +206,9 @@ _RUNNERS = {
 
 
 # -------------------------------------------------------------------- main
-def run_suite(mode: str, sections: tuple[str, ...], out: Path, log=print) -> dict[str, Any]:
-    """Run `sections` of the suite in `mode` ("full", "quick", "smoke"); write and return the results."""
+def run_suite(mode: str, sections: tuple[str, ...], out: Path | None, log=print) -> dict[str, Any]:
+    """Run `sections` of the suite in `mode` ("full", "quick", "smoke"); return the results (and write them to
+    `out`)."""
     plans = PLANS[mode]
     start = time.perf_counter()
     results: dict[str, Any] = {
@@ -235,8 +235,9 @@ def run_suite(mode: str, sections: tuple[str, ...], out: Path, log=print) -> dic
     results["machine"]["load_average_end"] = load_average()
     results["wall_s"] = round(time.perf_counter() - start, 1)
     results["headline"] = headlines(results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1) + "\n")
     return results
 
 
@@ -251,7 +252,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {SECTIONS}, or of those run only when named: {tuple(OPTIONAL_SECTIONS)}",
     )
     parser.add_argument(
-        "--out", type=Path, help="JSON file (default: benchmarks/results/suite.json; quick: <temp>/syncline-benchmarks)"
+        "--out",
+        type=Path,
+        help="also write every figure as JSON here (the committed run: benchmarks/results/suite.json, which --report "
+        "writes)",
     )
     parser.add_argument(
         "--report",
@@ -272,18 +276,14 @@ def command(args: argparse.Namespace) -> None:
     unknown = [s for s in sections if s not in SECTIONS and s not in OPTIONAL_SECTIONS]
     if unknown:
         sys.exit(f"unknown section(s) {', '.join(unknown)}; valid: {', '.join((*SECTIONS, *OPTIONAL_SECTIONS))}")
-    stem = "suite"
-    if len(sections) == 1 and sections[0] in OPTIONAL_SECTIONS:
-        stem = OPTIONAL_SECTIONS[sections[0]]
-    # Only a full run replaces the committed results; a quick or smoke run goes to the temp folder.
-    folder = RESULTS if name == "full" else Path(tempfile.gettempdir()) / "syncline-benchmarks"
-    out = args.out or folder / (stem + {"full": ".json", "quick": "_quick.json", "smoke": "_smoke.json"}[name])
+    # The committed results change only when asked: with --out, or with --report, whose page quotes them.
+    out = args.out or (RESULTS / "suite.json" if args.report else None)
 
     def log(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
     results = run_suite(name, sections, out, log)
-    log(f"done in {results['wall_s']} s; wrote {out}")
+    log(f"done in {results['wall_s']} s" + (f"; wrote {out}" if out else ""))
     print(json.dumps(results["headline"], indent=1))
     if args.report:
         for path in plot_all(results, FIGURES):

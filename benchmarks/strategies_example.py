@@ -15,16 +15,14 @@ keeps every repeat and the medians, and the table gives ratios to `bucketed_ddp`
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from .common import ROOT
+from .common import ROOT, add_out_argument, run_process, write_json
 
 __all__ = ["STRATEGIES", "run_strategy", "table"]
 
@@ -38,7 +36,6 @@ STRATEGIES: dict[str, list[str]] = {
     "parameter_server": ["strategy=parameter_server"],
     "sharded_parameter_server": ["strategy=sharded_parameter_server"],
 }
-OUT = ROOT / "benchmarks" / "results" / "strategies_example.json"
 
 
 def run_strategy(overrides: list[str], steps: int, timeout: float) -> dict[str, Any]:
@@ -55,10 +52,8 @@ def run_strategy(overrides: list[str], steps: int, timeout: float) -> dict[str, 
             f"hydra.run.dir={run_dir}",
         ]
         start = time.perf_counter()
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        run_process(command, timeout, cwd=ROOT)  # a timeout ends the launcher's ranks with it
         process_s = time.perf_counter() - start
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         scalars = _scalars(Path(run_dir))
     train = scalars["train_loss"]
     step_ms = (train[-1][0] - train[0][0]) / (train[-1][1] - train[0][1]) * 1e3
@@ -104,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
-    parser.add_argument("--out", type=Path, default=OUT)
+    add_out_argument(parser, "strategies_example.json")
 
 
 def command(args: argparse.Namespace) -> None:
@@ -118,5 +113,6 @@ def command(args: argparse.Namespace) -> None:
         name: {"runs": done, "median": {key: statistics.median(r[key] for r in done) for key in done[0]}}
         for name, done in runs.items()
     }
-    args.out.write_text(json.dumps({"steps": args.steps, "repeats": args.repeats, "results": results}, indent=2))
+    if args.out is not None:
+        write_json(args.out, {"steps": args.steps, "repeats": args.repeats, "results": results})
     print(table(results))

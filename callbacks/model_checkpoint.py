@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from syncline.callbacks.callback import Callback
-from syncline.callbacks.checkpoint_files import find_top_k_files, remove_stale_temporaries
+from syncline.callbacks.checkpoint_leftovers import find_top_k_files, remove_stale_temporaries
 from syncline.checkpoint_file import check_writable_folder
 from syncline.options import MisconfigurationException, check_int
 from syncline.rank_zero import rank_zero_info, rank_zero_warn

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from syncline.callbacks.callback import Callback
+from syncline.model_summary import ModelSummary as Summary
+from syncline.model_summary import check_max_depth
 from syncline.rank_zero import rank_zero_info
-from syncline.trainer.model_summary import ModelSummary as Summary
-from syncline.trainer.model_summary import check_max_depth
 
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
@@ -17,7 +17,7 @@ __all__ = ["ModelSummary"]
 
 
 class ModelSummary(Callback):
-    """Print the task's summary (`syncline.trainer.model_summary.ModelSummary`) on rank 0 when fit starts.
+    """Print the task's summary (`syncline.model_summary.ModelSummary`) on rank 0 when fit starts.
 
     The Trainer adds one (``max_depth=1``: the task's top-level modules) unless `enable_model_summary=False`
     or the callbacks hold one already.

@@ -31,10 +31,20 @@ torch's SGD over the global copies, one per fragment. An in-flight exchange runs
 and holds the result τ steps: the same numbers to the bit. Checkpoints keep every rank's replica and inner
 optimizer state (`replicas_differ`), and the global copies, the outer momentum, the error feedback and the
 averaged outer gradient of a fragment in flight, so a run resumes bit-exactly anywhere in a period.
+
+Under ``Trainer(recovery="live")`` the outer state (θ̃, the outer momentum, the step count that places every
+fragment's schedule, and an exchange in flight) is the group's: after a death, every member takes the healing
+member's, so the survivors agree bit for bit even where an exchange completed on some of them and not on
+others. An exchange that lost a member is dropped: its fragment's θ̃ and momentum stay at the last completed
+outer step, and the replicas keep their inner steps, so the fragment's next outer gradient carries them. Each
+survivor keeps its replica, its inner optimizer and its error feedback. A replacement starts its replica at θ̃,
+with error feedback at zero (it has sent nothing yet), and the inner optimizer state of the member it heals
+from.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +114,7 @@ class DiLoCo(ModelAveraging):
     """
 
     name = "diloco"
+    live_recovery_refused = ""  # the outer state is the group's, taken from one member; replicas stay their own
     manual_optimization_refused = (
         "its outer step follows every period-th optimizer step, counting one optimizer step per batch"
     )
@@ -208,6 +219,31 @@ class DiLoCo(ModelAveraging):
             self._fragments.append(_Fragment(spans, globals_, outer, index * self.period // self.fragments))
         self._feedback.reset()
         self._in_flight = None
+
+    def on_peer_lost(self) -> None:
+        """Keep the exchange in flight if it completed here; drop it if it failed or is still waiting after a
+        moment (its collective lost a member). The group then heals from one member's outer state, so what each
+        survivor keeps here only matters on that member."""
+        self._failed = True  # the thread may be stuck in the lost collective: teardown waits for it briefly
+        in_flight = self._in_flight
+        if in_flight is None:
+            return
+        deadline = time.monotonic() + _FAILED_JOIN_S
+        while not in_flight.future.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not in_flight.future.done() or not _succeeded(in_flight.future):
+            self._in_flight = None
+
+    def heal_from(self, state: dict[str, Any], *, replacement: bool) -> None:
+        """Take the healing member's outer state (θ̃, outer momentum, step count, exchange in flight); a replacement
+        starts its replica at θ̃ and its error feedback at zero, keeping the inner optimizer state it loaded."""
+        super().heal_from(state, replacement=replacement)
+        self._load_outer_state(state)
+        if replacement:
+            self._feedback.reset()
+            for fragment in self._fragments:
+                for group, (start, end), glob in zip(self._groups, fragment.spans, fragment.globals):
+                    write_range(group, start, end, glob)
 
     def on_failure(self) -> None:
         """Drop the exchange in flight and wait only briefly for the thread: its peers may be gone."""
@@ -320,11 +356,15 @@ class DiLoCo(ModelAveraging):
     def load_algorithm_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `algorithm_state_dict` returned (after setup: the fragments exist)."""
         super().load_algorithm_state_dict(state)
+        self._load_outer_state(state)
+        self._feedback.load_state_dict({k: v.to(self.root_device) for k, v in state["error_feedback"].items()})
+
+    def _load_outer_state(self, state: dict[str, Any]) -> None:
+        """Restore the global copies, the outer optimizers and the exchange in flight from a `state_dict`."""
         for fragment, saved, outer in zip(self._fragments, state["globals"], state["outer"], strict=True):
             for glob, value in zip(fragment.globals, saved, strict=True):
                 glob.copy_(value)
             fragment.outer.load_state_dict(outer)
-        self._feedback.load_state_dict({k: v.to(self.root_device) for k, v in state["error_feedback"].items()})
         self._in_flight = None
         if state["in_flight"] is not None:
             saved = state["in_flight"]
@@ -340,6 +380,15 @@ class DiLoCo(ModelAveraging):
             f"fragments={self.fragments}, overlap_steps={self.overlap_steps}, alpha={self.alpha}, "
             f"compression={self.compression!r}, comm_thread={self.comm_thread})"
         )
+
+
+def _succeeded(future: Future[Any]) -> bool:
+    """Whether a completed `future` holds a result rather than an error."""
+    try:
+        future.value()
+    except Exception:
+        return False
+    return True
 
 
 def _part(numel: int, index: int, parts: int) -> tuple[int, int]:

@@ -117,3 +117,8 @@ class ModelAveraging(ReducerStrategy):
     def load_algorithm_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `algorithm_state_dict` returned."""
         self.comm_counter.load_state_dict(state["bytes"])
+
+    def heal_from(self, state: dict[str, Any], *, replacement: bool) -> None:
+        """Take the healing member's step count: the schedule of averagings follows the loop position it gave."""
+        self.steps = int(state["steps"])
+        self._enter_stage()

@@ -147,6 +147,22 @@ class Strategy(ABC):
     def on_stage_failure(self) -> None:
         """Called on a rank whose stage raised: the other ranks may be blocked waiting for it."""
 
+    # ----------------------------------------------------------- live recovery
+    def on_peer_lost(self) -> None:
+        """Under ``recovery="live"``, on a survivor whose collective lost a peer, before its state is taken and the
+        strategy is torn down and set up on the new group: keep the work in flight that completed here, drop what
+        cannot complete. It must not wait long for a collective (its peer is gone). The default has nothing in
+        flight outside the step that failed."""
+
+    def heal_from(self, state: dict[str, Any], *, replacement: bool) -> None:
+        """Under ``recovery="live"``, on every member but the one the group heals from, after healing loaded the
+        state: adopt from `state` (that member's `state_dict()`) what every member must hold alike.
+
+        Where replicas may differ (`replicas_differ`), a survivor kept its own state, and a `replacement` has loaded
+        all of `state`, that member's replica included, and may start a replica of its own here. The default does
+        nothing: an exact strategy's members loaded the whole state already.
+        """
+
     # -------------------------------------------------------------- train step
     def training_step(self, task: Task, batch: Any, batch_idx: int) -> Any:
         """Run the task's forward for one micro-batch and return what `training_step` returned."""

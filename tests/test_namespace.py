@@ -72,22 +72,23 @@ def test_the_wheel_puts_only_syncline_at_the_top_level(tmp_path):
     assert {t for t in top if not t.endswith(".dist-info")} == {"syncline"}
     for module in ("__init__.py", "__main__.py", "trainer/cli.py", "trainer/conf/config.yaml", "examples/char_gpt.py"):
         assert f"syncline/{module}" in names, module
-    # The suite's code installs (the network lab runs a user's task from their folder), not its results.
-    assert "syncline/benchmarks/lab/cluster.py" in names and "syncline/benchmarks/__main__.py" in names
-    assert not [n for n in names if n.startswith(("syncline/tests/", "syncline/benchmarks/results/", "syncline/docs/"))]
+    # The network lab installs (it runs a user's task from their folder); the paper's experiments and results do not.
+    for module in ("__main__.py", "cli.py", "cluster.py", "strategies.py", "tradeoff.py", "bound.py", "faults.py"):
+        assert f"syncline/lab/{module}" in names, module
+    assert not [n for n in names if n.startswith(("syncline/tests/", "syncline/benchmarks/", "syncline/docs/"))]
+    assert not [n for n in names if n.startswith("syncline/lab/") and n.endswith(("ddp.py", "deferred_update.py"))]
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "syncline = syncline.trainer.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
-def test_every_benchmark_module_imports_as_syncline_benchmarks_outside_the_checkout(tmp_path):
-    """The lab is part of the installed package: no module of the suite may import `benchmarks` absolutely."""
+def test_every_lab_module_imports_as_syncline_lab_outside_the_checkout(tmp_path):
+    """The lab is part of the installed package: none of its modules may import the (not installed) suite."""
     code = (
-        "import importlib, pkgutil, syncline.benchmarks as b, syncline.benchmarks.lab as lab\n"
-        "for package in (b, lab):\n"
-        "    for module in pkgutil.iter_modules(package.__path__):\n"
-        "        if module.name != '__main__':\n"
-        "            importlib.import_module(f'{package.__name__}.{module.name}')\n"
-        "import sys; assert 'benchmarks' not in sys.modules, 'the checkout was imported'\n"
+        "import importlib, pkgutil, syncline.lab as lab\n"
+        "for module in pkgutil.iter_modules(lab.__path__):\n"
+        "    if module.name != '__main__':\n"
+        "        importlib.import_module(f'syncline.lab.{module.name}')\n"
+        "import sys; assert not [m for m in sys.modules if m.startswith(('benchmarks', 'syncline.benchmarks'))]\n"
     )
     result = _run("-c", code, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -12,7 +12,10 @@ The engine (one elastic agent per replica, torch's rendezvous, the default group
   along (the lowest rank among equals) sends its state over the new group: weights, optimizer,
   strategy state, progress, data position and RNG. Under an exact strategy every other member takes all
   of it, so replicas agree bit for bit; under a relaxed one a survivor keeps its own replica and takes
-  the progress and data position only; a replacement takes everything. Nothing is read from or written to disk.
+  the progress and data position only; a replacement takes everything. Then every member but the source
+  takes what the strategy says all members hold alike (`Strategy.heal_from`: DiLoCo's outer state), and a
+  survivor first drops the strategy's work in flight that lost its peer (`Strategy.on_peer_lost`). Nothing
+  is read from or written to disk.
 - **The rest of the epoch** is re-sharded: the epoch's samples are one sequence (shuffled per epoch from the
   seed), consumed in global batches of ``world_size x batch_size``; after a change the samples not yet
   consumed are split over the new members, the last global batch padded by wrapping around, as
@@ -28,7 +31,6 @@ and leaves the group, and a survivor whose collective failed reads that notice i
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -149,9 +151,8 @@ class LiveRecovery:
         self.recoveries = 0
         self._polled = 0.0
         self._source: dict[str, Any] = {}
+        # Before the stage: its dispatcher and the fit loop's step hooks (decided per fit) include this listener.
         trainer.callbacks = [*trainer.callbacks, _StepBoundary(self)]
-        # The loop decides which step hooks to fire when it is made; this one now has a listener.
-        trainer.fit_loop.fire_batch_end = functools.partial(trainer.dispatcher.fire, Callback.on_train_batch_end)
 
     # ---------------------------------------------------------------- loop side
     def epoch_runner(self, loop: FitLoop) -> Callable[[], None]:
@@ -172,6 +173,7 @@ class LiveRecovery:
                     rank_zero_info(f"Live recovery: admitting a replacement after step {self.trainer.global_step}.")
                 except Exception as error:
                     self._raise_unless_recoverable(error)
+                    self.trainer.strategy.on_peer_lost()
                 # Out of the `except`: the failed collective's traceback (its frames hold the old group) is gone, so
                 # leaving the group closes this rank's connections and peers blocked in a collective fail at once.
                 self.recover(loop)
@@ -229,6 +231,7 @@ class LiveRecovery:
                     raise
             except Exception as error:
                 self._raise_unless_recoverable(error)
+                trainer.strategy.on_peer_lost()
                 # A member is gone, or the store that tells who is left: that one ends the run (StoreLostError).
                 self.membership.check_store()
                 lost += 1
@@ -295,6 +298,9 @@ class LiveRecovery:
             self._load_position(state)
         elif own is not None:
             self._load(own)
+        if trainer.global_rank != source:
+            # What every member holds alike (a relaxed strategy's outer state, its step count) is the source's.
+            strategy.heal_from(state["strategy"], replacement=own is None)
         self.has_state = True
 
     def _load(self, state: dict[str, Any]) -> None:

@@ -108,7 +108,8 @@ def check_live_recovery(strategy: Any) -> None:
     if strategy.multi_process and strategy.live_recovery_refused:
         raise OptionError(
             f'Trainer(recovery="live") does not work with {type(strategy).__name__}: '
-            f'{strategy.live_recovery_refused}. Use recovery="checkpoint", or strategy="bucketed_ddp" or "local_sgd".'
+            f'{strategy.live_recovery_refused}. Use recovery="checkpoint", or strategy="bucketed_ddp", "local_sgd" '
+            'or "diloco".'
         )
 
 

@@ -1,60 +1,27 @@
-"""`python -m benchmarks --sections lab`: the network lab's experiments in one run (docs/performance.md, §9).
+"""syncline's network lab: run training jobs on a simulated cluster and see where a step's time goes.
 
-Three jobs on lab clusters (`benchmarks/lab/cluster.py`), each also a command of its own:
+Installed as `syncline.lab` (its sources are `benchmarks/lab/` of the repository); run it from any folder:
 
-- `strategies` (`benchmarks/lab/strategies.py`): every strategy's seconds per step and bytes per node
-  against its link's bound, per node count and rate;
-- `ddp` (`benchmarks/lab/ddp.py`): the DDP paper's overlap on/off and bucket-size sweep on BERT, per rate;
-- `tradeoff` (`benchmarks/lab/tradeoff.py`): BAGUA's trade-off, every strategy's training seconds to a
-  fixed validation loss of the default example, per node count and rate.
+    python -m syncline.lab cluster --nodes 4 --rate 100mbit -- -m syncline trainer.max_steps=50
+    python -m syncline.lab cluster --nodes 2 --rate 100mbit --strategies all -- -m syncline
+    python -m syncline.lab strategies --nodes 2 --rates 100mbit --only bucketed_ddp bytegrad
+    python -m syncline.lab tradeoff --nodes 2 --rates 100mbit --only bucketed_ddp "diloco H=100"
 
-Where the machine does not permit private network namespaces the section says why in one line and
-records only that.
+- `cluster` (`cluster.py`): a user's own torchrun command on N network namespaces whose links are shaped to a
+  rate, with each node's bytes and, for a syncline job, seconds and bytes per step against the link's bound;
+- `strategies` (`strategies.py`): every strategy's seconds per step and bytes per node on the default example,
+  against the link bound and the algorithmic bound of its wire phases (`bound.py`);
+- `tradeoff` (`tradeoff.py`): every strategy's training seconds to a fixed validation loss of the default
+  example, per node count and link rate;
+- `faults` (`faults.py`): how long a job takes to end after a node is killed, cut off or stuck;
+- `live-recovery` (`live_recovery.py`): seconds one failure costs with `recovery="live"` (one launcher per node)
+  against a restart from `last.ckpt`, a node lost and started again, node 0 (the store's host) lost.
+
+Needs root (or CAP_SYS_ADMIN and CAP_NET_ADMIN) and iproute2; where the machine does not permit private network
+namespaces each command says why in one line. Results print to the terminal; ``--out FILE`` (``--json`` for
+`cluster`) also writes them as JSON.
 """
 
-from __future__ import annotations
-
-from collections.abc import Callable, Mapping
-from typing import Any
-
-from ..plans import Plan
-from .cluster import namespaces_unavailable
-
-__all__ = ["run_lab_section"]
-
-
-def run_lab_section(plans: Mapping[str, Plan], log: Callable[[str], None]) -> dict[str, Any]:
-    """Run the lab's three jobs as `plans` (a mode of `benchmarks.plans.PLANS`) says: `lab_strategies`, `lab_ddp`,
-    `lab_tradeoff`; or, where namespaces are not permitted, say so and skip."""
-    reason = namespaces_unavailable()
-    if reason is not None:
-        log(f"lab: skipped: {reason}")
-        return {"skipped": reason}
-    from . import ddp as lab_ddp
-    from . import strategies as lab_strategies
-    from . import tradeoff as lab_tradeoff
-
-    plan = plans["lab_strategies"]
-    chosen = lab_strategies.select_strategies(plan.labels)  # with `local`, the bound's compute
-    strategies: list[dict[str, Any]] = []
-    for nodes in plan.nodes:
-        for rate in plan.rates:
-            log(f"lab: strategies on {nodes} nodes, {rate or 'unshaped'}")
-            strategies += lab_strategies.run_strategies(nodes, rate, chosen, plan.steps)
-    plan = plans["lab_ddp"]
-    ddp = []
-    for rate in plan.rates:
-        log(f"lab: overlap and bucket sweep on BERT, {rate or 'unshaped'}")
-        ddp.append(lab_ddp.run_lab_ddp(rate, "bert", plan, lab_ddp.lab_variants(plan.caps_mb)))
-    plan = plans["lab_tradeoff"]
-    picked = [s for s in lab_tradeoff.STRATEGIES if not plan.labels or s[0] in plan.labels]
-    tradeoff: list[dict[str, Any]] = []
-    for nodes in plan.nodes:
-        for rate in plan.rates:
-            log(f"lab: seconds to loss {lab_tradeoff.TARGET_LOSS} on {nodes} nodes, {rate or 'unshaped'}")
-            tradeoff += lab_tradeoff.run_cell(nodes, rate, picked, max_steps=plan.steps)
-    return {
-        "strategies": strategies,
-        "ddp": ddp,
-        "tradeoff": {"target": lab_tradeoff.TARGET_LOSS, "rows": tradeoff},
-    }
+#: The module a lab job starts in a fresh interpreter (the lab inside its namespaces, a node's worker): installed,
+#: it is importable from any folder, so a lab job runs in the user's own.
+MODULE = "syncline.lab"

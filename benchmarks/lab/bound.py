@@ -13,7 +13,7 @@ it may run behind:
     "all"       the whole step (a background thread, or deferred updates)
 
 With the local step split into forward F, backward B and optimizer step O (their shares measured by
-`benchmarks.lab.strategies.local_phases`), local = F + B + O, W the busiest node's bytes per step over the rate,
+`syncline.lab.strategies.local_phases`), local = F + B + O, W the busiest node's bytes per step over the rate,
 and for each phase p its share s_p of W and the compute h_p it may hide behind (0, B, F or local):
 
     algorithmic bound = local + sum over phases of (max(h_p, s_p W) - h_p)

@@ -7,7 +7,7 @@ full-duplex link of `rate`, and a step's communication has a lower bound: the bu
 rate. One torchrun node runs in each namespace (``--nnodes N --node-rank i``, rendezvous at node 0's
 address, gloo on the node's own interface), as a real multi-node job would.
 
-    python -m benchmarks lab cluster --nodes 4 --rate 100mbit -- -m syncline trainer.max_steps=50
+    python -m syncline.lab cluster --nodes 4 --rate 100mbit -- -m syncline trainer.max_steps=50
 
 What follows ``--`` is what torchrun runs: a script and its arguments, or ``-m module ...``. Everything the
 lab creates lives in a private mount and network namespace (``unshare -mn``, with a private tmpfs on /run
@@ -34,28 +34,32 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import MODULE
+from . import MODULE
 
 __all__ = [
+    "UNAVAILABLE",
     "LabResult",
     "NodeResult",
     "StepReport",
+    "add_inside_argument",
     "add_worker_argument",
     "bounded",
     "build_nodes",
     "end_nodes",
     "lab_rate",
+    "lab_unavailable",
+    "lab_worker",
     "link_bound",
     "namespaces_unavailable",
     "parse_rate",
     "STALL_S",
     "StallGuard",
+    "run_in_namespaces",
     "run_isolating",
     "run_job",
     "run_lab",
     "run_worker_if_asked",
     "run_worker_job",
-    "skipped_without_namespaces",
     "start_nodes",
     "step_report",
     "step_starts",
@@ -75,7 +79,7 @@ _INSIDE = "--inside-lab"
 DEFAULT_MAX_STEPS = 50
 #: Seconds the lab's processes get to end after SIGTERM (a syncline job saves its checkpoint), before SIGKILL.
 END_GRACE_S = 4.0
-#: How `run_worker_job` starts a lab script on every node: ``python -m benchmarks lab <script> --worker SPEC``.
+#: The option `run_worker_job` starts a command's worker with on every node: ``<worker command> --worker SPEC``.
 _WORKER = "--worker"
 
 
@@ -204,37 +208,52 @@ def run_lab(
         "slow_start_after_idle": slow_start_after_idle,
         "result": str(result_file),
     }
-    # The lab runs in a child that owns the private namespaces: when it exits, for whatever reason, the
-    # kernel frees every namespace, veth and bridge it made, and its tmpfs on /run with them.
-    lab = subprocess.Popen(
-        ["unshare", "-mn", sys.executable, "-m", MODULE, "lab", "cluster", _INSIDE, json.dumps(spec)],
-        start_new_session=True,
-    )
-    try:
-        with _signals_interrupt():
-            lab.wait(timeout=timeout + 60)
-    except BaseException:
-        _stop_lab(lab)
-        raise
+    code = run_in_namespaces("cluster", spec, timeout + 60)
     if not result_file.is_file():
-        raise RuntimeError(f"the lab exited with {lab.returncode} without a result; see {log_dir}")
+        raise RuntimeError(f"the lab exited with {code} without a result; see {log_dir}")
     data = json.loads(result_file.read_text())
     data["node_results"] = [NodeResult(**node) for node in data["node_results"]]
     return LabResult(**data)
 
 
+def run_in_namespaces(command: str, spec: dict[str, Any], timeout: float) -> int:
+    """Run ``python -m syncline.lab <command> --inside-lab SPEC`` in a private mount and network namespace; wait.
+
+    The one way a lab command starts its lab: the child owns the namespaces, so when it exits, for whatever reason,
+    the kernel frees every namespace, veth and bridge it made, and its tmpfs on /run with them. Ctrl-C, SIGTERM or
+    SIGHUP here, or `timeout` seconds passing, tell it to end its nodes' processes (`_stop_lab`). The command's
+    ``--inside-lab`` handler does the work and writes its result where `spec` says. Returns the child's exit status.
+    """
+    lab = subprocess.Popen(
+        ["unshare", "-mn", sys.executable, "-m", MODULE, command, _INSIDE, json.dumps(spec)], start_new_session=True
+    )
+    try:
+        with _signals_interrupt():
+            return lab.wait(timeout=timeout)
+    except BaseException:
+        _stop_lab(lab)
+        raise
+
+
+def add_inside_argument(parser: argparse.ArgumentParser) -> None:
+    """Give a lab command the hidden ``--inside-lab SPEC`` that `run_in_namespaces` starts it with."""
+    parser.add_argument(_INSIDE, metavar="SPEC", help=argparse.SUPPRESS)
+
+
 def run_worker_job(
-    script: str,
+    worker: Sequence[str],
     spec: dict[str, Any],
     nodes: int,
     rate: str | None,
     timeout: float,
     slow_start_after_idle: bool = True,
+    env: dict[str, str] | None = None,
 ) -> Any:
-    """Run ``python -m benchmarks lab <script> --worker SPEC`` on every node of a lab cluster; return rank 0's result.
+    """Run ``<worker> --worker SPEC`` (`lab_worker`'s command, or another module's) on every node of a lab cluster;
+    return rank 0's result.
 
     `spec` is handed to the workers as a JSON file; it gains ``out``, the file rank 0 writes its JSON
-    result to. One thread per process (``OMP_NUM_THREADS=1``), as in the rest of the suite.
+    result to. One thread per process (``OMP_NUM_THREADS=1``), as in the rest of the suite; `env` adds variables.
 
     Raises:
         RuntimeError: a node's job failed (with the end of its log).
@@ -243,20 +262,26 @@ def run_worker_job(
     spec = {**spec, "out": str(work / "result.json")}
     (work / "spec.json").write_text(json.dumps(spec))
     lab = run_lab(
-        ["-m", MODULE, "lab", script, _WORKER, str(work / "spec.json")],
+        [*worker, _WORKER, str(work / "spec.json")],
         nodes=nodes,
         rate=rate,
         timeout=timeout,
         log_dir=work,
-        env={"OMP_NUM_THREADS": "1"},
+        env={"OMP_NUM_THREADS": "1", **(env or {})},
         slow_start_after_idle=slow_start_after_idle,
     )
     if not lab.ok:
         logs = "\n".join(Path(n.log).read_text()[-3000:] for n in lab.node_results if n.returncode)
-        raise RuntimeError(f"lab {script} on {nodes} nodes at {rate or 'unshaped'} failed (logs in {work}):\n{logs}")
+        job = " ".join(worker[1:])
+        raise RuntimeError(f"{job} on {nodes} nodes at {rate or 'unshaped'} failed (logs in {work}):\n{logs}")
     result = json.loads(Path(spec["out"]).read_text())
     shutil.rmtree(work, ignore_errors=True)  # kept only when the job failed, for the logs the error names
     return result
+
+
+def lab_worker(command: str) -> list[str]:
+    """What torchrun runs on each node for the worker of lab command `command`: ``-m syncline.lab <command>``."""
+    return ["-m", MODULE, command]
 
 
 def run_isolating(
@@ -342,11 +367,16 @@ def run_worker_if_asked(args: argparse.Namespace, worker: Callable[[dict[str, An
     return True
 
 
-def skipped_without_namespaces(script: str) -> bool:
-    """Where the lab cannot run, print one line naming `script` and why, and return True."""
+#: The exit status of a lab command on a machine where the lab cannot run.
+UNAVAILABLE = 3
+
+
+def lab_unavailable(command: str) -> bool:
+    """Where the lab cannot run, say so in one line on stderr naming `command` and why, and return True (the
+    command then exits with `UNAVAILABLE`)."""
     reason = namespaces_unavailable()
     if reason is not None:
-        print(f"{script}: skipped: {reason}")
+        print(f"{command}: network lab unavailable: {reason}", file=sys.stderr)
     return reason is not None
 
 
@@ -645,14 +675,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(strategy=<name> appended) and print a table",
     )
     parser.add_argument("--json", default=None, help="also write the report (or the table's rows) to this JSON file")
-    parser.add_argument(_INSIDE, metavar="SPEC", help=argparse.SUPPRESS)
+    add_inside_argument(parser)
     parser.add_argument(
         "torchrun_args", nargs=argparse.REMAINDER, help="after --: a script and its arguments, or -m module ..."
     )
 
 
 def command(args: argparse.Namespace) -> int | None:
-    """``python -m syncline.benchmarks lab cluster --nodes N --rate R -- <what torchrun runs>``."""
+    """``python -m syncline.lab cluster --nodes N --rate R -- <what torchrun runs>``."""
     if args.inside_lab is not None:
         try:
             _inside(json.loads(args.inside_lab))
@@ -672,7 +702,7 @@ def _command(args: argparse.Namespace) -> int | None:
     torchrun_args = args.torchrun_args[1:] if args.torchrun_args[:1] == ["--"] else args.torchrun_args
     if not torchrun_args:
         print(
-            "usage: python -m syncline.benchmarks lab cluster [options] -- <script and arguments | -m module ...>"
+            "usage: python -m syncline.lab cluster [options] -- <script and arguments | -m module ...>"
             "\n(--help for the options)",
             file=sys.stderr,
         )
@@ -688,10 +718,8 @@ def _command(args: argparse.Namespace) -> int | None:
         print(names, file=sys.stderr)
         return 2
     torchrun_args = bounded(torchrun_args, args.max_steps)
-    reason = namespaces_unavailable()
-    if reason is not None:
-        print(f"network lab unavailable: {reason}", file=sys.stderr)
-        return 3
+    if lab_unavailable("lab cluster"):
+        return UNAVAILABLE
     log_dir = Path(args.log_dir) if args.log_dir else Path(_temporary_dir())
     link = f"{args.rate} links" if args.rate else "unshaped links"
     steps = next((arg for arg in torchrun_args if arg.startswith("trainer.max_steps=")), None)

@@ -1,7 +1,7 @@
 """Faults on a two-node lab cluster: how long until the last process of the job is gone.
 
 For each strategy, three faults while a small model trains under torchrun on two lab nodes (network
-namespaces joined by a bridge, `benchmarks.lab.cluster`), with the strategy's collective timeout set to
+namespaces joined by a bridge, `syncline.lab.cluster`), with the strategy's collective timeout set to
 ``--timeout`` seconds:
 
 - ``caller_killed``: SIGKILL of node 1's torchrun agent, the process that started node 1's worker;
@@ -13,7 +13,7 @@ gone, each node's exit status, whether ``last.ckpt`` was written, and what still
 node afterwards (nothing should). Everything lives in a private namespace (``unshare -mn``) and is
 gone with it.
 
-    python -m benchmarks lab faults --strategies bucketed_ddp async_model_average parameter_server \
+    python -m syncline.lab faults --strategies bucketed_ddp async_model_average parameter_server \
         tensor_fusion --out benchmarks/results/lab_faults.json
 """
 
@@ -26,16 +26,23 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import MODULE
-from ..common import ROOT, write_json
-from .cluster import build_nodes, namespaces_unavailable, skipped_without_namespaces, start_nodes
+from .cluster import (
+    UNAVAILABLE,
+    add_inside_argument,
+    build_nodes,
+    lab_unavailable,
+    lab_worker,
+    namespaces_unavailable,
+    run_in_namespaces,
+    start_nodes,
+)
+from .records import write_json
 
 FAULTS = ("caller_killed", "partition", "stuck")
 STRATEGIES = ("bucketed_ddp", "async_model_average", "parameter_server", "tensor_fusion")
@@ -43,7 +50,6 @@ STRATEGIES = ("bucketed_ddp", "async_model_average", "parameter_server", "tensor
 FAULT_STEP = 20
 #: Seconds after the fault before a job still running is killed and reported as hung.
 HUNG_AFTER_S = 240.0
-_INSIDE = "--inside-lab"
 _TRAIN = "--train"
 
 
@@ -112,7 +118,7 @@ def _one(strategy: str, fault: str, spec: dict[str, Any]) -> dict[str, Any]:
     (work / "pids").mkdir()
     job = {"strategy": strategy, "fault": fault, "timeout": spec["timeout"], "dir": str(work)}
     (work / "job.json").write_text(json.dumps(job))
-    command = ["-m", MODULE, "lab", "faults", _TRAIN, str(work / "job.json")]
+    command = [*lab_worker("faults"), _TRAIN, str(work / "job.json")]
     agents, _ = start_nodes(2, 1, command, work, {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     record: dict[str, Any] = {"strategy": strategy, "fault": fault, "timeout_s": spec["timeout"]}
     try:
@@ -220,12 +226,8 @@ def run(strategies: Sequence[str], faults: Sequence[str], timeout: float, out: P
         "result": str(work / "result.json"),
     }
     try:
-        lab = subprocess.Popen(
-            ["unshare", "-mn", sys.executable, "-m", MODULE, "lab", "faults", _INSIDE, json.dumps(spec)],
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        lab.wait()
+        # Each (strategy, fault) job ends within HUNG_AFTER_S of its fault, or is killed and reported as hung.
+        run_in_namespaces("faults", spec, timeout=len(strategies) * len(faults) * (HUNG_AFTER_S + 300))
         records = json.loads(Path(spec["result"]).read_text())
     finally:
         # The records keep the logs' tails; the runs' folders (checkpoints, logs) go.
@@ -243,20 +245,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
     parser.add_argument("--timeout", type=float, default=30.0, help="the strategies' collective timeout (s)")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument(_INSIDE, metavar="SPEC", help=argparse.SUPPRESS)
+    add_inside_argument(parser)
     parser.add_argument(_TRAIN, metavar="JOB", help=argparse.SUPPRESS)
 
 
 def command(args: argparse.Namespace) -> int | None:
-    """``python -m benchmarks lab faults [--strategies ...] [--faults ...] [--timeout S] [--out FILE]``."""
+    """``python -m syncline.lab faults [--strategies ...] [--faults ...] [--timeout S] [--out FILE]``."""
     if args.inside_lab is not None:
         _inside(json.loads(args.inside_lab))
         return 0
     if args.train is not None:
         train(json.loads(Path(args.train).read_text()))
         return 0
-    if skipped_without_namespaces("lab_faults"):
-        return 0
+    if lab_unavailable("lab faults"):
+        return UNAVAILABLE
     for record in run(args.strategies, args.faults, args.timeout, args.out):
         ended = record.get("last_gone_s")
         print(

@@ -19,8 +19,8 @@ checkpoint restart also repeats the steps since the last save: on average half t
 10-30 minutes of training, so the table adds 300 s (half of 10 minutes) for "checkpoint at the guide's interval" to
 the restart's own cost measured here (its repeated steps taken off).
 
-    python -m benchmarks lab live-recovery --nodes 2 4 --rates 1gbit 100mbit
-    python -m benchmarks lab live-recovery --nodes 3 --cases node_lost
+    python -m syncline.lab live-recovery --nodes 2 4 --rates 1gbit 100mbit
+    python -m syncline.lab live-recovery --nodes 3 --cases node_lost
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -45,9 +44,18 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from syncline.trainer import Task
 
-from .. import MODULE
-from ..common import ROOT, write_json
-from .cluster import _interrupt, _stop_lab, build_nodes, end_nodes, lab_rate, namespaces_unavailable, start_nodes
+from .cluster import (
+    UNAVAILABLE,
+    add_inside_argument,
+    build_nodes,
+    end_nodes,
+    lab_rate,
+    lab_unavailable,
+    lab_worker,
+    run_in_namespaces,
+    start_nodes,
+)
+from .records import write_json
 
 __all__ = ["LabProbe", "add_arguments", "command", "run_cell"]
 
@@ -60,7 +68,6 @@ GUIDE_HALF_INTERVAL_S = 300.0
 COLLECTIVE_TIMEOUT_S = 30.0
 #: Seconds a case may take in all before its processes are killed and it is reported as hung.
 CASE_LIMIT_S = 400.0
-_INSIDE = "--inside-lab"
 _TRAIN = "--train"
 
 
@@ -156,7 +163,7 @@ def train(spec: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------ the lab (inside the namespaces)
 def _inside(spec: dict[str, Any]) -> None:
-    # SIGTERM or SIGHUP (from `run_cell`, on its own Ctrl-C or SIGTERM) end the nodes' processes before the lab goes.
+    # SIGTERM or SIGHUP (from `run_in_namespaces`, on Ctrl-C or a timeout) end the nodes' processes before the lab goes.
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, _interrupt)
     build_nodes(spec["nodes"], spec["rate"])
@@ -182,7 +189,7 @@ def _one(case: str, mode: str, spec: dict[str, Any]) -> dict[str, Any]:
         "wait_for_rejoin": case == "node_lost",
     }
     (work / "job.json").write_text(json.dumps(job))
-    command = ["-m", MODULE, "lab", "live-recovery", _TRAIN, str(work / "job.json")]
+    command = [*lab_worker("live-recovery"), _TRAIN, str(work / "job.json")]
     if mode == "checkpoint":
         command = ["--max-restarts", "1", *command]
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SYNCLINE_GRACE_S": "5"}
@@ -323,19 +330,14 @@ def run_cell(
         "result": str(work / "result.json"),
     }
     try:
-        lab = subprocess.Popen(
-            ["unshare", "-mn", sys.executable, "-m", MODULE, "lab", "live-recovery", _INSIDE, json.dumps(spec)],
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        try:
-            lab.wait()
-        except BaseException:
-            _stop_lab(lab)
-            raise
+        run_in_namespaces("live-recovery", spec, timeout=len(cases) * len(modes) * CASE_LIMIT_S + 120)
         return json.loads(Path(spec["result"]).read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -350,22 +352,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=COLLECTIVE_TIMEOUT_S, help="the strategy's collective timeout")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument(_INSIDE, metavar="SPEC", help=argparse.SUPPRESS)
+    add_inside_argument(parser)
     parser.add_argument(_TRAIN, metavar="JOB", help=argparse.SUPPRESS)
 
 
 def command(args: argparse.Namespace) -> int | None:
-    """``python -m benchmarks lab live-recovery [--nodes 2 4] [--rates 1gbit 100mbit] [--cases ...]``."""
+    """``python -m syncline.lab live-recovery [--nodes 2 4] [--rates 1gbit 100mbit] [--cases ...]``."""
     if args.inside_lab is not None:
         _inside(json.loads(args.inside_lab))
         return 0
     if args.train is not None:
         train(json.loads(Path(args.train).read_text()))
         return 0
-    reason = namespaces_unavailable()
-    if reason is not None:
-        print(f"lab live-recovery: skipped: {reason}")
-        return 0
+    if lab_unavailable("lab live-recovery"):
+        return UNAVAILABLE
     records = []
     print(f"{'nodes':>5} {'link':>8} {'case':>14} {'mode':>11} {'s lost':>7} {'restart s':>9} "
           f"{'+ guide interval':>16} {'replacement s':>13} {'codes':>12}")  # fmt: skip

@@ -1,6 +1,6 @@
 """Every strategy against its link's bound, in the network lab (docs/performance.md, section 9).
 
-For each node count and link rate the lab (`benchmarks/lab/cluster.py`) builds a cluster and runs one torchrun
+For each node count and link rate the lab (`cluster.py`) builds a cluster and runs one torchrun
 job across it; the job trains the default example's CharGPT, widened so that its gradients weigh several
 MB, with each strategy in turn (one process per node, one thread each). For every strategy it records,
 after a few untimed steps (for `bucket_cap_mb="auto"` also after its trial steps, so that what is timed
@@ -20,14 +20,14 @@ is the cap it chose):
 measured / bound near 1 means the strategy waits for nothing but its own bytes on the wire (or its own
 compute); well above 1 means it leaves the link idle while it waits, or waits on something else.
 
-Beside it, the **algorithmic bound** (`benchmarks/lab/bound.py`): the link bound assumes every second of
+Beside it, the **algorithmic bound** (`bound.py`): the link bound assumes every second of
 compute can hide wire time, but an algorithm allows less (local SGD's averaging follows the step; a gradient
 all-reduce can hide only behind the backward). Each strategy's wire phases are listed there (`wire_phases`);
 the local step is split into forward, backward and optimizer step by `local_phases` (timed in this process,
 before the clusters run), and measured / algorithmic bound says how far the implementation is from what its
 algorithm allows.
 
-    python -m benchmarks lab strategies --nodes 2 4 --rates none 1gbit 100mbit --steps 12
+    python -m syncline.lab strategies --nodes 2 4 --rates none 1gbit 100mbit --steps 12 --out lab_strategies.json
 """
 
 from __future__ import annotations
@@ -41,18 +41,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..common import QUIET_TRAINER, RESULTS, write_json
 from .cluster import (
+    UNAVAILABLE,
     StallGuard,
     add_worker_argument,
     lab_rate,
+    lab_unavailable,
+    lab_worker,
     link_bound,
     parse_rate,
     run_isolating,
     run_worker_if_asked,
     run_worker_job,
-    skipped_without_namespaces,
 )
+from .records import QUIET_TRAINER, write_json
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -206,7 +208,7 @@ def _worker(spec: dict[str, Any]) -> None:
             self.marks: list[tuple[float, int, int, float, float]] = []
             self.threads: list[dict[str, float]] = []
 
-        def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        def on_train_batch_end(self, trainer: Trainer, task: CharGPT, outputs: Any, batch: Any, batch_idx: int) -> None:
             guard.beat()
             sent, received = _link_counters(interface)
             comm = trainer.strategy.communication_stats().get("comm/bytes", 0.0)
@@ -318,7 +320,9 @@ def run_strategies(
     spec = {"steps": steps, "warmup": warmup, "model": model or DEFAULT_MODEL}
 
     def job(some: list[tuple[str, str, dict[str, Any]]]) -> list[dict[str, Any]]:
-        return run_worker_job("strategies", {**spec, "strategies": some}, nodes, rate, timeout, slow_start_after_idle)
+        return run_worker_job(
+            lab_worker("strategies"), {**spec, "strategies": some}, nodes, rate, timeout, slow_start_after_idle
+        )
 
     records = run_isolating(job, strategies or DEFAULT_STRATEGIES, TORCH_ROWS)
     return lab_rows(records, nodes, rate, phases_ms)
@@ -473,9 +477,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-slow-start-after-idle",
         action="store_true",
-        help="set the nodes' net.ipv4.tcp_slow_start_after_idle=0 (see benchmarks.lab.cluster.run_lab)",
+        help="set the nodes' net.ipv4.tcp_slow_start_after_idle=0 (see syncline.lab.cluster.run_lab)",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "lab_strategies.json")
+    parser.add_argument("--out", type=Path, help="also write the runs as JSON to this file (after every cell)")
     parser.add_argument("--phases", action="store_true", help="only time the model's forward/backward/step here")
     parser.add_argument("--table", type=Path, nargs="+", help="only print one table of these runs' JSON files")
 
@@ -495,8 +499,8 @@ def command(args: argparse.Namespace) -> int | None:
     if args.phases:
         print(json.dumps({"model": model, "phases_ms": local_phases(model)}))
         return 0
-    if skipped_without_namespaces("lab_strategies"):
-        return 0
+    if lab_unavailable("lab strategies"):
+        return UNAVAILABLE
     strategies = select_strategies(args.only or ())
     # Timed here, before any cluster runs: the split of the local step the algorithmic bound needs.
     phases_ms = local_phases(model)
@@ -521,7 +525,8 @@ def command(args: argparse.Namespace) -> int | None:
             rows += new
             # After every cell: a later cell's failure keeps what was measured.
             run = {"steps": args.steps, "warmup": args.warmup, "model": model, "phases_ms": phases_ms, "rows": rows}
-            write_json(args.out, run)
+            if args.out is not None:
+                write_json(args.out, run)
     return 0
 
 

@@ -5,25 +5,34 @@ target quality sooner than exact all-reduce where the network is slow, and costs
 This runs the claim on the default example: `examples/char_gpt.py`'s CharGPT with its default
 hyperparameters and schedule (one epoch of 439 steps of 32 windows), the global batch split over the
 nodes (16 windows per rank on 2 nodes, 8 on 4), one process per node with one thread, in a lab cluster
-(`benchmarks/lab/cluster.py`) whose links are unshaped or shaped to 1 Gbit/s or 100 Mbit/s.
+(`cluster.py`) whose links are unshaped or shaped to 1 Gbit/s or 100 Mbit/s.
 
 Every strategy trains until the validation loss (the first `val_batches` x 32 windows of the validation
 text, the same windows at any node count, every `val_every` steps) first reaches `target`, or until the
-epoch ends. Reported per run: the training seconds to the target (validations left out; rank 0's clock,
-which every synchronous strategy shares and which the asynchronous ones meet at every validation), the
-steps it took, seconds per step, the bytes per step the strategy handed to collectives (`comm/bytes`),
-and the speed-up over `bucketed_ddp` in the same cell.
+epoch ends, or, with ``--max-seconds N``, until the first validation after N training seconds (rank 0's
+clock): such a run is reported "not within N s", and a speed-up against it is a bound ("> 9.00x" for a run
+that reached the target where `bucketed_ddp` was stopped; "< 0.50x" the other way). At 10 Mbit/s on 4 nodes
+`bucketed_ddp` takes about 4 s per step, a quarter of an hour to the target. Reported per run: the training
+seconds to the target (validations left out; rank 0's clock, which every synchronous strategy shares and
+which the asynchronous ones meet at every validation), the steps it took, seconds per step, the bytes per
+step the strategy handed to collectives (`comm/bytes`), and the speed-up over `bucketed_ddp` in the same cell.
 
 torch's own relaxations run in the same cells as syncline's, at the same settings: `native_ddp` with torch's
 PowerSGD hook (rank 4, 10 exact iterations, as `powersgd`) and with torch's post-local SGD hook and
 `PeriodicModelAverager` (period 4, no warm-up, as `local_sgd`); each row also shows the ratio of syncline's
 time to torch's. They run in torchrun jobs of their own (`TORCH_ROWS`), so a run that fails (torch's PowerSGD
 hook died of a collective-size mismatch on gloo in every 4-node run of 2026-11-26) is recorded as a failure and
-counted over repeats (``--repeat``) instead of ending the grid.
+counted over repeats (``--repeat``) instead of ending the grid. Where torchft imports (`pip install
+'syncline[ft]'`), torchft's DiLoCo runs the same way beside syncline's ``diloco`` rows at H=20 (outer momentum
+0.5), 50 and 100 (`ft_diloco.py`); elsewhere those rows are skipped with one line.
 
-    python -m benchmarks lab tradeoff --nodes 2 4 --rates none 1gbit 100mbit   # about 50 minutes
-    python -m benchmarks lab tradeoff --nodes 4 --rates 10mbit --only bucketed_ddp powersgd "diloco H=100"
-    python -m benchmarks lab tradeoff --plot docs/img/tradeoff.png --write docs/performance.md  # from the JSON
+    python -m syncline.lab tradeoff --nodes 2 4 --rates none 1gbit 100mbit --out tradeoff.json  # about 50 minutes
+    python -m syncline.lab tradeoff --nodes 4 --rates 10mbit --only bucketed_ddp powersgd "diloco H=100"
+    python -m syncline.lab tradeoff --nodes 4 --rates 10mbit --max-seconds 600 --runs 3 --out tradeoff.json  # resumable
+    python -m syncline.lab tradeoff --out tradeoff.json --plot tradeoff.png --write page.md  # from the JSON
+
+With ``--out`` the runs are merged into the file (a cell's earlier runs replaced, or with ``--repeat`` kept for
+medians); without it they are only printed.
 """
 
 from __future__ import annotations
@@ -34,19 +43,23 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..common import QUIET_TRAINER, RESULTS, fill_marked_block
+from . import ft_diloco
 from .cluster import (
+    UNAVAILABLE,
     StallGuard,
     add_worker_argument,
     lab_rate,
+    lab_unavailable,
+    lab_worker,
     run_isolating,
     run_worker_if_asked,
     run_worker_job,
-    skipped_without_namespaces,
 )
+from .records import QUIET_TRAINER, fill_marked_block
 from .strategies import TORCH_ROWS
 
 __all__ = [
@@ -99,10 +112,23 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("sharded_parameter_server", "sharded_parameter_server", {}),
     ("torch powersgd", "native_ddp", {"comm_hook": "powersgd"}),
     ("torch post-local sgd", "native_ddp", {"comm_hook": "post_local_sgd"}),
+    # torchft's DiLoCo at the settings of syncline's rows (`ft_diloco.py`); where torchft imports.
+    ("torchft diloco H=20 outer_momentum=0.5", ft_diloco.NAME, {"period": 20, "outer_momentum": 0.5}),
+    ("torchft diloco H=50", ft_diloco.NAME, {"period": 50}),
+    ("torchft diloco H=100", ft_diloco.NAME, {"period": 100}),
 ]
 
-#: Each torch row beside the syncline strategy it is compared with: (torch's label, syncline's label).
-COUNTERPARTS = {"torch powersgd": "powersgd", "torch post-local sgd": "local_sgd"}
+#: Each reference row beside the syncline strategy it is compared with: (its label, syncline's label).
+COUNTERPARTS = {
+    "torch powersgd": "powersgd",
+    "torch post-local sgd": "local_sgd",
+    "torchft diloco H=20 outer_momentum=0.5": "diloco H=20 outer_momentum=0.5",
+    "torchft diloco H=50": "diloco H=50",
+    "torchft diloco H=100": "diloco H=100",
+}
+
+#: The rows run by other libraries, each in a job of its own (`run_isolating`): torch's and torchft's.
+ISOLATED = (*TORCH_ROWS, *(label for label, name, _ in STRATEGIES if name == ft_diloco.NAME))
 
 GLOBAL_BATCH = 32
 
@@ -119,17 +145,28 @@ def _worker(spec: dict[str, Any]) -> None:
     from syncline.trainer import Trainer
     from syncline.trainer.seed import seed_everything
 
-    from ..gpt2_train import StudyRecorder, step_times
+    from .step_recorder import StepRecorder, step_times
 
     torch.set_num_threads(1)
-    target = spec["target"]
+    target, max_seconds = spec["target"], spec.get("max_seconds")
 
     class StopAtLoss(Callback):
-        """Stop once the validation loss (reduced over the ranks, so every rank agrees) reaches `target`."""
+        """Stop once the validation loss (reduced over the ranks, so every rank agrees) reaches `target`, or once
+        rank 0 has trained `max_seconds` (validations left out), which every rank learns by a reduction."""
 
-        def on_validation_end(self, trainer, task) -> None:
+        def __init__(self, recorder: StepRecorder) -> None:
+            self.recorder = recorder
+            self.capped = False
+
+        def on_validation_end(self, trainer: Trainer, task: CharGPT) -> None:
             if float(trainer.callback_metrics["val_loss"]) <= target:
                 trainer.should_stop = True
+            elif max_seconds is not None:
+                times = step_times(self.recorder.start, self.recorder.step_ends, self.recorder.validations)
+                spent = times["train_s_at_step"][-1] if trainer.is_global_zero and self.recorder.step_ends else 0.0
+                # Collective: rank 0's training seconds on every rank (the others add 0), so all stop alike.
+                if float(trainer.strategy.reduce(torch.tensor([spent]), "max")) >= max_seconds:
+                    trainer.should_stop = self.capped = True
 
     class Heartbeat(Callback):
         """Tell the stall guard that a step ended."""
@@ -139,22 +176,26 @@ def _worker(spec: dict[str, Any]) -> None:
         def __init__(self, guard: StallGuard) -> None:
             self.guard = guard
 
-        def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        def on_train_batch_end(self, trainer: Trainer, task: CharGPT, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.guard.beat()
 
     records = []
     for label, name, options in spec["strategies"]:
+        if name == ft_diloco.NAME:
+            records.append(ft_diloco.train_to_target(label, options, spec, GLOBAL_BATCH))
+            continue
         seed_everything(0)
         world = int(os.environ["WORLD_SIZE"])  # torchrun's; the process group starts in fit
         task = CharGPT(batch_size=GLOBAL_BATCH // world, sample_chars=0)
-        recorder = StudyRecorder()
+        recorder = StepRecorder()
+        stop = StopAtLoss(recorder)
         guard = StallGuard(label)
         trainer = Trainer(
             max_steps=spec["max_steps"],
             val_check_interval=spec["val_every"],
             limit_val_batches=spec["val_batches"],  # per rank: val_batches x 32 windows in all
             strategy=REGISTRY[name](**options),
-            callbacks=[recorder, StopAtLoss(), Heartbeat(guard)],
+            callbacks=[recorder, stop, Heartbeat(guard)],
             **QUIET_TRAINER,
             seed=0,
         )
@@ -169,6 +210,9 @@ def _worker(spec: dict[str, Any]) -> None:
                 "strategy": name,
                 "options": options,
                 "reached": reached is not None,
+                # Stopped by --max-seconds: it would have needed longer than that (None: no cap).
+                "capped": stop.capped and reached is None,
+                "max_seconds": max_seconds,
                 "steps": steps,
                 "seconds": times["train_s_at_step"][steps - 1],
                 "step_s": round(times["train_s_at_step"][steps - 1] / steps, 4),
@@ -195,17 +239,24 @@ def run_cell(
     max_steps: int = 439,
     val_every: int = 10,
     val_batches: int = 8,
-    timeout: float = 3600.0,
+    max_seconds: float | None = None,
+    timeout: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Train every strategy to `target` on a lab cluster of `nodes` nodes at `rate`; one record each."""
+    """Train every strategy to `target` on a lab cluster of `nodes` nodes at `rate`; one record each. A run stops
+    at the first validation after `max_seconds` training seconds (None: at the target or the epoch's end); the
+    job's `timeout` (None: an hour, or twice every run's cap and ten minutes each where that is more)."""
+    strategies = strategies or STRATEGIES
     spec = {
-        "strategies": strategies or STRATEGIES,
+        "strategies": strategies,
         "target": target,
         "max_steps": max_steps,
         "val_every": val_every,
         "val_batches": val_batches,
+        "max_seconds": max_seconds,
     }
-    records = run_worker_job("tradeoff", spec, nodes, rate, timeout)
+    if timeout is None:
+        timeout = 3600.0 if max_seconds is None else max(3600.0, len(strategies) * (2 * max_seconds + 600))
+    records = run_worker_job(lab_worker("tradeoff"), spec, nodes, rate, timeout)
     for record in records:
         record.update(nodes=nodes, rate=rate or "unshaped")
     return records
@@ -214,9 +265,9 @@ def run_cell(
 def run_cell_counting_failures(
     nodes: int, rate: str | None, strategies: list[tuple[str, str, dict[str, Any]]], **options: Any
 ) -> list[dict[str, Any]]:
-    """`run_cell` for the shared strategies in one job, and each of `TORCH_ROWS` in a job of its own, whose failure
+    """`run_cell` for the shared strategies in one job, and each of `ISOLATED` in a job of its own, whose failure
     becomes a record (``failed``, the error's `root_cause`) instead of ending the grid (`run_isolating`)."""
-    records = run_isolating(lambda some: run_cell(nodes, rate, some, **options), strategies, TORCH_ROWS)
+    records = run_isolating(lambda some: run_cell(nodes, rate, some, **options), strategies, ISOLATED)
     for record in records:
         if record.get("failed"):
             record.update(reached=False, steps=0, seconds=0.0, step_s=0.0, comm_bytes_per_step=0.0)
@@ -250,14 +301,38 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def speedups(rows: list[dict[str, Any]]) -> dict[tuple[int, str, str], float]:
     """(nodes, rate, label) -> bucketed_ddp's seconds to the target over this strategy's (0: never).
 
-    `rows` hold one run per cell: single runs, or `medians` of repeated ones.
+    `rows` hold one run per cell: single runs, or `medians` of repeated ones. A run stopped by its time cap
+    (`capped`) needed longer than the cap, so a speed-up against it is a bound, computed with the cap for its
+    seconds, whose side `bounds` gives; where both were stopped there is none.
     """
-    reference = {(r["nodes"], r["rate"]): r["seconds"] for r in rows if r["label"] == "bucketed_ddp" and r["reached"]}
+    return {key: up for key, (up, _) in _speedups(rows).items()}
+
+
+def bounds(rows: list[dict[str, Any]]) -> dict[tuple[int, str, str], str]:
+    """(nodes, rate, label) -> ">" or "<" where `speedups` gives a bound (a capped run on one side), else ""."""
+    return {key: side for key, (_, side) in _speedups(rows).items()}
+
+
+def _speedups(rows: list[dict[str, Any]]) -> dict[tuple[int, str, str], tuple[float, str]]:
+    reference = {
+        (r["nodes"], r["rate"]): r
+        for r in rows
+        if r["label"] == "bucketed_ddp" and (r["reached"] or r.get("capped")) and not r.get("failed")
+    }
     out = {}
     for r in rows:
         ref = reference.get((r["nodes"], r["rate"]))
-        if ref is not None:
-            out[(r["nodes"], r["rate"], r["label"])] = ref / r["seconds"] if r["reached"] else 0.0
+        key = (r["nodes"], r["rate"], r["label"])
+        if ref is None or (ref.get("capped") and r.get("capped")):
+            continue
+        if not r["reached"] and not r.get("capped"):
+            out[key] = (0.0, "")  # the whole run without reaching it
+        elif ref.get("capped"):
+            out[key] = (ref["max_seconds"] / r["seconds"], ">")  # bucketed_ddp needed more than its cap
+        elif r.get("capped"):
+            out[key] = (ref["seconds"] / r["max_seconds"], "<")
+        else:
+            out[key] = (ref["seconds"] / r["seconds"], "")
     return out
 
 
@@ -267,7 +342,7 @@ MARKER = "lab-tradeoff"
 
 def table(rows: list[dict[str, Any]]) -> str:
     """One markdown row per run: seconds and steps to the target, s/step, mean and peak bytes/step, speed-up."""
-    ups = speedups(rows)
+    ups, sides = speedups(rows), bounds(rows)
     lines = [
         "| nodes | link | strategy | seconds to target | steps | s/step | comm/bytes per step | peak | vs ddp |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -283,7 +358,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['step_s']:.3f}",
             f"{r['comm_bytes_per_step'] / 1e6:.2f} MB",
             _megabytes(r.get("peak_comm_bytes_per_step")),
-            _speedup(up),
+            _speedup(up, sides.get((r["nodes"], r["rate"], r["label"]), "")),
         ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
@@ -296,18 +371,23 @@ def _megabytes(nbytes: float | None) -> str:
 def _seconds(r: dict[str, Any]) -> str:
     if r.get("failed"):
         return f"failed ({r.get('error', '')[:80]})"
+    if r.get("capped"):
+        return f"not within {r['max_seconds']:g} s"
     return f"{r['seconds']:.1f}" if r["reached"] else f"not reached ({r['seconds']:.0f} s)"
 
 
-def _speedup(up: float | None) -> str:
-    return "-" if up is None else ("never" if up == 0 else f"{up:.2f}x")
+def _speedup(up: float | None, side: str = "") -> str:
+    """A speed-up as the tables write it; `side` ">" or "<" makes it a bound."""
+    if up is None:
+        return "-"
+    return "never" if up == 0 else f"{side + ' ' if side else ''}{up:.2f}x"
 
 
 def grid_tables(data: dict[str, Any]) -> str:
     """Per node count, one row per strategy: seconds (steps) to the target and the speed-up, per link rate; torch's
     rows also say how many of their runs failed, and syncline's counterpart's time over theirs."""
     rows = medians(data["rows"])
-    ups = speedups(rows)
+    ups, sides = speedups(rows), bounds(rows)
     labels = [label for label, _, _ in STRATEGIES if any(r["label"] == label for r in rows)]
     out = []
     for nodes in sorted({r["nodes"] for r in rows}):
@@ -329,6 +409,8 @@ def grid_tables(data: dict[str, Any]) -> str:
                     continue
                 if r.get("failed"):
                     seconds = "failed"
+                elif r.get("capped"):
+                    seconds = f"> {r['max_seconds']:g} (not within {r['max_seconds']:g} s, {r['steps']} steps)"
                 else:
                     seconds = f"{r['seconds']:.1f} ({r['steps']})" if r["reached"] else f"> {r['seconds']:.0f} (never)"
                 if r["repeats"] > 1:
@@ -339,7 +421,8 @@ def grid_tables(data: dict[str, Any]) -> str:
                 ours = cells.get((rate, COUNTERPARTS.get(label, "")))
                 if ours is not None and r["reached"] and ours["reached"]:
                     seconds += f"; {COUNTERPARTS[label]} {r['seconds'] / ours['seconds']:.2f}x sooner"
-                line += [seconds, _speedup(ups.get((nodes, rate, label)))]
+                key = (nodes, rate, label)
+                line += [seconds, _speedup(ups.get(key), sides.get(key, ""))]
             lines.append("| " + " | ".join(line) + " |")
         out.append("\n".join(lines))
         out.append(bytes_table([r for r in rows if r["nodes"] == nodes], rates, labels))
@@ -411,7 +494,8 @@ def plot(data: dict[str, Any], out: Path) -> None:
                     bar.set_alpha(0.5)
         ax.set_yscale("log")
         ax.set_ylabel("training seconds to target")
-        ax.set_title(f"{nodes} nodes: seconds to validation loss {data['target']} (hatched: not reached)")
+        target = data["target"]
+        ax.set_title(f"{nodes} nodes: seconds to validation loss {target} (hatched: not reached, or not in time)")
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels([label.replace(" ", "\n").replace("_", "_\n", 1) for label in labels], fontsize=8)
         ax.grid(axis="y", alpha=0.3, which="both")
@@ -433,9 +517,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeat", action="store_true", help="add these runs to the cells' earlier ones (medians), not replace them"
     )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        metavar="K",
+        help="bring every (nodes, rate, strategy) to K runs in --out, a pass over the grid at a time, adding to "
+        "the runs it holds (the same command goes on after a stop)",
+    )
     parser.add_argument("--target", type=float, default=TARGET_LOSS)
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        help="stop a run at the first validation after this many training seconds; it is reported as not within them",
+    )
     parser.add_argument("--max-steps", type=int, default=439)
-    parser.add_argument("--out", type=Path, default=RESULTS / "lab_tradeoff.json")
+    parser.add_argument("--out", type=Path, help="merge the runs into this JSON file (without it: only printed)")
     parser.add_argument("--plot", type=Path, help="only draw the figure from --out's JSON into this PNG")
     parser.add_argument(
         "--write", type=Path, metavar="PAGE", help="only fill PAGE's block named after --out (lab-tradeoff, ...)"
@@ -446,6 +542,8 @@ def command(args: argparse.Namespace) -> int | None:
     """Run every cell asked for, print its table, and write the JSON (merged into an existing file)."""
     if run_worker_if_asked(args, _worker):
         return 0
+    if (args.plot or args.write) and args.out is None:
+        sys.exit("--plot and --write draw from the runs of a JSON file: name it with --out.")
     if args.plot or args.write:
         data = json.loads(args.out.read_text())
         if args.plot:
@@ -458,23 +556,41 @@ def command(args: argparse.Namespace) -> int | None:
                 sys.exit(f"{args.write}: {error}")
             print(f"{args.write}: filled the trade-off tables from {args.out}")
         return 0
-    if skipped_without_namespaces("lab_tradeoff"):
-        return 0
+    if lab_unavailable("lab tradeoff"):
+        return UNAVAILABLE
     strategies = [s for s in STRATEGIES if not args.only or s[0] in args.only]
-    data = json.loads(args.out.read_text()) if args.out.is_file() else {"target": args.target, "rows": []}
+    skipped = ft_diloco.missing("torchft's DiLoCo rows")
+    if skipped and any(name == ft_diloco.NAME for _, name, _ in strategies):
+        print(skipped)
+        strategies = [s for s in strategies if s[1] != ft_diloco.NAME]
+        if not strategies:
+            return 0
+    data = json.loads(args.out.read_text()) if args.out and args.out.is_file() else {"target": args.target, "rows": []}
     if data["target"] != args.target:
         sys.exit(f"{args.out} holds runs to target {data['target']}, not {args.target}: pass another --out")
-    for nodes in args.nodes:
-        for rate in args.rates:
-            started = time.monotonic()
-            new = run_cell_counting_failures(nodes, rate, strategies, target=args.target, max_steps=args.max_steps)
-            took = time.monotonic() - started
-            print(f"\n{nodes} nodes, {rate or 'unshaped'} ({took:.0f} s)\n{table(new)}", flush=True)
-            done = {(r["nodes"], r["rate"], r["label"]) for r in new}
-            if not args.repeat:
-                data["rows"] = [r for r in data["rows"] if (r["nodes"], r["rate"], r["label"]) not in done]
-            data["rows"] += new
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"\nwrote {args.out}\n{table(medians(data['rows']))}")
+    if args.runs is not None and args.repeat:
+        sys.exit("--runs K adds runs to the cells that hold fewer than K, --repeat to every cell: pass one of them")
+    # With --runs K, pass k over the grid runs what holds fewer than k runs: the same command goes on after a stop.
+    for wanted in range(1, args.runs + 1) if args.runs else [None]:
+        for nodes in args.nodes:
+            for rate in args.rates:
+                cell = (nodes, rate or "unshaped")
+                held = Counter(r["label"] for r in data["rows"] if (r["nodes"], r["rate"]) == cell)
+                todo = [s for s in strategies if wanted is None or held[s[0]] < wanted]
+                if not todo:
+                    continue
+                started = time.monotonic()
+                new = run_cell_counting_failures(
+                    nodes, rate, todo, target=args.target, max_steps=args.max_steps, max_seconds=args.max_seconds
+                )
+                took = time.monotonic() - started
+                print(f"\n{nodes} nodes, {rate or 'unshaped'} ({took:.0f} s)\n{table(new)}", flush=True)
+                done = {(r["nodes"], r["rate"], r["label"]) for r in new}
+                if not args.repeat and wanted is None:
+                    data["rows"] = [r for r in data["rows"] if (r["nodes"], r["rate"], r["label"]) not in done]
+                data["rows"] += new
+                if args.out is not None:  # after every cell: a later cell's failure keeps what was measured
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    print(("" if args.out is None else f"\nwrote {args.out}") + f"\n{table(medians(data['rows']))}")
     return 0

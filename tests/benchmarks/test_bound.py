@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.lab.bound import OVERLAPS, WIRE_PHASES, WirePhase, algorithmic_bound, wire_phases
+from syncline.lab.bound import OVERLAPS, WIRE_PHASES, WirePhase, algorithmic_bound, wire_phases
 from syncline.strategies import STRATEGIES, BucketedDDP, ByteGrad
 
 FRACTIONS = {"forward": 0.3, "backward": 0.5}  # the optimizer step is the other 0.2

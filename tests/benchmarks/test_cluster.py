@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.lab.cluster import (
+from syncline.lab.cluster import (
     LabResult,
     NodeResult,
     _strategy_names,

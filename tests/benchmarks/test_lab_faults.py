@@ -4,7 +4,7 @@ One lab, two torchrun jobs with a 5 s collective timeout. A permanent partition:
 ends within timeout + 10 s and the last process of the job within timeout + 20 s. A rank stuck in compute
 on one node when the rank on the other node raises: it is given the one grace period every rank gets when
 the job is over (`SYNCLINE_GRACE_S`, 3 s here instead of the default 30 s) and the job ends within it.
-(A killed agent is timed by `python -m benchmarks lab faults` and, with `devices=2`, by
+(A killed agent is timed by `python -m syncline.lab faults` and, with `devices=2`, by
 tests/strategies/test_worker_guard.py.)
 
 Under `recovery="live"` on three nodes (one launcher per node), a node whose every process is SIGKILLed mid-epoch
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.lab.cluster import namespaces_unavailable
-from benchmarks.lab.faults import run
-from benchmarks.lab.live_recovery import run_cell
+from syncline.lab.cluster import namespaces_unavailable
+from syncline.lab.faults import run
+from syncline.lab.live_recovery import run_cell
 
 pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.lab.cluster import namespaces_unavailable
+from syncline.lab.cluster import namespaces_unavailable
 
 pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.lab.cluster import root_cause, run_isolating
-from benchmarks.lab.strategies import _table, busy_cpu_seconds, grid_table, lab_rows, model_overrides, select_strategies
+from syncline.lab.cluster import root_cause, run_isolating
+from syncline.lab.strategies import _table, busy_cpu_seconds, grid_table, lab_rows, model_overrides, select_strategies
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +81,7 @@ def test_a_lab_worker_with_no_step_for_its_stall_time_ends_itself():
     """The lab's bound on a hang no process-group timeout catches (torch's PowerSGD hook on gloo, 4 nodes)."""
     script = (
         "import time\n"
-        "from benchmarks.lab.cluster import StallGuard\n"
+        "from syncline.lab.cluster import StallGuard\n"
         "guard = StallGuard('beating', 1.0)\n"
         "for _ in range(6): time.sleep(0.3); guard.beat()\n"
         "guard.stop()\n"
@@ -110,7 +110,7 @@ def test_model_overrides_name_the_valid_keys():
 
 
 def test_step_phases_read_a_timeline_trace(tmp_path):
-    from benchmarks.lab.deferred_update import step_phases
+    from benchmarks.lab_deferred_update import step_phases
 
     def span(name: str, start_ms: float, ms: float, tid: int = 0) -> dict:
         return {"ph": "X", "pid": 0, "tid": tid, "name": name, "ts": start_ms * 1e3, "dur": ms * 1e3}

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import lab
-from benchmarks.lab.tradeoff import fill_page, grid_tables, marker_of, speedups
+from benchmarks import lab_section as lab
 from benchmarks.plans import PLANS
+from syncline.lab.tradeoff import bounds, fill_page, grid_tables, marker_of, speedups, table
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "lab_tradeoff.json"
@@ -40,11 +40,38 @@ def test_speedups_are_per_cell_and_zero_where_the_target_was_never_reached():
     assert "| local_sgd | - | - | > 90 (never) | never |" in text
 
 
+def test_a_run_stopped_by_the_time_cap_is_not_within_it_and_speedups_against_it_are_bounds():
+    def capped(label: str, rate: str, seconds: float) -> dict:
+        return {**_row(label, 4, rate, seconds, reached=False), "capped": True, "max_seconds": 900.0}
+
+    rows = [
+        capped("bucketed_ddp", "10mbit", 905.0),
+        _row("diloco H=100", 4, "10mbit", 100.0),
+        capped("powersgd", "10mbit", 910.0),  # both stopped: no speed-up at all
+        _row("local_sgd", 4, "10mbit", 1000.0, reached=False),  # the whole epoch without reaching it
+        _row("bucketed_ddp", 4, "100mbit", 450.0),
+        capped("diloco H=100", "100mbit", 901.0),
+    ]
+    ups, sides = speedups(rows), bounds(rows)
+    # bucketed_ddp needed more than 900 s: diloco is more than 9x sooner; diloco needed more than 900 s where
+    # bucketed_ddp took 450: it is less than 0.5x as fast.
+    assert (ups[(4, "10mbit", "diloco H=100")], sides[(4, "10mbit", "diloco H=100")]) == (pytest.approx(9.0), ">")
+    assert (ups[(4, "100mbit", "diloco H=100")], sides[(4, "100mbit", "diloco H=100")]) == (pytest.approx(0.5), "<")
+    assert (4, "10mbit", "powersgd") not in ups and ups[(4, "10mbit", "local_sgd")] == 0.0
+    text = grid_tables({"target": 1.95, "rows": rows})
+    assert "| bucketed_ddp | 450.0 (100) | 1.00x | > 900 (not within 900 s, 100 steps) | - |" in text
+    assert "| diloco H=100 | > 900 (not within 900 s, 100 steps) | < 0.50x | 100.0 (100) | > 9.00x |" in text
+    assert "| powersgd | - | - | > 900 (not within 900 s, 100 steps) | - |" in text
+    runs = [{**r, "step_s": 1.0, "comm_bytes_per_step": 0.0} for r in rows]
+    assert "| 4 | 10mbit | diloco H=100 | 100.0 | 100 | 1.000 | 0.00 MB | - | > 9.00x |" in table(runs)
+    assert "| 4 | 10mbit | bucketed_ddp | not within 900 s | 100 |" in table(runs)
+
+
 @pytest.mark.parametrize("results", [RESULTS, RESULTS.with_name("lab_tradeoff_torch.json")], ids=lambda p: p.stem)
 def test_performance_page_quotes_the_committed_tradeoff_run(results):
     page = (ROOT / "docs" / "performance.md").read_text()
     data = json.loads(results.read_text())
-    fix = f"run `python -m benchmarks lab tradeoff --out {results.relative_to(ROOT)} --write docs/performance.md`"
+    fix = f"run `python -m syncline.lab tradeoff --out {results.relative_to(ROOT)} --write docs/performance.md`"
     assert fill_page(page, data, marker_of(results)) == page, fix
     assert {r["rate"] for r in data["rows"]} == {"unshaped", "1gbit", "100mbit"}
     assert {r["nodes"] for r in data["rows"]} == {2, 4}

@@ -143,7 +143,7 @@ def test_debugging_basic_model_summary(capsys):
     trainer.fit(LitModel())  # not on the page
     assert "1 | net.0 | Linear     | 144    | train" in capsys.readouterr().err
 
-    from syncline.trainer.model_summary import ModelSummary  # Lightning: lightning.pytorch.utilities.model_summary
+    from syncline.model_summary import ModelSummary  # Lightning: lightning.pytorch.utilities.model_summary
 
     model = LitModel()
     summary = ModelSummary(model, max_depth=-1)

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from _averaging import PlainSGD, fit, flat_params, model_bytes, straight_and_resumed
 from torch import nn
 
-from benchmarks.lab.bound import wire_phases
 from syncline.callbacks import Callback
+from syncline.lab.bound import wire_phases
 from syncline.options import OptionError
 from syncline.strategies import Decentralized, decentralized
 from syncline.strategies.decentralized import shift_one_partner

@@ -137,7 +137,7 @@ def test_one_fragment_is_the_diloco_box_and_two_the_streaming_box():
 
 
 def _overlapped_and_blocking(rank: int, world_size: int) -> dict[str, Any]:
-    results = {}
+    results: dict[Any, Any] = {}
     for thread in (True, False):
         strategy = DiLoCo(period=6, fragments=3, overlap_steps=1, compression="uint8", comm_thread=thread)
         trainer, task = fit(strategy, max_steps=14)
@@ -146,13 +146,42 @@ def _overlapped_and_blocking(rank: int, world_size: int) -> dict[str, Any]:
             "bytes": trainer.strategy.communication_stats()["comm/total_bytes"],
             "feedback": trainer.strategy.state_dict()["error_feedback"],
         }
+    results["healed"] = _healed(trainer.strategy, task)
     return results
 
 
-def test_the_overlapped_exchange_equals_the_blocking_one_to_the_bit():
+def _healed(strategy: DiLoCo, task: nn.Module) -> dict[str, Any]:
+    """Live recovery's healing on this rank's trained strategy, from a source state whose outer state differs from
+    its own (as where an exchange completed on the source only): first as a survivor, then as a replacement."""
+    own = strategy.state_dict()
+    source = {
+        **own,
+        "steps": own["steps"] + 6,
+        "globals": [[glob + 1 for glob in fragment] for fragment in own["globals"]],
+        "outer": [
+            {**outer, "state": {i: {"momentum_buffer": 2 * m["momentum_buffer"]} for i, m in outer["state"].items()}}
+            for outer in own["outer"]
+        ],
+        "in_flight": {**own["in_flight"], "averages": [a + 1 for a in own["in_flight"]["averages"]]},
+        "error_feedback": {key: memory + 1 for key, memory in own["error_feedback"].items()},
+    }
+    before = flat_params(task)
+    strategy.heal_from(source, replacement=False)
+    survivor = {"weights": flat_params(task), "state": strategy.state_dict()}
+    strategy.heal_from(source, replacement=True)
+    replacement = {"weights": flat_params(task), "state": strategy.state_dict()}
+    return {"own": own, "source": source, "before": before, "survivor": survivor, "replacement": replacement}
+
+
+@pytest.fixture(scope="module")
+def overlapped_and_blocking() -> list[dict[str, Any]]:
     # Three ranks: the 8-bit scatter-reduce cuts every fragment unevenly; the exchange on the thread runs behind the
     # next inner step, the blocking one at launch.
-    ranks = run_distributed(_overlapped_and_blocking, world_size=3, timeout=120)
+    return run_distributed(_overlapped_and_blocking, world_size=3, timeout=120)
+
+
+def test_the_overlapped_exchange_equals_the_blocking_one_to_the_bit(overlapped_and_blocking):
+    ranks = overlapped_and_blocking
     for result in ranks:
         assert torch.equal(result[True]["weights"], result[False]["weights"])
         assert result[True]["bytes"] == result[False]["bytes"] > 0
@@ -160,6 +189,25 @@ def test_the_overlapped_exchange_equals_the_blocking_one_to_the_bit():
         for key, memory in result[True]["feedback"].items():
             assert torch.equal(memory, result[False]["feedback"][key])
     assert not torch.equal(ranks[0][True]["weights"], ranks[1][True]["weights"])
+
+
+def test_live_healing_takes_the_outer_state_and_a_replacement_starts_at_the_global_copies(overlapped_and_blocking):
+    for result in overlapped_and_blocking:
+        healed = result["healed"]
+        own, source, survivor, replacement = healed["own"], healed["source"], healed["survivor"], healed["replacement"]
+        assert own["in_flight"] is not None, "fragment 1, exchanged after step 14, merges after step 15"
+        # Both take the source's global copies, outer momentum, step count and exchange in flight.
+        for state in (survivor["state"], replacement["state"]):
+            _assert_same({k: state[k] for k in ("globals", "outer", "steps", "in_flight")},
+                         {k: source[k] for k in ("globals", "outer", "steps", "in_flight")})  # fmt: skip
+        # A survivor keeps its replica and its error feedback (its own residuals, not the source's).
+        assert torch.equal(survivor["weights"], healed["before"])
+        _assert_same(survivor["state"]["error_feedback"], own["error_feedback"])
+        assert own["error_feedback"]
+        # A replacement starts at θ̃ (the fragments are consecutive ranges of the one float32 group), and has sent
+        # nothing, so remembers no residual.
+        assert torch.equal(replacement["weights"], torch.cat([g for fragment in source["globals"] for g in fragment]))
+        assert replacement["state"]["error_feedback"] == {}
 
 
 def _resumed(rank: int, world_size: int, tmp: str) -> dict[str, Any]:

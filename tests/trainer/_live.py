@@ -1,7 +1,11 @@
 """A task for live-recovery tests: it logs every sample it trains on, and one replica dies at one step.
 
-`LiveProbe` appends, per optimizer step, a line ``epoch step world_size idx,idx,...`` to ``<log_dir>/<pid>.log``;
-at the end of training each process writes ``<pid>.end`` with its step and a digest of its weights. The
+`LiveProbe` appends, per optimizer step, a line ``epoch step world_size idx,idx,... steps digest`` to
+``<log_dir>/<pid>.log`` (`steps`: the strategy's optimizer steps, -1 where it counts none; `digest`: of the
+weights the step starts from);
+at the end of training each process writes ``<pid>.end`` with its step, a digest of its weights and one of the
+strategy's outer state (DiLoCo's global copies, outer momentum and step count; "-" for other strategies), and a
+replacement writes ``<pid>.healed``: 1 if its first step starts from DiLoCo's global copies θ̃. The
 process holding rank `victim` at step `at_step` kills itself with SIGKILL, once; with `second`, twice (the
 member that holds rank `victim` when the healed group retries that step dies too); with ``fault="raise"`` it
 raises instead. With `preempt_at`, rank 0 sends SIGTERM to process `caller` (the launching script) once, at that
@@ -21,6 +25,17 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from syncline.trainer import Task
+
+
+def _digest(tensors) -> str:
+    return hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors)).hexdigest()
+
+
+def _flat_globals(state: dict):
+    """DiLoCo's global copies θ̃ in parameter order (one dtype: the fragments are consecutive ranges), or None."""
+    if "globals" not in state:
+        return None
+    return torch.cat([glob.cpu() for fragment in state["globals"] for glob in fragment])
 
 
 def indexed_data(n: int = 96, features: int = 8) -> TensorDataset:
@@ -68,6 +83,11 @@ class LiveProbe(Task):
         if self.global_rank == 0 and self.trainer.global_step == self.preempt_at and not signalled.exists():
             signalled.touch()
             os.kill(self.caller, signal.SIGTERM)
+        if self.replacement and not Path(self.log_dir, f"{os.getpid()}.healed").exists():
+            healed = _flat_globals(self.trainer.strategy.state_dict())
+            if healed is not None:
+                same = torch.equal(healed, torch.cat([p.detach().flatten() for p in self.parameters()]))
+                Path(self.log_dir, f"{os.getpid()}.healed").write_text(str(int(same)))
         if kills and self.trainer.world_size < 3 and self.replaced:
             # Short of a member: wait until the replacements have started (tens of seconds on a loaded
             # machine), then slow down, so that they come in before the run ends.
@@ -78,16 +98,24 @@ class LiveProbe(Task):
         trainer = self.trainer
         with open(Path(self.log_dir, f"{os.getpid()}.log"), "a") as file:
             ids = ",".join(str(int(i)) for i in idx)
-            file.write(f"{trainer.current_epoch} {trainer.global_step} {trainer.world_size} {ids}\n")
+            inner = getattr(trainer.strategy, "steps", -1)
+            where = f"{trainer.current_epoch} {trainer.global_step} {trainer.world_size}"
+            file.write(f"{where} {ids} {inner} {_digest(self.parameters())[:16]}\n")
         return nn.functional.mse_loss(self.net(x), y)
 
     def setup(self, stage: str) -> None:
-        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        self.replacement = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        if self.replacement:
             Path(self.log_dir, f"{os.getpid()}.replacement").touch()
 
     def on_train_end(self) -> None:
-        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in self.parameters())).hexdigest()
-        Path(self.log_dir, f"{os.getpid()}.end").write_text(f"{self.trainer.global_step} {digest}")
+        digest = _digest(self.parameters())
+        state = self.trainer.strategy.state_dict()
+        outer = "-"
+        if "globals" in state:
+            momenta = [s["momentum_buffer"] for o in state["outer"] for s in o["state"].values()]
+            outer = f"{state['steps']}:{_digest([_flat_globals(state), *momenta])}"
+        Path(self.log_dir, f"{os.getpid()}.end").write_text(f"{self.trainer.global_step} {digest} {outer}")
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)

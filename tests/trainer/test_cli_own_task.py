@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.lab.cluster import namespaces_unavailable
+from syncline.lab.cluster import namespaces_unavailable
 from syncline.trainer.cli import check_overrides, constructor_keys, task_by_target
 
 MYTASK = textwrap.dedent(
@@ -319,11 +319,19 @@ def test_constructor_keys_lets_task_and_data_keys_be_added():
     ]
 
 
+def test_the_installed_lab_answers_from_the_users_folder_without_the_paper_scripts(installed, project):
+    result = _user(installed, project, "python", "-m", "syncline.lab", "--help")
+    assert result.returncode == 0, result.stderr
+    assert all(command in result.stdout for command in ("cluster", "strategies", "tradeoff", "faults"))
+    result = _user(installed, project, "python", "-c", "import syncline.benchmarks")
+    assert "No module named 'syncline.benchmarks'" in result.stderr
+
+
 @pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
 def test_the_lab_runs_a_users_cli_task_from_their_folder(installed, project):
     """The installed lab, from the user's folder: 2 nodes at 100 Mbit/s, one output folder, a step report."""
     result = _user(
-        installed, project, "python", "-m", "syncline.benchmarks", "lab", "cluster", "--nodes", "2", "--rate",
+        installed, project, "python", "-m", "syncline.lab", "cluster", "--nodes", "2", "--rate",
         "100mbit", "--timeout", "100", "--log-dir", str(project / "lab"), "--json", str(project / "lab.json"), "--",
         "-m", "syncline", "--config-dir", "conf", "task=mytask", "trainer.max_steps=6", "trainer.limit_val_batches=0",
         "trainer.enable_progress_bar=false",

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="SIGKILLs a w
 _SCRIPT = """
 import os
 import sys
+from syncline.strategies.diloco import DiLoCo
 from syncline.trainer import Trainer
 from tests.trainer._live import LiveProbe
 
@@ -30,7 +31,7 @@ if __name__ == "__main__":
         caller=os.getpid(), replaced={restarts} > 0,
     )
     trainer = Trainer(
-        max_epochs=2, devices=3, strategy={strategy!r}, accelerator="cpu", recovery="live",
+        max_epochs=2, devices=3, strategy={strategy}, accelerator="cpu", recovery="live",
         max_restarts={restarts}, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         num_sanity_val_steps=0, default_root_dir={root!r}, limit_train_batches={limit},
     )
@@ -52,10 +53,12 @@ def _run(
     preempt_at: int = -1,
     limit: int | None = None,
 ):
+    """Run the script with `strategy`, a registered name or a constructor call (Python source)."""
     logs = tmp_path / "logs"
     logs.mkdir()
+    source = strategy if "(" in strategy else repr(strategy)
     body = _SCRIPT.format(
-        logs=str(logs), root=str(tmp_path), strategy=strategy, step_s=0.6, second=second, restarts=restarts,
+        logs=str(logs), root=str(tmp_path), strategy=source, step_s=0.6, second=second, restarts=restarts,
         fault=fault, preempt_at=preempt_at, limit=limit,
     )  # fmt: skip
     result, _ = run_script(tmp_path, body, timeout=420)
@@ -88,14 +91,38 @@ def _check_recovered(result, steps, ends, exact: bool) -> None:
 
 def _check_every_sample(steps) -> None:
     for epoch in ("0", "1"):
-        trained = {int(i) for lines in steps.values() for e, _, _, ids in lines if e == epoch for i in ids.split(",")}
+        trained = {
+            int(i) for lines in steps.values() for e, _, _, ids, *_ in lines if e == epoch for i in ids.split(",")
+        }
         assert trained == set(range(96)), f"epoch {epoch} missed {sorted(set(range(96)) - trained)}"
 
 
-@pytest.mark.parametrize("strategy", ["bucketed_ddp", "local_sgd"])
+_DILOCO = "DiLoCo(period=4)"
+#: Streaming: fragment 1's exchange (launched after step 2, overlapped with step 3) is on the wire when the victim
+#: dies in step 3; 8-bit outer gradients with error feedback.
+_STREAMING = 'DiLoCo(period=4, fragments=2, compression="uint8")'
+
+
+@pytest.mark.parametrize("strategy", ["bucketed_ddp", "local_sgd", _DILOCO, _STREAMING])
 def test_a_killed_worker_costs_one_step_and_is_replaced_live(tmp_path: Path, strategy: str) -> None:
     result, steps, ends = _run(tmp_path, strategy)
     _check_recovered(result, steps, ends, exact=strategy == "bucketed_ddp")
+    if strategy.startswith("DiLoCo"):
+        # The outer state (θ̃, outer momentum, step count) is the group's: bit for bit the same on the two
+        # survivors and the replacement, after the outer steps that followed the death and the admission.
+        assert len({end[2] for end in ends.values()}) == 1, ends
+        healed = [path.read_text() for path in (tmp_path / "logs").glob("*.healed")]
+        assert healed == ["1"], "the replacement's replica starts at the global copies θ̃"
+    if strategy == _DILOCO:
+        # One fragment, no overlap: right after each outer step every replica is θ̃. The steps that start there
+        # with all three members (the replacement among them) start from the same weights, bit for bit.
+        starts: dict[int, dict[int, str]] = {}
+        for pid, lines in steps.items():
+            for _, _, world, _, inner, digest in lines:
+                if world == "3" and int(inner) > 0 and int(inner) % 4 == 0:
+                    starts.setdefault(int(inner), {})[pid] = digest
+        together = [by_pid for by_pid in starts.values() if len(by_pid) == 3]
+        assert together and all(len(set(by_pid.values())) == 1 for by_pid in together), starts
 
 
 def test_a_second_death_right_after_healing_is_a_second_recovery(tmp_path: Path) -> None:
@@ -130,9 +157,9 @@ def test_after_a_loss_the_limited_epoch_keeps_its_samples_and_sigterm_to_the_cal
     assert (tmp_path / "last.ckpt").is_file()
     survivors = [lines for lines in steps.values() if lines[-1][2] == "2"]
     assert len(survivors) == 2 and len(steps) == 3
-    first_epoch = [(int(step), ids) for lines in survivors for epoch, step, _, ids in lines if epoch == "0"]
+    first_epoch = [(int(step), ids) for lines in survivors for epoch, step, _, ids, *_ in lines if epoch == "0"]
     assert sorted({step for step, _ in first_epoch}) == list(range(7)), "2 steps on 3 ranks, then 5 on 2"
-    trained = {int(i) for lines in steps.values() for e, _, _, ids in lines if e == "0" for i in ids.split(",")}
+    trained = {int(i) for lines in steps.values() for e, _, _, ids, *_ in lines if e == "0" for i in ids.split(",")}
     assert trained == set(LiveShardSampler(96, 4, True, 0, 0, 0, 0, 1, 0).order()[:60])
     assert {lines[-1][1] for lines in survivors} == {lines[-1][1] for lines in survivors[:1]}, "one last step"
     assert 9 <= int(survivors[0][-1][1]) <= 11 and not ends

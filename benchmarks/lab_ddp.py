@@ -2,7 +2,7 @@
 
 The same job as the suite's DDP comparison (`benchmarks/ddp.py`: every variant trains its own copy of the
 workload on a fixed batch, blocks rotated per repeat, each step counted with its slower rank's phases), but
-as a two-node torchrun job in the network lab (`benchmarks/lab/cluster.py`), so that the wire, not the two
+as a two-node torchrun job in the network lab (`syncline.lab.cluster`), so that the wire, not the two
 shared cores, is what communication waits for. At each rate it reports the step time per variant, the overlap gain
 (no-overlap / overlap at the same cap) and the bucket-size effect (slowest cap / fastest cap), next to
 the link's bound for the step's bytes.
@@ -19,17 +19,19 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ..common import RESULTS, write_json
-from ..ddp import Variant, rank_timings, summarize_job
-from ..plans import PLANS, Plan
-from .cluster import (
+from syncline.lab.cluster import (
+    UNAVAILABLE,
     add_worker_argument,
     lab_rate,
+    lab_unavailable,
     parse_rate,
     run_worker_if_asked,
     run_worker_job,
-    skipped_without_namespaces,
 )
+
+from .common import CHECKOUT_ENV, paper_worker, write_json
+from .ddp import Variant, rank_timings, summarize_job
+from .plans import PLANS, Plan
 
 __all__ = ["lab_variants", "run_lab_ddp"]
 
@@ -76,7 +78,7 @@ def run_lab_ddp(
         "size": "full",
         "timeout": timeout,
     }
-    per_rank = run_worker_job("ddp", spec, nodes, rate, timeout)
+    per_rank = run_worker_job(paper_worker("ddp"), spec, nodes, rate, timeout, env=CHECKOUT_ENV)
     result = summarize_job(workload, "full", plan, variants, per_rank)
     result["rate"] = rate or "unshaped"
     result["nodes"] = nodes
@@ -113,15 +115,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=DEFAULT_PLAN.repeats)
     parser.add_argument("--steps", type=int, default=DEFAULT_PLAN.steps, help="timed steps per variant per repeat")
     parser.add_argument("--caps", type=float, nargs="+", default=list(DEFAULT_PLAN.caps_mb))
-    parser.add_argument("--out", type=Path, default=RESULTS / "lab_ddp.json")
+    parser.add_argument("--out", type=Path, help="also write the results as JSON")
 
 
 def command(args: argparse.Namespace) -> int | None:
     """Run the sweep at each rate; print the tables and write the JSON."""
     if run_worker_if_asked(args, _worker):
         return 0
-    if skipped_without_namespaces("lab_ddp"):
-        return 0
+    if lab_unavailable("lab ddp"):
+        return UNAVAILABLE
     plan = replace(DEFAULT_PLAN, caps_mb=tuple(args.caps), repeats=args.repeats, steps=args.steps)
     variants = lab_variants(tuple(args.caps))
     results = []
@@ -129,5 +131,6 @@ def command(args: argparse.Namespace) -> int | None:
         result = run_lab_ddp(rate, args.workload, plan, variants)
         print(_report(result), flush=True)
         results.append(result)
-    write_json(args.out, results)
+    if args.out is not None:
+        write_json(args.out, results)
     return 0

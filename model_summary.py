@@ -1,4 +1,8 @@
-"""`ModelSummary`: the table of a task's layers and parameter counts that Lightning prints when fit starts."""
+"""`ModelSummary`: the table of a task's layers and parameter counts that Lightning prints when fit starts.
+
+A bottom module (Lightning's ``lightning.pytorch.utilities.model_summary``): the `ModelSummary` callback prints it,
+and a user can build one from any `nn.Module`.
+"""
 
 from __future__ import annotations
 

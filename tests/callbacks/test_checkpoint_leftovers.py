@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from syncline.callbacks import ModelCheckpoint
-from syncline.callbacks.checkpoint_files import find_top_k_files, remove_stale_temporaries
+from syncline.callbacks.checkpoint_leftovers import find_top_k_files, remove_stale_temporaries
 from tests.callbacks._tasks import Scripted, make_loader, make_trainer
 
 # Batches of 2 samples, 4 batches per epoch: epoch e ends at global step 4 * (e + 1).

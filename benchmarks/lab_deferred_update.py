@@ -33,9 +33,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..common import QUIET_TRAINER, RESULTS, write_json
-from .cluster import add_worker_argument, run_worker_if_asked, run_worker_job, skipped_without_namespaces
-from .strategies import DEFAULT_MODEL
+from syncline.lab.cluster import (
+    UNAVAILABLE,
+    add_worker_argument,
+    lab_unavailable,
+    run_worker_if_asked,
+    run_worker_job,
+)
+from syncline.lab.strategies import DEFAULT_MODEL
+
+from .common import CHECKOUT_ENV, QUIET_TRAINER, paper_worker, write_json
 
 __all__ = ["HOLDS", "run_deferred"]
 
@@ -253,7 +260,7 @@ def run_deferred(
         "warmup": warmup,
         "timeline": None if timeline is None else str(timeline.resolve()),
     }
-    runs = run_worker_job("deferred-update", spec, nodes, rate, timeout)
+    runs = run_worker_job(paper_worker("deferred-update"), spec, nodes, rate, timeout, env=CHECKOUT_ENV)
     reference = next(r["weights_sum"] for r in runs if r["hold"] is None)
     rows = []
     for hold in HOLDS:
@@ -278,7 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2, 8], help="CharGPT windows per rank")
-    parser.add_argument("--out", type=Path, default=RESULTS / "lab_deferred_update.json")
+    parser.add_argument("--out", type=Path, help="also write the results as JSON")
     parser.add_argument(
         "--timeline", type=Path, metavar="DIR", help="write a Chrome trace of plain bucketed_ddp per batch size here"
     )
@@ -288,8 +295,8 @@ def command(args: argparse.Namespace) -> int | None:
     """Run the experiment for each batch size; print a table and write the JSON."""
     if run_worker_if_asked(args, _worker):
         return 0
-    if skipped_without_namespaces("lab_deferred_update"):
-        return 0
+    if lab_unavailable("lab deferred-update"):
+        return UNAVAILABLE
     cells = []
     for batch_size in args.batch_sizes:
         trace = None if args.timeline is None else args.timeline / f"bucketed_ddp_batch{batch_size}.json"
@@ -305,5 +312,6 @@ def command(args: argparse.Namespace) -> int | None:
         for row in cell["rows"]:
             label = "bucketed_ddp (none deferred)" if row["hold"] is None else f"{row['hold']:.0%} of the buckets"
             print(f"| {label} | {row['step_s']:.3f} | {row['step_s'] / plain:.2f} | {row['weights_equal']} |")
-    write_json(args.out, {"cells": cells})
+    if args.out is not None:
+        write_json(args.out, {"cells": cells})
     return 0

@@ -1,0 +1,66 @@
+"""`python -m syncline.lab COMMAND ...`: the network lab's commands, from one entry point.
+
+    python -m syncline.lab cluster --nodes 4 --rate 100mbit -- -m syncline trainer.max_steps=50
+    python -m syncline.lab strategies --nodes 2 4 --rates none 1gbit 100mbit
+    python -m syncline.lab tradeoff --nodes 2 --rates 100mbit --only bucketed_ddp powersgd
+    python -m syncline.lab faults --strategies bucketed_ddp
+    python -m syncline.lab live-recovery --nodes 2 4 --rates 1gbit 100mbit
+
+Each command is a module with `add_arguments(parser)` and `command(args)`; this file only names them. A command's
+workers on the lab's nodes, and the lab inside its namespaces, go through this entry point too (hidden options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+
+__all__ = ["COMMANDS", "add_command", "add_commands", "main"]
+
+#: Every command, by the name on the command line: the module that implements it.
+COMMANDS: dict[str, str] = {
+    "cluster": "syncline.lab.cluster",
+    "strategies": "syncline.lab.strategies",
+    "tradeoff": "syncline.lab.tradeoff",
+    "faults": "syncline.lab.faults",
+    "live-recovery": "syncline.lab.live_recovery",
+}
+
+
+def add_command(subparsers: argparse._SubParsersAction, name: str, module: ModuleType, hidden: bool = False) -> None:
+    """Add `module`'s command as `name`: its docstring's first line the help, the whole docstring the description."""
+    summary = (module.__doc__ or name).strip().splitlines()[0]
+    parser = subparsers.add_parser(
+        name,
+        help=argparse.SUPPRESS if hidden else summary,
+        description=module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    module.add_arguments(parser)
+    parser.set_defaults(command=module.command)
+
+
+def add_commands(
+    subparsers: argparse._SubParsersAction, commands: Mapping[str, str], wanted: str | None, hidden: Sequence[str] = ()
+) -> None:
+    """Add every command of `commands` (name: module); only the `wanted` one's module is imported (all for help)."""
+    for name, module in commands.items():
+        if wanted in (None, "-h", "--help") or wanted == name:
+            add_command(subparsers, name, importlib.import_module(module), hidden=name in hidden)
+        else:
+            subparsers.add_parser(name, help=argparse.SUPPRESS)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the lab command `argv` (the process's arguments by default) names; return its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m syncline.lab", description=__doc__.splitlines()[0].split(": ", 1)[1]
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    add_commands(commands, COMMANDS, argv[0] if argv else None)
+    args = parser.parse_args(argv)
+    return int(args.command(args) or 0)
