@@ -286,9 +286,10 @@ def _read_steps(work: Path, job: dict[str, Any]) -> dict[str, Any]:
                 steps.append((float(parts[0]), int(parts[2]), int(parts[3]), path.stem))
     after = sorted((t, step) for t, step, _, _ in steps if t > death and step > job["kill_at"])
     lost = after[0][0] - death - job["step_s"] if after else None
-    new = {pid: t for pid, t in starts.items() if t > death}
-    first_steps = [min((t for t, _, _, p in steps if p == pid), default=None) for pid in new]
-    joined = [round(first - new[pid], 2) for pid, first in zip(new, first_steps) if first is not None]
+    # A replacement: a process that trained only after the death (its start, to the second of the boot time, may
+    # read as just before it).
+    first = {pid: min((t for t, _, _, p in steps if p == pid), default=None) for pid in starts}
+    joined = [round(t - starts[pid], 2) for pid, t in first.items() if t is not None and t > death]
     result: dict[str, Any] = {
         "seconds_lost": round(lost, 2) if lost is not None else None,
         "replacement_first_step_s": joined,
