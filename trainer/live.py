@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from syncline.callbacks.callback import Callback
 from syncline.rank_zero import rank_zero_info
 from syncline.rng import capture_rng
+from syncline.strategies.comm.collective_log import COLLECTIVES
 from syncline.strategies.comm.reducer_errors import CollectiveError
 from syncline.trainer.data import limit_batches, loader_settings
 from syncline.trainer.live_launch import LiveMembership, MembershipError
@@ -153,6 +154,8 @@ class LiveRecovery:
         self._source: dict[str, Any] = {}
         # Before the stage: its dispatcher and the fit loop's step hooks (decided per fit) include this listener.
         trainer.callbacks = [*trainer.callbacks, _StepBoundary(self)]
+        # A failed collective is a lost peer to recover from: no waiting for the others' logs to diagnose it.
+        COLLECTIVES.diagnosing = False
 
     # ---------------------------------------------------------------- loop side
     def epoch_runner(self, loop: FitLoop) -> Callable[[], None]:

@@ -482,7 +482,9 @@ class LiveMembership:
             min_nodes=1,
             max_nodes=self.replicas,
             timeout=RendezvousTimeout(
-                join=timedelta(seconds=self.timeout),
+                # Past a collective timeout: a member blocked in a collective with the dead one (with gloo, one not
+                # next to it in the ring) comes to the round only when its collective times out.
+                join=timedelta(seconds=2 * self.timeout + 30),
                 last_call=timedelta(seconds=LAST_CALL_S),
                 close=timedelta(seconds=30),
             ),

@@ -41,6 +41,9 @@ class CollectiveLog:
         self.count = 0
         #: The strategy that launches them (its registered name), for messages.
         self.strategy = "?"
+        #: Whether a failed collective waits for the other ranks' logs to say where they diverged. Live recovery
+        #: turns it off: a lost peer is recovered from, not diagnosed, and the wait would delay every survivor.
+        self.diagnosing = True
         self._reports = 0
 
     def record(self, what: str) -> None:
@@ -61,6 +64,8 @@ class CollectiveLog:
 
         Returns a message fragment (starting with a space) for the error being raised; never raises.
         """
+        if not self.diagnosing:
+            return f" Strategy {self.strategy!r}."
         try:
             store = dist.distributed_c10d._get_default_store()
             rank, world = dist.get_rank(), dist.get_world_size()
