@@ -2,7 +2,10 @@
 
 Both run in this process, interleaved (raw, trainer, raw, trainer, ...) so machine drift cancels, on
 one thread. The workload: batch 32, 32 features, 3000 steps, `self.log("loss", prog_bar=True)` every step,
-a progress bar on. Steady-state time per step is taken after a warm-up of 200 steps.
+a progress bar on. Steady-state time per step is taken after a warm-up of 200 steps: the mean (the whole
+run's time over its steps, logging steps included: the figure the target is set on) and, beside it, the
+median of single steps, which another process's burst of work on a shared machine moves far less (it leaves
+out the logging steps, one in 50, in all three loops alike).
 
 Two hand-written loops: `raw`, a tqdm bar and nothing else; and `raw_logging`, a user's default run written
 by hand: the bar shows the loss and a TensorBoard `SummaryWriter` gets it every 50 steps (the Trainer's
@@ -46,37 +49,47 @@ class MLPTask(MLPSteps, Task):
 
 
 class SteadyStateTimer(Callback):
-    """Record the time at the end of the warm-up and at the end of training."""
+    """Record the time at the end of every step from the warm-up's last on, and at the end of training."""
 
     reads_parameters = False  # times and counts only: a step in flight stays in flight
 
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
     def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):
-        if batch_idx == WARMUP - 1:
-            self.start = time.perf_counter()
+        if batch_idx >= WARMUP - 1:
+            self.stamps.append(time.perf_counter())
 
     def on_train_end(self, trainer, task):
         self.end = time.perf_counter()
 
 
-def run_raw(steps: int) -> float:
-    """Return steady-state seconds per step of the hand-written loop."""
+def _per_step(stamps: list[float], end: float) -> tuple[float, float]:
+    """Return the mean seconds per step from the first stamp to `end`, and the median single step."""
+    steps = [later - earlier for earlier, later in zip(stamps, stamps[1:])]
+    return (end - stamps[0]) / len(steps), statistics.median(steps)
+
+
+def run_raw(steps: int) -> tuple[float, float]:
+    """Return steady-state seconds per step of the hand-written loop (mean, median)."""
     torch.manual_seed(0)
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loader = make_loader(steps)
-    start = 0.0
+    stamps = []
     for batch_idx, (x, y) in enumerate(tqdm(loader, file=sys.stderr)):
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if batch_idx == WARMUP - 1:
-            start = time.perf_counter()
-    return (time.perf_counter() - start) / (steps - WARMUP)
+        if batch_idx >= WARMUP - 1:
+            stamps.append(time.perf_counter())
+    return _per_step(stamps, time.perf_counter())
 
 
-def run_raw_logging(steps: int, root: Path) -> float:
-    """Return steady-state seconds per step of the hand-written loop that logs as the Trainer's defaults do."""
+def run_raw_logging(steps: int, root: Path) -> tuple[float, float]:
+    """Return steady-state seconds per step (mean, median) of the hand-written loop that logs as the Trainer's
+    defaults do."""
     from torch.utils.tensorboard import SummaryWriter
 
     torch.manual_seed(0)
@@ -84,7 +97,7 @@ def run_raw_logging(steps: int, root: Path) -> float:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loader = make_loader(steps)
     writer = SummaryWriter(str(root / "raw_logging"))
-    start = 0.0
+    stamps = []
     with tqdm(loader, file=sys.stderr) as bar:
         for batch_idx, (x, y) in enumerate(bar):
             loss = nn.functional.mse_loss(model(x), y)
@@ -95,15 +108,15 @@ def run_raw_logging(steps: int, root: Path) -> float:
                 value = loss.item()
                 writer.add_scalar("loss", value, batch_idx)
                 bar.set_postfix(loss=f"{value:.3g}", refresh=False)
-            if batch_idx == WARMUP - 1:
-                start = time.perf_counter()
-    elapsed = time.perf_counter() - start
+            if batch_idx >= WARMUP - 1:
+                stamps.append(time.perf_counter())
+    result = _per_step(stamps, time.perf_counter())
     writer.close()
-    return elapsed / (steps - WARMUP)
+    return result
 
 
-def run_trainer(steps: int, root: Path) -> float:
-    """Return steady-state seconds per step of `Trainer.fit`."""
+def run_trainer(steps: int, root: Path) -> tuple[float, float]:
+    """Return steady-state seconds per step of `Trainer.fit` (mean, median)."""
     torch.manual_seed(0)
     timer = SteadyStateTimer()
     trainer = Trainer(
@@ -115,7 +128,7 @@ def run_trainer(steps: int, root: Path) -> float:
         log_every_n_steps=LOG_EVERY_N_STEPS,
     )
     trainer.fit(MLPTask(), make_loader(steps))
-    return (timer.end - timer.start) / (steps - WARMUP)
+    return _per_step(timer.stamps, timer.end)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +143,7 @@ def command(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     root = Path(os.environ.get("TMPDIR", "/tmp")) / "syncline-bench-trainer"
     times: dict[str, list[float]] = {"raw": [], "raw_logging": [], "trainer": []}
+    single_steps: dict[str, list[float]] = {name: [] for name in times}
     for repeat in range(args.repeats + 1):  # the first round warms up caches and imports, and is dropped
         # Progress output goes to a buffer: every loop draws a bar, none pays for a terminal.
         with contextlib.redirect_stderr(io.StringIO()):
@@ -137,13 +151,15 @@ def command(args: argparse.Namespace) -> None:
             raw_logging = run_raw_logging(args.steps, root)
             ours = run_trainer(args.steps, root)
         if repeat:
-            times["raw"].append(raw)
-            times["raw_logging"].append(raw_logging)
-            times["trainer"].append(ours)
+            for name, (mean, median) in zip(times, (raw, raw_logging, ours)):
+                times[name].append(mean)
+                single_steps[name].append(median)
     medians = {name: statistics.median(values) for name, values in times.items()}
     ratio = medians["trainer"] / medians["raw"]
     ratio_logging = medians["trainer"] / medians["raw_logging"]
     ratios = [t / r for t, r in zip(times["trainer"], times["raw_logging"])]
+    step_medians = {name: statistics.median(values) for name, values in single_steps.items()}
+    step_ratios = [t / r for t, r in zip(single_steps["trainer"], single_steps["raw_logging"])]
     print(f"{'loop':<13}{'median us/step':>16}{'min':>10}{'max':>10}")
     for name, values in times.items():
         print(f"{name:<13}{medians[name] * 1e6:>16.1f}{min(values) * 1e6:>10.1f}{max(values) * 1e6:>10.1f}")
@@ -151,6 +167,12 @@ def command(args: argparse.Namespace) -> None:
     print(
         f"Trainer / raw loop with TensorBoard and the bar's loss: {ratio_logging:.3f} "
         f"(per-repeat ratios {min(ratios):.3f} .. {max(ratios):.3f})"
+    )
+    print(
+        f"Median single step: raw {step_medians['raw'] * 1e6:.1f} us, raw_logging "
+        f"{step_medians['raw_logging'] * 1e6:.1f} us, trainer {step_medians['trainer'] * 1e6:.1f} us; Trainer / "
+        f"raw_logging {statistics.median(step_ratios):.3f} "
+        f"(per-repeat {min(step_ratios):.3f} .. {max(step_ratios):.3f})"
     )
     result = {
         "benchmark": "trainer_overhead",
@@ -163,6 +185,8 @@ def command(args: argparse.Namespace) -> None:
         },
         "seconds_per_step": times,
         "median_seconds_per_step": medians,
+        "single_step_median_seconds": single_steps,
+        "ratio_single_step_trainer_over_raw_logging": statistics.median(step_ratios),
         "ratio_trainer_over_raw": ratio,
         "ratio_trainer_over_raw_logging": ratio_logging,
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec
 
@@ -225,6 +226,11 @@ class _Listeners:
         self.ordered = task + callbacks if name in _TASK_FIRST else callbacks + task
 
 
+def _call_task_hook(hook: Callable[..., None], _trainer: Trainer, _task: Task, *args: Any, **kwargs: Any) -> None:
+    """Call the task's own `hook`, which takes the hook's arguments without the trainer and the task."""
+    hook(*args, **kwargs)
+
+
 class CallbackDispatcher:
     """Fire hooks on the callbacks and the task, in Lightning's order, skipping those that do not override a hook.
 
@@ -260,8 +266,8 @@ class CallbackDispatcher:
         task_listeners: list[Listener] = []
         task_hook = getattr(type(self.task), name, None) if self.task is not None else None
         if task_hook is not None and task_hook is not getattr(self.task_base, name, None):
-            bound = getattr(self.task, name)
-            task_listeners.append(lambda _trainer, _task, *args, **kwargs: bound(*args, **kwargs))
+            # A partial, not a lambda: the loop keeps these for a fit, and the Trainer is pickled for workers.
+            task_listeners.append(functools.partial(_call_task_hook, getattr(self.task, name)))
         # A class without the hook itself (a `Mock(spec=Callback)`, as Lightning's tests use) listens to every one.
         listening = [callback for callback in self.callbacks if getattr(type(callback), name, None) is not hook]
         return _Listeners(
@@ -279,10 +285,6 @@ class CallbackDispatcher:
             listeners = self._listeners[hook] = self._resolve(hook)
         return listeners
 
-    def listens(self, hook: Hook) -> bool:
-        """Whether the task or any callback overrides `hook` (firing it would call something)."""
-        return bool(self._listeners_of(hook).ordered)
-
     def reads_parameters(self, hook: Hook) -> bool:
         """Whether the task or a callback listening to `hook` may read the parameters (`Callback.reads_parameters`)."""
         return self._listeners_of(hook).reads_parameters
@@ -296,17 +298,30 @@ class CallbackDispatcher:
         """Call `hook` on every callback that overrides it and on the task (if it overrides it)."""
         listeners = self._listeners_of(hook)
         if listeners.ordered:
-            self._call(listeners.name, listeners.ordered, args, kwargs)
+            self._call(listeners.name, listeners.ordered, *args, **kwargs)
+
+    def caller(self, hook: Hook) -> Callable[..., None] | None:
+        """Return what fires `hook` on its listeners as they are now, or None when nobody listens.
+
+        For the hooks of every training step: the loop asks once per fit (its task and callbacks are fixed),
+        so a step pays neither for the lookup nor for a hook nobody overrides.
+        """
+        listeners = self._listeners_of(hook)
+        if not listeners.ordered:
+            return None
+        # A partial, not a closure: the Trainer (and its loop holding this) is pickled to start spawned workers.
+        return functools.partial(self._call, listeners.name, tuple(listeners.ordered))
 
     def fire_epoch_end(self, hook: Callable[Concatenate[Callback, Trainer, Task, P], None], monitoring: bool) -> None:
         """Call `hook` as Lightning calls ``on_train_epoch_end``: with `monitoring` False, the callbacks that
         do not monitor a metric and then the task; with `monitoring` True, ModelCheckpoint and EarlyStopping."""
         listeners = self._listeners_of(hook)
-        self._call(listeners.name, listeners.monitoring if monitoring else listeners.others + listeners.task, (), {})
+        self._call(listeners.name, listeners.monitoring if monitoring else listeners.others + listeners.task)
 
-    def _call(self, name: str, listeners: list[Listener], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        results = self.trainer.results
+    def _call(self, name: str, listeners: Sequence[Listener], *args: Any, **kwargs: Any) -> None:
+        trainer, task = self.trainer, self.task
+        results = trainer.results
         previous, results.hook = results.hook, name
         for listener in listeners:
-            listener(self.trainer, self.task, *args, **kwargs)
+            listener(trainer, task, *args, **kwargs)
         results.hook = previous

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import gc
 import math
 import signal
@@ -54,6 +53,9 @@ class FitLoop:
         #: Whether an automatic step runs `configure_gradient_clipping` (overridden, or the Trainer clips).
         self.clips = False
         self._own_step = self._own_zero_grad = False
+        #: The forward's autocast context (None: the forward runs as it is), and whether the loss is scaled.
+        self.autocast: Callable[[], Any] | None = None
+        self.scales_loss = False
         self._transfer: Any = None
         self._stepped_optimizer: torch.optim.Optimizer | None = None  # the one automatic optimization steps
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
@@ -76,14 +78,18 @@ class FitLoop:
         self._warned_min = False
 
     def bind_step_hooks(self) -> None:
-        """Decide the hooks of every training step for the bound task and callbacks: one that nothing listens
-        to is not fired at all (the callbacks and the task are fixed for a fit, so this is decided once)."""
-        self.fire_batch_start = self._step_hook(Callback.on_train_batch_start)
-        self.fire_before_zero_grad = self._step_hook(Callback.on_before_zero_grad)
-        self.fire_before_backward = self._step_hook(Callback.on_before_backward)
-        self.fire_after_backward = self._step_hook(Callback.on_after_backward)
-        self.fire_before_optimizer_step = self._step_hook(Callback.on_before_optimizer_step)
-        self.fire_batch_end = self._step_hook(Callback.on_train_batch_end)
+        """Decide the hooks of every training step for the bound task and callbacks: each is what fires its
+        listeners, or None when nothing listens (the callbacks and the task are fixed for a fit, so this is
+        decided once, and a step pays for no lookup and no hook nobody overrides)."""
+        caller = self.trainer.dispatcher.caller
+        self.fire_batch_start = caller(Callback.on_train_batch_start)
+        self.fire_before_zero_grad = caller(Callback.on_before_zero_grad)
+        self.fire_before_backward = caller(Callback.on_before_backward)
+        self.fire_after_backward = caller(Callback.on_after_backward)
+        self.fire_before_optimizer_step = caller(Callback.on_before_optimizer_step)
+        self.fire_batch_end = caller(Callback.on_train_batch_end)
+        #: Whether a listener of ``on_train_batch_end`` may read the weights (a step in flight lands first).
+        self.batch_end_reads_parameters = self.trainer.dispatcher.reads_parameters(Callback.on_train_batch_end)
 
     def setup(self, optim: OptimizerSetup) -> None:
         """Bind the loop to the optimizer of this fit and plan when validation runs."""
@@ -101,6 +107,9 @@ class FitLoop:
         self._own_step = overrides(task, ModelHooks, "optimizer_step")
         self._own_zero_grad = overrides(task, ModelHooks, "optimizer_zero_grad")
         self._transfer = batch_mover(trainer)
+        precision = trainer.precision
+        self.autocast = precision.autocast if precision is not None and precision.autocasts else None
+        self.scales_loss = precision is not None and precision.scaler is not None
         self._stepped_optimizer = optim.optimizer
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         self.resume_rng = None
@@ -113,13 +122,6 @@ class FitLoop:
             self.val_every = max(1.0, batches * interval) if finite_fraction else None
         else:
             self.val_every = float(interval)
-
-    def _step_hook(self, hook: Callable[..., None]) -> Callable[..., None]:
-        """Return what fires `hook` with the loop's arguments, or a function that does nothing if none listens."""
-        if not self.trainer.dispatcher.listens(hook):
-            return _nothing
-        # A partial, not a lambda: the Trainer (and this loop) is pickled to start spawned workers.
-        return functools.partial(self.trainer.dispatcher.fire, hook)
 
     # ------------------------------------------------------------------ epochs
     def train(self) -> None:
@@ -367,14 +369,19 @@ class FitLoop:
         task, strategy, results = trainer.task, trainer.strategy, trainer.results
         batch = self._transfer(batch, 0)
         results.new_batch(batch)
-        self.fire_batch_start(batch, batch_idx)
+        if self.fire_batch_start is not None:
+            self.fire_batch_start(batch, batch_idx)
         window_end = is_last or (batch_idx + 1) % self.accumulate == 0
         strategy.sync_next_backward = window_end
         results.hook = "training_step"
-        with trainer.precision.autocast():
+        if self.autocast is None:
             outputs = strategy.training_step(task, batch, batch_idx)
+        else:
+            with self.autocast():
+                outputs = strategy.training_step(task, batch, batch_idx)
         results.hook = ""
-        loss = self._loss_of(outputs)
+        # The common case (a scalar tensor) without a call; `_loss_of` sorts out the others.
+        loss = outputs if type(outputs) is Tensor and outputs.ndim == 0 else self._loss_of(outputs)
         if batch_idx % self.accumulate == 0:
             self._window_losses = 0
         kept = True
@@ -387,8 +394,10 @@ class FitLoop:
             self.optimizer_step(is_last, batch_idx, apply=self._window_losses > 0)
         # Counted before the batch-end hooks, so a checkpoint taken there resumes after this batch.
         self.state.batch_idx = batch_idx + 1
-        self.land_before(Callback.on_train_batch_end)
-        self.fire_batch_end(outputs, batch, batch_idx)
+        if self.fire_batch_end is not None:
+            if self.batch_end_reads_parameters:
+                strategy.apply_pending_updates()
+            self.fire_batch_end(outputs, batch, batch_idx)
         if window_end:
             self.flush_step_logs()
 
@@ -404,7 +413,8 @@ class FitLoop:
             # Average over the window's micro-batches so k steps of size b equal one of size k*b.
             loss = loss / self.accumulate
         if batch_idx % self.accumulate == 0:
-            self.fire_before_zero_grad(optimizer)
+            if self.fire_before_zero_grad is not None:
+                self.fire_before_zero_grad(optimizer)
             if self._own_zero_grad:
                 trainer.task.optimizer_zero_grad(self.state.current_epoch, batch_idx, self.trainer_optimizers[0])
             else:
@@ -414,9 +424,11 @@ class FitLoop:
             # Every rank skips alike: no synchronized backward, no step, the window's gradients dropped.
             strategy.zero_grad(optimizer)
             return False
-        self.fire_before_backward(loss)
-        strategy.backward(trainer.precision.scale_loss(loss), sync=window_end)
-        self.fire_after_backward()
+        if self.fire_before_backward is not None:
+            self.fire_before_backward(loss)
+        strategy.backward(trainer.precision.scale_loss(loss) if self.scales_loss else loss, sync=window_end)
+        if self.fire_after_backward is not None:
+            self.fire_after_backward()
         return True
 
     @property
@@ -569,7 +581,3 @@ def _flag_last_from(current: Any, batches: Iterator[Any], index: int) -> Iterato
         upcoming = next(batches, _END)
         yield index, current, upcoming is _END
         current, index = upcoming, index + 1
-
-
-def _nothing(*args: Any) -> None:
-    """A hook nobody listens to."""

@@ -31,7 +31,6 @@ and leaves the group, and a survivor whose collective failed reads that notice i
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -150,9 +149,8 @@ class LiveRecovery:
         self.recoveries = 0
         self._polled = 0.0
         self._source: dict[str, Any] = {}
+        # Before the stage: its dispatcher and the fit loop's step hooks (decided per fit) include this listener.
         trainer.callbacks = [*trainer.callbacks, _StepBoundary(self)]
-        # The loop decides which step hooks to fire when it is made; this one now has a listener.
-        trainer.fit_loop.fire_batch_end = functools.partial(trainer.dispatcher.fire, Callback.on_train_batch_end)
 
     # ---------------------------------------------------------------- loop side
     def epoch_runner(self, loop: FitLoop) -> Callable[[], None]:

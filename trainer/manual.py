@@ -83,8 +83,10 @@ def take_step(trainer: Trainer, optimizer: torch.optim.Optimizer, closure: Calla
     output = closure() if closure is not None else None
     precision = trainer.precision
     assert precision is not None
-    precision.unscale(optimizer)
-    trainer.fit_loop.fire_before_optimizer_step(optimizer)
+    if precision.scaler is not None:
+        precision.unscale(optimizer)
+    if trainer.fit_loop.fire_before_optimizer_step is not None:
+        trainer.fit_loop.fire_before_optimizer_step(optimizer)
     if trainer.fit_loop.clips:  # automatic optimization, and a clipping hook that would clip (decided per fit)
         trainer.task.configure_gradient_clipping(optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
     trainer.strategy.optimizer_step(optimizer, precision.step(optimizer))

@@ -56,7 +56,7 @@ class NonfiniteLossGuard:
             NonfiniteLossError: some rank's were not and the mode is "raise" (on every rank alike).
         """
         losses, self._losses = self._losses, []
-        world, rank = self.strategy.world_size, self.strategy.global_rank
+        world = self.strategy.world_size
         if world == 1:
             # Host sync: the verdict decides what runs next. One read per loss, nothing to agree on.
             if len(losses) == 1:  # the common case (no accumulation): no generator per step
@@ -64,8 +64,9 @@ class NonfiniteLossGuard:
                     return True
             elif all(math.isfinite(loss.item()) for loss in losses):
                 return True
-            bad_ranks = [rank]
+            bad_ranks = [0]
         else:
+            rank = self.strategy.global_rank
             device = losses[0].device if losses else self.strategy.root_device
             flags = torch.zeros(world, device=device)
             if losses:

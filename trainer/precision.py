@@ -67,6 +67,8 @@ class Precision:
         self.strategy = strategy
         self.scaler = torch.amp.GradScaler(device.type) if name == "16-mixed" else None
         self._dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(name)
+        #: Whether the forward runs under autocast (`autocast` returns a context that does nothing otherwise).
+        self.autocasts = self._dtype is not None
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Return the context the forward runs in."""

@@ -85,6 +85,7 @@ LOG_OPTIONS: dict[str, tuple[tuple[bool, ...], tuple[bool, ...], bool, bool]] = 
 class _Entry:
     """One logged name: its options, its latest step value, and its running epoch aggregate."""
 
+    name: str
     on_step: bool
     on_epoch: bool
     prog_bar: bool
@@ -96,6 +97,10 @@ class _Entry:
     weight: float = 0.0
     #: Logged since its epoch value was last resolved.
     pending: bool = False
+
+    def __post_init__(self) -> None:
+        #: The key of its step values: ``name_step`` when it has epoch values too, else its name.
+        self.step_key = f"{self.name}_step" if self.on_epoch else self.name
 
 
 def infer_batch_size(batch: Any) -> int:
@@ -173,7 +178,7 @@ class ResultCollection:
         add_dataloader_idx: bool = True,
     ) -> None:
         """Record `value` under `name`; see `Task.log` for the options."""
-        if add_dataloader_idx and self.dataloader_idx is not None:
+        if self.dataloader_idx is not None and add_dataloader_idx:
             name = f"{name}/dataloader_idx_{self.dataloader_idx}"
         entry = self.entries.get(name)
         if entry is None:
@@ -190,14 +195,14 @@ class ResultCollection:
                 # The value of the batch the metric was last called on, as Lightning logs it.
                 step_value = value._forward_cache
                 if step_value is not None:
-                    self._record_step(name, entry, step_value)
+                    self._record_step(entry, step_value)
             return
         else:
             value = torch.tensor(float(value))
         value = value.detach()
         if entry.on_step:
             step_value = self._sync(value, entry) if entry.sync_dist else value
-            self._record_step(name, entry, step_value)
+            self._record_step(entry, step_value)
         if entry.on_epoch:
             self._accumulate(entry, value, batch_size)
 
@@ -219,7 +224,7 @@ class ResultCollection:
                 "torch.mean/sum/max/min; for another reduction log a torchmetrics Metric."
             )
         on_step, on_epoch = self._levels(name, on_step, on_epoch)
-        entry = _Entry(on_step, on_epoch, prog_bar, logger, sync_dist, reduce)  # type: ignore[arg-type]
+        entry = _Entry(name, on_step, on_epoch, prog_bar, logger, sync_dist, reduce)  # type: ignore[arg-type]
         if isinstance(value, Metric):
             entry.metric = value
         restored = self._restored_aggregates.pop(name, None)
@@ -251,13 +256,13 @@ class ResultCollection:
             )
         return on_step, on_epoch
 
-    def _record_step(self, name: str, entry: _Entry, value: Tensor) -> None:
-        key = f"{name}_step" if entry.on_epoch else name
+    def _record_step(self, entry: _Entry, value: Tensor) -> None:
+        key = entry.step_key
         if self.training:
             # As in Lightning, evaluation step values reach the loggers and the bar, not callback_metrics.
             self.callback_metrics[key] = value
             if entry.on_epoch:
-                self.callback_metrics[name] = value
+                self.callback_metrics[entry.name] = value
         if entry.prog_bar:
             self.progress_bar_metrics[key] = value
         if entry.logger:
@@ -382,7 +387,7 @@ class ResultCollection:
                 metric._computed = None
         for name, saved in state.get("entries", {}).items():
             metric = modules.get(saved["metric"]) if saved["metric"] is not None else None
-            entry = _Entry(*saved["options"], saved["reduce_fx"], metric)  # type: ignore[arg-type]
+            entry = _Entry(name, *saved["options"], saved["reduce_fx"], metric)  # type: ignore[arg-type]
             entry.total, entry.weight, entry.pending = saved["total"], saved["weight"], saved["pending"]
             self.entries[name] = entry
         # Checkpoints of syncline <= 0.1 kept bare aggregates, attached when their names are logged again.

@@ -169,6 +169,26 @@ def test_a_task_alone_receives_its_step_hooks():
     ] * 2
 
 
+def test_step_hooks_are_decided_per_fit_with_the_callbacks_the_stage_has():
+    """A callback put on `trainer.callbacks` before `fit` (as live recovery adds its step boundary) gets every
+    batch's ``on_train_batch_end``; a step hook that neither a callback nor the task overrides is not fired."""
+    ends: list[int] = []
+
+    class BatchEnds(Callback):
+        reads_parameters = False  # nor does any other listener here: no step in flight to land per batch
+
+        def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx):
+            ends.append(batch_idx)
+
+    trainer = Trainer(**quiet(max_epochs=1, limit_train_batches=3, limit_val_batches=0))
+    trainer.callbacks = [*trainer.callbacks, BatchEnds()]
+    trainer.fit(Regressor(), loader(regression_data(24), 8))
+    assert ends == [0, 1, 2]
+    loop = trainer.fit_loop
+    assert loop.fire_batch_end is not None and not loop.batch_end_reads_parameters
+    assert loop.fire_batch_start is loop.fire_before_backward is loop.fire_before_optimizer_step is None
+
+
 def test_resume_restores_the_task_and_callbacks_before_configure_optimizers(tmp_path):
     """Lightning's resume order: setup, the task's on_load_checkpoint, the callbacks', configure_optimizers."""
     data = loader(regression_data(32), 8)
