@@ -397,6 +397,8 @@ class LiveRecovery:
         if not _peer_lost(error):
             self.membership.check_store()  # a failed store call (rendezvous, admission) means the store is gone
             raise error
+        # Every member aborts its group on this post: those blocked on live peers (gloo's ring) fail now too.
+        self.membership.post_loss(f"rank {self.membership.rank}: {str(error).splitlines()[0][:200]}")
         time.sleep(_NOTICE_WAIT_S)
         notice = self.membership.failure()
         if notice:

@@ -45,6 +45,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
+from syncline.strategies.comm.group_abort import joined_group
+from syncline.trainer.live_watch import LossWatch
+
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
     from syncline.trainer.trainer import Trainer
@@ -353,6 +356,7 @@ def _live_worker(stage: str, payload: str, stop_file: str) -> dict[str, Any] | N
 
         if membership is None:
             raise
+        membership.stop_watch()  # its own notice must not abort the group under the traceback's frames
         membership.announce(
             f"Worker rank {membership.rank} failed during {stage}: {type(error).__name__} in this traceback:\n"
             f"{traceback.format_exc().rstrip()}"
@@ -401,6 +405,7 @@ class LiveMembership:
         #: Whether this process joins members already training: restarted, or on a node started again.
         self.replacement = self.restarted or os.environ.get(_JOIN_ENV) == "1"
         self._handler: DynamicRendezvousHandler | None = None
+        self._watch: LossWatch | None = None
 
     @classmethod
     def from_environ(cls) -> LiveMembership:
@@ -491,6 +496,9 @@ class LiveMembership:
             keep_alive_interval=KEEP_ALIVE_S,
             keep_alive_max_attempt=KEEP_ALIVE_MISSES,
         )
+        host, port = self.address.rsplit(":", 1) if self.address else ("", "0")
+        if host:
+            self._watch = LossWatch(host, int(port), _FAILED)
         if self.replacement:
             # Set the task, optimizer and strategy up alone first (their collectives are the members' at the
             # start of fit, not now); the loop then joins the members at a step boundary and heals.
@@ -507,6 +515,8 @@ class LiveMembership:
         rendezvous's order, not the old one.
         """
         assert self._handler is not None
+        if self._watch is not None:
+            self._watch.disarm()  # a loss posted for the round being left must not abort the next one's group
         if dist.is_initialized():
             # Closes this rank's connections: a peer still blocked in a collective with it fails at once.
             with contextlib.suppress(Exception):
@@ -523,14 +533,34 @@ class LiveMembership:
         self.round = _Round(number, info.rank, info.world_size)
         os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK="0")
         # Collective: every member of the round joins its group through the round's own store.
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore(f"syncline/live/group{number}", info.store),
-            rank=info.rank,
-            world_size=info.world_size,
-            timeout=timedelta(seconds=self.timeout),
-        )
+        with joined_group(self._store_port()):
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(f"syncline/live/group{number}", info.store),
+                rank=info.rank,
+                world_size=info.world_size,
+                timeout=timedelta(seconds=self.timeout),
+            )
+        if self._watch is not None:
+            self._watch.arm(number)
         return self.round
+
+    def _store_port(self) -> int | None:
+        return int(self.address.rsplit(":", 1)[1]) if self.address else None
+
+    def post_loss(self, what: str) -> None:
+        """Tell every member that this round lost a member (its collective failed): each aborts its group now.
+
+        A member not next to the dead one in gloo's ring would otherwise stay blocked until the timeout.
+        """
+        if self._watch is not None and self.round is not None and self.round.number >= 0:
+            _debug(f"loss posted in round {self.round.number}")
+            self._watch.post(self.store, self.round.number, what)
+
+    def stop_watch(self) -> None:
+        """Stop aborting this member's group on a loss (the stage is over)."""
+        if self._watch is not None:
+            self._watch.stop()
 
     def waiting(self) -> int:
         """How many replacements wait to be admitted (one read of the rendezvous state)."""
@@ -559,6 +589,7 @@ class LiveMembership:
         gloo's threads torn down by the interpreter's exit while a peer still talks abort the process
         ("terminate called without an active exception"), which its agent would take for a death.
         """
+        self.stop_watch()
         with contextlib.suppress(Exception):
             if dist.is_initialized():
                 # Collective: every member has finished the stage before any leaves the group.

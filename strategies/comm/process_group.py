@@ -27,6 +27,7 @@ from syncline.strategies.comm import worker_guard
 from syncline.strategies.comm.collective_log import COLLECTIVES, diagnosis_wait
 from syncline.strategies.comm.counter import CommCounter, count_bytes
 from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
+from syncline.strategies.comm.group_abort import abort_default_group, joined_group
 from syncline.strategies.comm.reducer_errors import CollectiveError
 from syncline.strategies.strategy import ReduceOp, Strategy
 
@@ -133,22 +134,24 @@ def init_process_group_from_env(backend: str | None = None, timeout: float = DEF
         )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         # Collective: rendezvous of all ranks through the agent's store.
+        with joined_group(env.master_port):
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(f"syncline/attempt{attempt}", store),
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timedelta(seconds=timeout),
+            )
+        return True
+    # Collective: rendezvous of all ranks at MASTER_ADDR:MASTER_PORT.
+    with joined_group(env.master_port):
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"syncline/attempt{attempt}", store),
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
             rank=env.rank,
             world_size=env.world_size,
             timeout=timedelta(seconds=timeout),
         )
-        return True
-    # Collective: rendezvous of all ranks at MASTER_ADDR:MASTER_PORT.
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(seconds=timeout),
-    )
     return True
 
 
@@ -282,6 +285,10 @@ class ProcessGroupStrategy(Strategy):
         if "TORCHELASTIC_RUN_ID" in os.environ and dist.is_initialized() and dist.get_world_size() > 1:
             with contextlib.suppress(Exception):
                 worker_guard.announce_failure(dist.distributed_c10d._get_default_store(), dist.get_rank())
+            # The process ends: its group's teardown would wait out a collective still in flight (the preemption
+            # flag's all-reduce, blocked on a peer that is stuck too) up to the timeout. Aborted, it ends now, and
+            # so do the peers' collectives with this rank.
+            abort_default_group()
 
     def teardown(self) -> None:
         """Stay in the process group: it outlives a stage, as in Lightning.

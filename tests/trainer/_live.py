@@ -5,7 +5,8 @@
 weights the step starts from);
 at the end of training each process writes ``<pid>.end`` with its step, a digest of its weights and one of the
 strategy's outer state (DiLoCo's global copies, outer momentum and step count; "-" for other strategies), and a
-replacement writes ``<pid>.healed``: 1 if its first step starts from DiLoCo's global copies θ̃. The
+replacement writes ``<pid>.healed``: 1 if its first step starts from DiLoCo's global copies θ̃; ``<pid>.times`` has a
+line ``step unix_time`` per step, and ``<pid>.killed`` the time of the kill. The
 process holding rank `victim` at step `at_step` kills itself with SIGKILL, once; with `second`, twice (the
 member that holds rank `victim` when the healed group retries that step dies too); with ``fault="raise"`` it
 raises instead. With `preempt_at`, rank 0 sends SIGTERM to process `caller` (the launching script) once, at that
@@ -77,7 +78,7 @@ class LiveProbe(Task):
         if due and self.fault == "raise":
             raise ValueError(f"boom on rank {self.victim}")
         if due and kills < (2 if self.second else 1):
-            Path(self.log_dir, f"{os.getpid()}.killed").touch()
+            Path(self.log_dir, f"{os.getpid()}.killed").write_text(f"{time.time():.3f}")
             os.kill(os.getpid(), signal.SIGKILL)
         signalled = Path(self.log_dir, "preempted")
         if self.global_rank == 0 and self.trainer.global_step == self.preempt_at and not signalled.exists():
@@ -101,6 +102,8 @@ class LiveProbe(Task):
             inner = getattr(trainer.strategy, "steps", -1)
             where = f"{trainer.current_epoch} {trainer.global_step} {trainer.world_size}"
             file.write(f"{where} {ids} {inner} {_digest(self.parameters())[:16]}\n")
+        with open(Path(self.log_dir, f"{os.getpid()}.times"), "a") as file:
+            file.write(f"{trainer.global_step} {time.time():.3f}\n")
         return nn.functional.mse_loss(self.net(x), y)
 
     def setup(self, stage: str) -> None:

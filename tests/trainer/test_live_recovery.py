@@ -1,4 +1,4 @@
-"""`Trainer(recovery="live")` with real processes: one of 3 workers is SIGKILLed mid-epoch.
+"""`Trainer(recovery="live")` with real processes: one of 3 workers (of 4 in one test) is SIGKILLed mid-epoch.
 
 Each run trains `LiveProbe` (tests/trainer/_live.py) for 2 epochs of 96 samples on 3 local workers, the
 worker holding rank 1 killing itself at step 2. The probe logs every step's samples per process, so the
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="SIGKILLs a w
 _SCRIPT = """
 import os
 import sys
+from syncline.strategies import BucketedDDP
 from syncline.strategies.diloco import DiLoCo
 from syncline.trainer import Trainer
 from tests.trainer._live import LiveProbe
@@ -31,7 +32,7 @@ if __name__ == "__main__":
         caller=os.getpid(), replaced={restarts} > 0,
     )
     trainer = Trainer(
-        max_epochs=2, devices=3, strategy={strategy}, accelerator="cpu", recovery="live",
+        max_epochs={epochs}, devices={devices}, strategy={strategy}, accelerator="cpu", recovery="live",
         max_restarts={restarts}, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         num_sanity_val_steps=0, default_root_dir={root!r}, limit_train_batches={limit},
     )
@@ -52,6 +53,8 @@ def _run(
     fault: str = "kill",
     preempt_at: int = -1,
     limit: int | None = None,
+    devices: int = 3,
+    epochs: int = 2,
 ):
     """Run the script with `strategy`, a registered name or a constructor call (Python source)."""
     logs = tmp_path / "logs"
@@ -59,7 +62,7 @@ def _run(
     source = strategy if "(" in strategy else repr(strategy)
     body = _SCRIPT.format(
         logs=str(logs), root=str(tmp_path), strategy=source, step_s=0.6, second=second, restarts=restarts,
-        fault=fault, preempt_at=preempt_at, limit=limit,
+        fault=fault, preempt_at=preempt_at, limit=limit, devices=devices, epochs=epochs,
     )  # fmt: skip
     result, _ = run_script(tmp_path, body, timeout=420)
     steps = {}
@@ -133,6 +136,24 @@ def test_a_second_death_right_after_healing_is_a_second_recovery(tmp_path: Path)
     assert len(original & set(ends)) == 1, "one of the first three lived through both deaths"
     assert len(ends) == 3 and len({tuple(end) for end in ends.values()}) == 1, ends
     _check_every_sample(steps)
+
+
+def test_with_four_members_no_survivor_waits_out_its_collective_timeout(tmp_path: Path) -> None:
+    # gloo's ring: rank 3 is not next to the dead rank 1, and its all-reduce sees no closed connection. The first
+    # member whose collective fails posts the loss; every member's watch aborts its group, so rank 3's blocked
+    # all-reduce fails at once too instead of after the 60 s timeout.
+    result, steps, _ = _run(tmp_path, "BucketedDDP(timeout=60)", restarts=0, devices=4, epochs=1, limit=4)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    killed = float(next((tmp_path / "logs").glob("*.killed")).read_text())
+    survivors = {pid for pid, lines in steps.items() if lines[-1][2] == "3"}
+    assert len(survivors) == 3, steps
+    lost = {}
+    for pid in survivors:
+        # One line per step in both logs: the time of the first step at the new world size.
+        times = (tmp_path / "logs" / f"{pid}.times").read_text().splitlines()
+        first = next(i for i, line in enumerate(steps[pid]) if line[2] == "3")
+        lost[pid] = float(times[first].split()[1]) - killed
+    assert max(lost.values()) < 30, f"seconds from the death to each survivor's first step after it: {lost}"
 
 
 def test_a_raise_still_ends_the_run_naming_the_rank(tmp_path: Path) -> None:

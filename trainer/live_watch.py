@@ -1,0 +1,91 @@
+"""Every member of a live run aborts its round's group as soon as any member learns of a loss in that round.
+
+With gloo, a member learns of a death from its collective only if it talks to the dead one directly: with 4
+members or more, one that is not next to it in gloo's ring stays blocked in its all-reduce, on peers that are
+alive but have left the collective, until the group's timeout (30 s in 3 of 4 lab runs with 4 nodes). So the
+first member whose collective fails posts the loss in the run's store, one key per round (`LossWatch.post`),
+and each member's `LossWatch` thread, polling that key every `POLL_S` seconds with a store client of its
+own (a `TCPStore` client is not shared between threads), aborts the member's group when it appears
+(`abort_default_group`): the blocked collective raises at once and the member takes the survivor's path.
+A raise on a member (the job's failure notice) aborts the group too, so that no member waits out its
+timeout before reading that notice.
+
+The watch is armed for one round at a time: disarmed before its group is left, armed again once the next
+one is joined, so a loss posted for a round never aborts the next round's group; the abort of its own
+round's group is not a new loss (its post is for the round that already has one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from syncline.strategies.comm.group_abort import abort_default_group
+
+__all__ = ["LOST", "POLL_S", "LossWatch"]
+
+#: Seconds between a member's looks at the store for a loss in its round.
+POLL_S = 0.1
+#: Store key prefix of a round's loss (the round's number follows): what the first member to learn of it saw.
+LOST = "syncline/live/lost/"
+
+
+class LossWatch:
+    """A daemon thread that aborts this member's group once its round's loss (or the job's failure) is posted.
+
+    Args:
+        host, port: the run's store.
+        failed_key: the job's failure notice (a raise on a member ends the job).
+    """
+
+    def __init__(self, host: str, port: int, failed_key: str) -> None:
+        # A client of its own: the member's store client is used by its main thread and the rendezvous's keep-alive.
+        self._store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=10))
+        self._failed_key = failed_key
+        self._lock = threading.Lock()
+        self._round: int | None = None
+        self._stop = threading.Event()
+        self.aborted: int | None = None  # the round whose group this watch aborted last
+        self._thread = threading.Thread(target=self._watch, name="syncline-live-loss-watch", daemon=True)
+        self._thread.start()
+
+    def arm(self, number: int) -> None:
+        """Watch round `number` (its group is the default group now)."""
+        with self._lock:
+            self._round = number
+
+    def disarm(self) -> None:
+        """Stop watching before the round's group is left (an abort in progress finishes first)."""
+        with self._lock:
+            self._round = None
+
+    def post(self, store: dist.Store, number: int, what: str) -> None:
+        """Post a loss in round `number` (the first post of a round stays); every member's watch aborts its group."""
+        with contextlib.suppress(Exception):
+            store.compare_set(f"{LOST}{number}", "", what)
+
+    def stop(self) -> None:
+        """End the thread (at the end of the stage; it never blocks the process's exit, being a daemon)."""
+        self.disarm()
+        self._stop.set()
+        self._thread.join(2.0)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(POLL_S):
+            number = self._round
+            if number is None:
+                continue
+            try:
+                # Outside the lock: on a slow store, `disarm` must not wait for this call.
+                posted = self._store.check([f"{LOST}{number}"]) or self._store.check([self._failed_key])
+            except Exception:
+                continue  # the store is slow or gone: the member's own calls to it say which
+            if not posted:
+                continue
+            with self._lock:
+                if self._round == number:
+                    abort_default_group()
+                    self.aborted, self._round = number, None
