@@ -17,7 +17,8 @@ group, so rebuilding that group is all they need, and the per-step quorum would 
 step of a run that never fails. torchft also pins torch builds tightly (a C++ extension), while syncline
 supports a torch floor; torch's rendezvous ships with torch.
 
-`launch_live` is the launching side; `LiveMembership` is each worker's side. For diagnosis, set
+`launch_live` is the launching side; `LiveMembership` is each worker's side (with its `LossWatch`, which aborts
+its group as soon as any member posts a loss in its round: trainer/live_watch.py). For diagnosis, set
 ``SYNCLINE_LIVE_LOGS=<folder>``: each worker's output goes to files there, with a time-stamped line per
 rendezvous, and a worker still alive after ``SYNCLINE_LIVE_DUMP_S`` seconds (60) prints its stacks and ends.
 """
@@ -487,8 +488,8 @@ class LiveMembership:
             min_nodes=1,
             max_nodes=self.replicas,
             timeout=RendezvousTimeout(
-                # Past a collective timeout: a member blocked in a collective with the dead one (with gloo, one not
-                # next to it in the ring) comes to the round only when its collective times out.
+                # Past a collective timeout: a member blocked in a collective whose loss nobody posted (the watch
+                # aborts its group once one member posts it) comes to the round only when that collective times out.
                 join=timedelta(seconds=2 * self.timeout + 30),
                 last_call=timedelta(seconds=LAST_CALL_S),
                 close=timedelta(seconds=30),
