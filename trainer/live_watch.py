@@ -17,6 +17,7 @@ round's group is not a new loss (its post is for the round that already has one)
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 from datetime import timedelta
@@ -51,6 +52,8 @@ class LossWatch:
         self.aborted: int | None = None  # the round whose group this watch aborted last
         self._thread = threading.Thread(target=self._watch, name="syncline-live-loss-watch", daemon=True)
         self._thread.start()
+        # Before the interpreter finalizes: a thread caught inside a C++ store call then would abort the process.
+        atexit.register(self.stop)
 
     def arm(self, number: int) -> None:
         """Watch round `number` (its group is the default group now)."""
