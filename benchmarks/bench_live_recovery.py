@@ -7,8 +7,13 @@ every `--checkpoint-every` steps and restarts every worker once (`max_restarts=1
 live mode keeps the survivors training and admits one replacement. Seconds lost = wall time of the fit
 with the death minus that of the clean fit of the same mode, run back to back; medians over `--repeats`.
 
+Where torchft imports (`pip install 'syncline[ft]'`), a third mode runs the same workload and death on torchft's
+fault-tolerant DDP (`benchmarks/ft_reference.py`): a reference for what its lighthouse and per-step quorum lose;
+elsewhere the script says in one line that it skipped it.
+
     python -m benchmarks live-recovery [--devices 3] [--batches 30] [--step-s 0.1] [--kill-at 12]
-                                       [--checkpoint-every 10] [--repeats 3] [--out f.json]
+                                       [--checkpoint-every 10] [--repeats 3] [--ft-heartbeat-timeout-ms 5000]
+                                       [--out f.json]
 
 On the lab's nodes (one launcher per node, torchrun) the same comparison needs the multi-node launch path,
 which live recovery does not have yet; this script measures one machine.
@@ -92,6 +97,14 @@ def _fit(args: argparse.Namespace, recovery: str, kill: bool) -> float:
         return time.perf_counter() - start
 
 
+def _torchft_fit(args: argparse.Namespace, kill: bool) -> dict[str, Any]:
+    """One fit of the same workload on torchft's fault-tolerant DDP (`benchmarks/ft_reference.py`)."""
+    from .ft_reference import fit
+
+    kill_at = args.kill_at if kill else -1
+    return fit(args.devices, args.batches, args.step_s, kill_at, heartbeat_timeout_ms=args.ft_heartbeat_timeout_ms)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's options."""
     parser.add_argument("--devices", type=int, default=3)
@@ -100,18 +113,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-at", type=int, default=12)
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--ft-heartbeat-timeout-ms",
+        type=int,
+        default=5000,
+        help="torchft's lighthouse: how long a silent replica counts as alive (torchft's default: 5000)",
+    )
     parser.add_argument("--out", default=None)
 
 
 def command(args: argparse.Namespace) -> None:
     """Run the fits (interleaved by mode, so both see the same load) and print (or write) the JSON."""
-    lost: dict[str, list[float]] = {"live": [], "checkpoint": []}
-    clean: dict[str, list[float]] = {"live": [], "checkpoint": []}
+    from . import ft_reference
+
+    modes = ["live", "checkpoint"]
+    skipped = ft_reference.missing()
+    if skipped:
+        print(skipped)
+    else:
+        modes.append("torchft")
+    lost: dict[str, list[float]] = {mode: [] for mode in modes}
+    clean: dict[str, list[float]] = {mode: [] for mode in modes}
+    torchft_runs: list[dict[str, Any]] = []
     for _ in range(args.repeats):
-        for mode in ("live", "checkpoint"):
-            undisturbed = _fit(args, mode, kill=False)
+        for mode in modes:
+            if mode == "torchft":
+                fits = [_torchft_fit(args, kill) for kill in (False, True)]
+                torchft_runs.append({"clean": fits[0], "killed": fits[1]})
+                undisturbed, killed = fits[0]["wall_s"], fits[1]["wall_s"]
+            else:
+                undisturbed, killed = _fit(args, mode, kill=False), _fit(args, mode, kill=True)
             clean[mode].append(undisturbed)
-            lost[mode].append(_fit(args, mode, kill=True) - undisturbed)
+            lost[mode].append(killed - undisturbed)
     report = {
         "machine": machine(),
         "devices": args.devices,
@@ -124,6 +157,17 @@ def command(args: argparse.Namespace) -> None:
         "median_seconds_lost_per_failure": {mode: round(statistics.median(v), 2) for mode, v in lost.items()},
         "seconds_lost_per_failure": {mode: [round(x, 2) for x in v] for mode, v in lost.items()},
     }
+    if torchft_runs:
+        # Training seconds alone (first committed step to last), which leave out the replicas' imports and exits.
+        train_lost = [run["killed"]["train_s"] - run["clean"]["train_s"] for run in torchft_runs]
+        report["torchft"] = {
+            "heartbeat_timeout_ms": args.ft_heartbeat_timeout_ms,
+            "median_train_seconds_lost_per_failure": round(statistics.median(train_lost), 2),
+            "replacement_start_to_train_s": [run["killed"]["replacement_start_to_train_s"] for run in torchft_runs],
+            "replicas_agree": all(run[fit]["replicas_agree"] for run in torchft_runs for fit in run),
+        }
+    else:
+        report["torchft"] = skipped
     text = json.dumps(report, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -22,7 +22,9 @@ PowerSGD hook (rank 4, 10 exact iterations, as `powersgd`) and with torch's post
 `PeriodicModelAverager` (period 4, no warm-up, as `local_sgd`); each row also shows the ratio of syncline's
 time to torch's. They run in torchrun jobs of their own (`TORCH_ROWS`), so a run that fails (torch's PowerSGD
 hook died of a collective-size mismatch on gloo in every 4-node run of 2026-11-26) is recorded as a failure and
-counted over repeats (``--repeat``) instead of ending the grid.
+counted over repeats (``--repeat``) instead of ending the grid. Where torchft imports (`pip install
+'syncline[ft]'`), torchft's DiLoCo runs the same way beside syncline's ``diloco`` rows at H=20 (outer momentum
+0.5), 50 and 100 (`ft_diloco.py`); elsewhere those rows are skipped with one line.
 
     python -m syncline.lab tradeoff --nodes 2 4 --rates none 1gbit 100mbit --out tradeoff.json  # about 50 minutes
     python -m syncline.lab tradeoff --nodes 4 --rates 10mbit --only bucketed_ddp powersgd "diloco H=100"
@@ -45,6 +47,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from . import ft_diloco
 from .cluster import (
     UNAVAILABLE,
     StallGuard,
@@ -91,7 +94,10 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     # DiLoCo's outer Nesterov step every H inner AdamW steps (the epoch has 439: H=500 never exchanges within it);
     # at H=20 the paper's outer momentum 0.9 overshoots within one epoch (4 nodes: loss 2.30 after 430 steps), 0.5
     # does not. Streaming DiLoCo: 4 fragments, each exchanged every H steps, H/4 apart, merged at alpha 0.5 after
-    # overlapping one inner step (or 4, behind which 8-bit fragments fit at 10 Mbit/s).
+    # overlapping one inner step (or 4, behind which 8-bit fragments fit at 10 Mbit/s). Of twelve more 8-bit settings
+    # (docs/performance.md, "Steps to the loss"), outer momentum 0.8 gave the lowest losses on the way (390 steps to
+    # the target, as 0.9), and 2 fragments every 14 steps behind 6, the shortest period tried whose exchanges stay
+    # hidden at 10 Mbit/s, 420.
     ("diloco H=20 outer_momentum=0.5", "diloco", {"period": 20, "outer_momentum": 0.5}),
     ("diloco H=50", "diloco", {"period": 50}),
     ("diloco H=100", "diloco", {"period": 100}),
@@ -103,16 +109,46 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
         "diloco",
         {"period": 20, "fragments": 4, "overlap_steps": 4, "compression": "uint8"},
     ),
+    (
+        "streaming diloco H=20 F=4 uint8 overlap=4 outer_momentum=0.8",
+        "diloco",
+        {"period": 20, "fragments": 4, "overlap_steps": 4, "compression": "uint8", "outer_momentum": 0.8},
+    ),
+    (
+        "streaming diloco H=14 F=2 uint8 overlap=6 outer_lr=1.0 outer_momentum=0.5",
+        "diloco",
+        {
+            "period": 14,
+            "fragments": 2,
+            "overlap_steps": 6,
+            "compression": "uint8",
+            "outer_lr": 1.0,
+            "outer_momentum": 0.5,
+        },
+    ),
     ("decentralized", "decentralized", {}),
     ("async_model_average", "async_model_average", {}),
     ("parameter_server", "parameter_server", {}),
     ("sharded_parameter_server", "sharded_parameter_server", {}),
     ("torch powersgd", "native_ddp", {"comm_hook": "powersgd"}),
     ("torch post-local sgd", "native_ddp", {"comm_hook": "post_local_sgd"}),
+    # torchft's DiLoCo at the settings of syncline's rows (`ft_diloco.py`); where torchft imports.
+    ("torchft diloco H=20 outer_momentum=0.5", ft_diloco.NAME, {"period": 20, "outer_momentum": 0.5}),
+    ("torchft diloco H=50", ft_diloco.NAME, {"period": 50}),
+    ("torchft diloco H=100", ft_diloco.NAME, {"period": 100}),
 ]
 
-#: Each torch row beside the syncline strategy it is compared with: (torch's label, syncline's label).
-COUNTERPARTS = {"torch powersgd": "powersgd", "torch post-local sgd": "local_sgd"}
+#: Each reference row beside the syncline strategy it is compared with: (its label, syncline's label).
+COUNTERPARTS = {
+    "torch powersgd": "powersgd",
+    "torch post-local sgd": "local_sgd",
+    "torchft diloco H=20 outer_momentum=0.5": "diloco H=20 outer_momentum=0.5",
+    "torchft diloco H=50": "diloco H=50",
+    "torchft diloco H=100": "diloco H=100",
+}
+
+#: The rows run by other libraries, each in a job of its own (`run_isolating`): torch's and torchft's.
+ISOLATED = (*TORCH_ROWS, *(label for label, name, _ in STRATEGIES if name == ft_diloco.NAME))
 
 GLOBAL_BATCH = 32
 
@@ -165,6 +201,9 @@ def _worker(spec: dict[str, Any]) -> None:
 
     records = []
     for label, name, options in spec["strategies"]:
+        if name == ft_diloco.NAME:
+            records.append(ft_diloco.train_to_target(label, options, spec, GLOBAL_BATCH))
+            continue
         seed_everything(0)
         world = int(os.environ["WORLD_SIZE"])  # torchrun's; the process group starts in fit
         task = CharGPT(batch_size=GLOBAL_BATCH // world, sample_chars=0)
@@ -246,9 +285,9 @@ def run_cell(
 def run_cell_counting_failures(
     nodes: int, rate: str | None, strategies: list[tuple[str, str, dict[str, Any]]], **options: Any
 ) -> list[dict[str, Any]]:
-    """`run_cell` for the shared strategies in one job, and each of `TORCH_ROWS` in a job of its own, whose failure
+    """`run_cell` for the shared strategies in one job, and each of `ISOLATED` in a job of its own, whose failure
     becomes a record (``failed``, the error's `root_cause`) instead of ending the grid (`run_isolating`)."""
-    records = run_isolating(lambda some: run_cell(nodes, rate, some, **options), strategies, TORCH_ROWS)
+    records = run_isolating(lambda some: run_cell(nodes, rate, some, **options), strategies, ISOLATED)
     for record in records:
         if record.get("failed"):
             record.update(reached=False, steps=0, seconds=0.0, step_s=0.0, comm_bytes_per_step=0.0)
@@ -540,6 +579,12 @@ def command(args: argparse.Namespace) -> int | None:
     if lab_unavailable("lab tradeoff"):
         return UNAVAILABLE
     strategies = [s for s in STRATEGIES if not args.only or s[0] in args.only]
+    skipped = ft_diloco.missing("torchft's DiLoCo rows")
+    if skipped and any(name == ft_diloco.NAME for _, name, _ in strategies):
+        print(skipped)
+        strategies = [s for s in strategies if s[1] != ft_diloco.NAME]
+        if not strategies:
+            return 0
     data = json.loads(args.out.read_text()) if args.out and args.out.is_file() else {"target": args.target, "rows": []}
     if data["target"] != args.target:
         sys.exit(f"{args.out} holds runs to target {data['target']}, not {args.target}: pass another --out")
