@@ -69,9 +69,13 @@ class PreemptionWatch:
         self._previous: dict[signal.Signals, Any] = {}
         #: Waits for the flag reduction started at the previous step and returns it.
         self._pending: Callable[[], torch.Tensor] | None = None
+        #: Whether a stop may be asked from outside the process (decided by `install`, once per fit).
+        self._external = True
 
     def install(self) -> None:
         """Start watching (only the main thread can receive Python signal handlers)."""
+        # Workers are watched before their stage starts: a plain script's steps skip the outside check.
+        self._external = worker_guard.watched()
         if threading.current_thread() is not threading.main_thread():
             return
         self.received = 0
@@ -100,7 +104,7 @@ class PreemptionWatch:
         started at the previous call, so the round trip hides behind a step's compute and every rank
         stops after the same step, one step after the signal.
         """
-        if not self.received:
+        if not self.received and self._external:
             # The launching process was signalled, or the agent that started this worker is gone.
             self.received = worker_guard.external_stop_request()
         if strategy.world_size == 1:

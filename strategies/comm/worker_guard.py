@@ -47,6 +47,7 @@ __all__ = [
     "stage_finished",
     "start",
     "watch_peers",
+    "watched",
 ]
 
 #: Seconds a rank lives on once it learns that the job is over (its agent died, the store closed, a peer
@@ -137,6 +138,12 @@ def start(stop_file: str | os.PathLike[str] | None = None, parent: int | None = 
 def stage_finished() -> None:
     """Say that this worker's stage has returned: once the job is over, it has nothing left to wait for."""
     _GUARD.finished.set()
+
+
+def watched() -> bool:
+    """Whether anything outside this process may ask it to stop: `start` or `watch_peers` ran, or a stop file is
+    set. Otherwise `external_stop_request` can only return 0 (a plain script, a notebook)."""
+    return _GUARD.started or _GUARD.peers_watched or _GUARD.stop_file is not None
 
 
 def external_stop_request() -> int:
