@@ -357,7 +357,7 @@ def _live_worker(stage: str, payload: str, stop_file: str) -> dict[str, Any] | N
 
         if membership is None:
             raise
-        membership.stop_watch()  # its own notice must not abort the group under the traceback's frames
+        membership.stop_watch()  # this member leaves the group itself, next
         membership.announce(
             f"Worker rank {membership.rank} failed during {stage}: {type(error).__name__} in this traceback:\n"
             f"{traceback.format_exc().rstrip()}"
