@@ -240,6 +240,30 @@ def add_inside_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(_INSIDE, metavar="SPEC", help=argparse.SUPPRESS)
 
 
+#: The hidden option a fault experiment's nodes start their training job with (``--train JOB``).
+TRAIN_OPTION = "--train"
+
+
+def add_role_arguments(parser: argparse.ArgumentParser) -> None:
+    """Give a fault experiment's command the hidden options of its two inner roles: ``--inside-lab SPEC`` (the
+    lab's side, in the namespaces) and ``--train JOB`` (a node's training job)."""
+    add_inside_argument(parser)
+    parser.add_argument(TRAIN_OPTION, metavar="JOB", help=argparse.SUPPRESS)
+
+
+def ran_inner_role(
+    args: argparse.Namespace, inside: Callable[[dict[str, Any]], None], train: Callable[[dict[str, Any]], None]
+) -> bool:
+    """Run the role `add_role_arguments`' options ask for, if any, and return whether one ran."""
+    if args.inside_lab is not None:
+        inside(json.loads(args.inside_lab))
+        return True
+    if args.train is not None:
+        train(json.loads(Path(args.train).read_text()))
+        return True
+    return False
+
+
 def run_worker_job(
     worker: Sequence[str],
     spec: dict[str, Any],

@@ -33,12 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import (
+    TRAIN_OPTION,
     UNAVAILABLE,
-    add_inside_argument,
+    add_role_arguments,
     build_nodes,
     lab_unavailable,
     lab_worker,
     namespaces_unavailable,
+    ran_inner_role,
     run_in_namespaces,
     start_nodes,
 )
@@ -50,7 +52,6 @@ STRATEGIES = ("bucketed_ddp", "async_model_average", "parameter_server", "tensor
 FAULT_STEP = 20
 #: Seconds after the fault before a job still running is killed and reported as hung.
 HUNG_AFTER_S = 240.0
-_TRAIN = "--train"
 
 
 # ------------------------------------------------------------------ the job each node runs
@@ -118,7 +119,7 @@ def _one(strategy: str, fault: str, spec: dict[str, Any]) -> dict[str, Any]:
     (work / "pids").mkdir()
     job = {"strategy": strategy, "fault": fault, "timeout": spec["timeout"], "dir": str(work)}
     (work / "job.json").write_text(json.dumps(job))
-    command = [*lab_worker("faults"), _TRAIN, str(work / "job.json")]
+    command = [*lab_worker("faults"), TRAIN_OPTION, str(work / "job.json")]
     agents, _ = start_nodes(2, 1, command, work, {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     record: dict[str, Any] = {"strategy": strategy, "fault": fault, "timeout_s": spec["timeout"]}
     try:
@@ -245,17 +246,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
     parser.add_argument("--timeout", type=float, default=30.0, help="the strategies' collective timeout (s)")
     parser.add_argument("--out", type=Path, default=None)
-    add_inside_argument(parser)
-    parser.add_argument(_TRAIN, metavar="JOB", help=argparse.SUPPRESS)
+    add_role_arguments(parser)
 
 
 def command(args: argparse.Namespace) -> int | None:
     """``python -m syncline.lab faults [--strategies ...] [--faults ...] [--timeout S] [--out FILE]``."""
-    if args.inside_lab is not None:
-        _inside(json.loads(args.inside_lab))
-        return 0
-    if args.train is not None:
-        train(json.loads(Path(args.train).read_text()))
+    if ran_inner_role(args, _inside, train):
         return 0
     if lab_unavailable("lab faults"):
         return UNAVAILABLE

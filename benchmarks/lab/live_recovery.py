@@ -45,13 +45,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from syncline.trainer import Task
 
 from .cluster import (
+    TRAIN_OPTION,
     UNAVAILABLE,
-    add_inside_argument,
+    add_role_arguments,
     build_nodes,
     end_nodes,
     lab_rate,
     lab_unavailable,
     lab_worker,
+    ran_inner_role,
     run_in_namespaces,
     start_nodes,
 )
@@ -68,7 +70,6 @@ GUIDE_HALF_INTERVAL_S = 300.0
 COLLECTIVE_TIMEOUT_S = 30.0
 #: Seconds a case may take in all before its processes are killed and it is reported as hung.
 CASE_LIMIT_S = 400.0
-_TRAIN = "--train"
 
 
 class LabProbe(Task):
@@ -189,7 +190,7 @@ def _one(case: str, mode: str, spec: dict[str, Any]) -> dict[str, Any]:
         "wait_for_rejoin": case == "node_lost",
     }
     (work / "job.json").write_text(json.dumps(job))
-    command = [*lab_worker("live-recovery"), _TRAIN, str(work / "job.json")]
+    command = [*lab_worker("live-recovery"), TRAIN_OPTION, str(work / "job.json")]
     if mode == "checkpoint":
         command = ["--max-restarts", "1", *command]
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SYNCLINE_GRACE_S": "5"}
@@ -353,17 +354,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=COLLECTIVE_TIMEOUT_S, help="the strategy's collective timeout")
     parser.add_argument("--out", type=Path, default=None)
-    add_inside_argument(parser)
-    parser.add_argument(_TRAIN, metavar="JOB", help=argparse.SUPPRESS)
+    add_role_arguments(parser)
 
 
 def command(args: argparse.Namespace) -> int | None:
     """``python -m syncline.lab live-recovery [--nodes 2 4] [--rates 1gbit 100mbit] [--cases ...]``."""
-    if args.inside_lab is not None:
-        _inside(json.loads(args.inside_lab))
-        return 0
-    if args.train is not None:
-        train(json.loads(Path(args.train).read_text()))
+    if ran_inner_role(args, _inside, train):
         return 0
     if lab_unavailable("lab live-recovery"):
         return UNAVAILABLE
