@@ -49,7 +49,6 @@ class LossWatch:
         self._lock = threading.Lock()
         self._round: int | None = None
         self._stop = threading.Event()
-        self.aborted: int | None = None  # the round whose group this watch aborted last
         self._thread = threading.Thread(target=self._watch, name="syncline-live-loss-watch", daemon=True)
         self._thread.start()
         # Before the interpreter finalizes: a thread caught inside a C++ store call then would abort the process.
@@ -91,4 +90,4 @@ class LossWatch:
             with self._lock:
                 if self._round == number:
                     abort_default_group()
-                    self.aborted, self._round = number, None
+                    self._round = None
