@@ -30,7 +30,7 @@ from syncline.callbacks import Callback
 from syncline.strategies.native_ddp import NativeDDP
 
 from .common import QUIET_TRAINER, add_out_argument, machine, run_child, write_json
-from .example_runs import StepRecorder
+from .example_runs import BatchRecorder
 
 WARMUP = 25
 PERIOD = 4
@@ -111,7 +111,7 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
     strategy = cls(backend="gloo", **options)
     seed_everything(0)
     task = CharGPT(sample_chars=0)
-    steps, recorder = StepRecorder(), BytesRecorder()
+    steps, recorder = BatchRecorder(), BytesRecorder()
     trainer = Trainer(
         max_steps=config["steps"],
         max_epochs=1,

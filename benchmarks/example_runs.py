@@ -28,10 +28,10 @@ from syncline.callbacks import Callback
 
 from .common import LAUNCHED_AT, QUIET_TRAINER, add_child_arguments, run_child, run_child_command, summary
 
-__all__ = ["StepRecorder", "run_example"]
+__all__ = ["BatchRecorder", "run_example"]
 
 
-class StepRecorder(Callback):
+class BatchRecorder(Callback):
     """Record, on rank 0, the time and loss of every training micro-batch and the epoch's start."""
 
     reads_parameters = False  # times and counts only: a step in flight stays in flight
@@ -77,7 +77,7 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
     model["warmup_steps"] = max(1, model["warmup_steps"] // k)
     seed_everything(0)
     task = CharGPT(**model)
-    recorder = StepRecorder()
+    recorder = BatchRecorder()
     trainer = Trainer(
         max_epochs=1,
         limit_train_batches=config["microbatches"],
