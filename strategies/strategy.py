@@ -26,7 +26,7 @@ from syncline.strategies.comm.events import CommEvents
 if TYPE_CHECKING:
     from syncline.trainer.task import Task
 
-__all__ = ["ReduceOp", "Strategy", "call_training_step", "move_to_device", "replace_step"]
+__all__ = ["ReduceOp", "Strategy", "call_training_step", "move_to_device", "replace_step", "training_step_of"]
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 
@@ -81,13 +81,13 @@ class Strategy(ABC):
     comm_events: CommEvents | None = None
 
     # ---------------------------------------------------------------- identity
-    @property
+    @functools.cached_property
     def comm_counter(self) -> CommCounter:
-        """The counter of bytes this strategy hands to collectives (`comm/bytes`, `comm/total_bytes`)."""
-        counter = self.__dict__.get("_comm_counter")
-        if counter is None:
-            counter = self.__dict__["_comm_counter"] = CommCounter()
-        return counter
+        """The counter of bytes this strategy hands to collectives (`comm/bytes`, `comm/total_bytes`).
+
+        Made on first use and kept in the instance, so every later read (one per step) is a plain attribute.
+        """
+        return CommCounter()
 
     @property
     def global_rank(self) -> int:
@@ -364,6 +364,20 @@ def call_training_step(task: Any, batch: Any, batch_idx: int) -> Any:
     step = task.training_step
     if _takes_batch_idx(getattr(step, "__func__", step)):
         return step(batch, batch_idx)
+    return step(batch)
+
+
+def training_step_of(task: Any) -> Callable[[Any, int], Any]:
+    """Return what `call_training_step(task, batch, batch_idx)` calls, decided once: the task's `training_step`,
+    or a partial that drops `batch_idx` where it takes none. The loop binds it per fit where the strategy keeps
+    the base's `training_step`, so a step pays for no signature lookup."""
+    step = task.training_step
+    if _takes_batch_idx(getattr(step, "__func__", step)):
+        return step
+    return functools.partial(_without_batch_idx, step)
+
+
+def _without_batch_idx(step: Callable[[Any], Any], batch: Any, batch_idx: int) -> Any:
     return step(batch)
 
 

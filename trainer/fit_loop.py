@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import gc
+import itertools
 import math
 import signal
 from collections.abc import Callable, Iterator
@@ -15,6 +17,7 @@ from syncline.callbacks.callback import Callback
 from syncline.rank_zero import rank_zero_info, rank_zero_warn
 from syncline.rng import capture_rng, isolated_rng, restore_rng
 from syncline.strategies.comm.join import Joinable
+from syncline.strategies.strategy import Strategy, training_step_of
 from syncline.trainer import persistence
 from syncline.trainer.data import batch_mover, epoch_batches
 from syncline.trainer.hooks import ModelHooks, overrides
@@ -58,6 +61,16 @@ class FitLoop:
         self.scales_loss = False
         self._transfer: Any = None
         self._stepped_optimizer: torch.optim.Optimizer | None = None  # the one automatic optimization steps
+        # The strategy's part of a step, decided once per fit (`setup`): a method the strategy leaves at the base's
+        # is replaced by what the base does (the task's forward, autograd's backward, the optimizer's zero_grad).
+        self._forward: Callable[[Any, int], Any] | None = None
+        self._zero_grad: Callable[[], None] | None = None
+        self._plain_backward = False
+        #: Per optimizer, the precision's step function (`Precision.step`), made once per fit, not per step.
+        self.step_functions: dict[torch.optim.Optimizer, Callable[[], Any]] = {}
+        #: Whether the loop validates within or after an epoch: there are validation batches (decided per epoch,
+        #: when the loaders may have been reloaded).
+        self._validates = False
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         #: RNG state of the checkpoint being resumed, applied at the point in the loop it was taken.
         self.resume_rng: dict[str, Any] | None = None
@@ -111,6 +124,19 @@ class FitLoop:
         self.autocast = precision.autocast if precision is not None and precision.autocasts else None
         self.scales_loss = precision is not None and precision.scaler is not None
         self._stepped_optimizer = optim.optimizer
+        strategy = trainer.strategy
+        if overrides(strategy, Strategy, "training_step"):
+            self._forward = functools.partial(strategy.training_step, task)
+        else:
+            self._forward = training_step_of(task)
+        if overrides(strategy, Strategy, "zero_grad"):
+            self._zero_grad = functools.partial(strategy.zero_grad, optim.optimizer)
+        else:
+            self._zero_grad = functools.partial(optim.optimizer.zero_grad, set_to_none=True)
+        self._plain_backward = not overrides(strategy, Strategy, "backward") and strategy.backward_hook is None
+        self.step_functions = {}
+        if precision is not None:
+            self.step_functions = {optimizer: precision.step(optimizer) for optimizer in optim.optimizers}
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
         self.resume_rng = None
         # Decided once per fit: a one-process strategy communicates nothing and logs no comm/* values (as
@@ -191,6 +217,7 @@ class FitLoop:
         self.stepped = False
         if self.reload_data is not None and state.batch_idx == 0:
             self.reload_data(state.current_epoch - self.first_epoch)
+        self._validates = any(trainer.num_val_batches)
         self.fire(Callback.on_train_epoch_start)
         exhausted = True
         for batch_idx, batch, is_last in self._batches(trainer.num_training_batches):
@@ -330,8 +357,9 @@ class FitLoop:
         if num_batches == math.inf:
             flagged = _flag_last(batches, start=skip)
         else:
-            last = int(num_batches) - 1
-            flagged = ((i, batch, i == last) for i, batch in enumerate(batches, start=skip))
+            # Flags from a known length, zipped in C: the step pays for no Python generator.
+            flags = itertools.chain(itertools.repeat(False, int(num_batches) - 1 - skip), (True,))
+            flagged = zip(itertools.count(skip), batches, flags)
         self._apply_resume_rng()
         if needs_agreement(loader, self.trainer.strategy, self.trainer.uneven_inputs):
             join = self.trainer.uneven_inputs == "join"
@@ -355,7 +383,7 @@ class FitLoop:
             train_batch_manually(self, batch, batch_idx)
         else:
             self.train_batch(batch, batch_idx, is_last)
-        if not is_last and self.validation_due(batch_idx, is_last=False):
+        if not is_last and self._validates and self.validation_due(batch_idx, is_last=False):
             self.validate_after(batch_idx)
         if self.stepped:
             if self.optim is not None and self.optim.schedulers:
@@ -366,7 +394,7 @@ class FitLoop:
     def train_batch(self, batch: Any, batch_idx: int, is_last: bool) -> None:
         """Forward, backward (synchronized at the end of an accumulation window), and maybe a step."""
         trainer = self.trainer
-        task, strategy, results = trainer.task, trainer.strategy, trainer.results
+        strategy, results = trainer.strategy, trainer.results
         batch = self._transfer(batch, 0)
         results.new_batch(batch)
         if self.fire_batch_start is not None:
@@ -375,10 +403,10 @@ class FitLoop:
         strategy.sync_next_backward = window_end
         results.hook = "training_step"
         if self.autocast is None:
-            outputs = strategy.training_step(task, batch, batch_idx)
+            outputs = self._forward(batch, batch_idx)
         else:
             with self.autocast():
-                outputs = strategy.training_step(task, batch, batch_idx)
+                outputs = self._forward(batch, batch_idx)
         results.hook = ""
         # The common case (a scalar tensor) without a call; `_loss_of` sorts out the others.
         loss = outputs if type(outputs) is Tensor and outputs.ndim == 0 else self._loss_of(outputs)
@@ -398,8 +426,8 @@ class FitLoop:
             if self.batch_end_reads_parameters:
                 strategy.apply_pending_updates()
             self.fire_batch_end(outputs, batch, batch_idx)
-        if window_end:
-            self.flush_step_logs()
+        if window_end and (self.state.global_step % trainer.log_every_n_steps == 0 or self.state.should_stop):
+            self.flush_step_logs(force=True)  # a logging step
 
     def backward(self, loss: Tensor, batch_idx: int, window_end: bool) -> bool:
         """Reset gradients at a window's start, then back-propagate, as Lightning orders the hooks.
@@ -408,25 +436,28 @@ class FitLoop:
             False when a non-finite loss (`nonfinite_loss="skip"`) dropped the window.
         """
         trainer = self.trainer
-        strategy, optimizer = trainer.strategy, self._stepped_optimizer
         if self.accumulate > 1:
             # Average over the window's micro-batches so k steps of size b equal one of size k*b.
             loss = loss / self.accumulate
         if batch_idx % self.accumulate == 0:
             if self.fire_before_zero_grad is not None:
-                self.fire_before_zero_grad(optimizer)
+                self.fire_before_zero_grad(self._stepped_optimizer)
             if self._own_zero_grad:
                 trainer.task.optimizer_zero_grad(self.state.current_epoch, batch_idx, self.trainer_optimizers[0])
             else:
-                strategy.zero_grad(optimizer)  # what the default hook's `optimizer.zero_grad()` does
-        self.nonfinite.observe(loss)
-        if window_end and not self.nonfinite.window_is_finite(self.state.global_step, batch_idx):
+                self._zero_grad()  # the strategy's, as the default hook's `optimizer.zero_grad()` is
+        if not self.nonfinite.check(loss, window_end, self.state.global_step, batch_idx):
             # Every rank skips alike: no synchronized backward, no step, the window's gradients dropped.
-            strategy.zero_grad(optimizer)
+            trainer.strategy.zero_grad(self._stepped_optimizer)
             return False
         if self.fire_before_backward is not None:
             self.fire_before_backward(loss)
-        strategy.backward(trainer.precision.scale_loss(loss) if self.scales_loss else loss, sync=window_end)
+        if self.scales_loss:
+            loss = trainer.precision.scale_loss(loss)
+        if self._plain_backward:
+            loss.backward()  # what the base strategy's backward does
+        else:
+            trainer.strategy.backward(loss, sync=window_end)
         if self.fire_after_backward is not None:
             self.fire_after_backward()
         return True

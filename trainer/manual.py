@@ -81,15 +81,16 @@ def take_step(trainer: Trainer, optimizer: torch.optim.Optimizer, closure: Calla
         What the closure returned (None without one).
     """
     output = closure() if closure is not None else None
-    precision = trainer.precision
+    precision, loop = trainer.precision, trainer.fit_loop
     assert precision is not None
     if precision.scaler is not None:
         precision.unscale(optimizer)
-    if trainer.fit_loop.fire_before_optimizer_step is not None:
-        trainer.fit_loop.fire_before_optimizer_step(optimizer)
-    if trainer.fit_loop.clips:  # automatic optimization, and a clipping hook that would clip (decided per fit)
+    if loop.fire_before_optimizer_step is not None:
+        loop.fire_before_optimizer_step(optimizer)
+    if loop.clips:  # automatic optimization, and a clipping hook that would clip (decided per fit)
         trainer.task.configure_gradient_clipping(optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-    trainer.strategy.optimizer_step(optimizer, precision.step(optimizer))
+    step = loop.step_functions.get(optimizer)  # made once per fit
+    trainer.strategy.optimizer_step(optimizer, step if step is not None else precision.step(optimizer))
     return output
 
 

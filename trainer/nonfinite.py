@@ -44,10 +44,25 @@ class NonfiniteLossGuard:
         self._losses: list[Tensor] = []
         #: Windows skipped so far in this process (with "skip").
         self.skipped = 0
+        #: One process, whatever happens during the fit (a multi-process strategy may run a world of one for a
+        #: while): the verdict is this process's own, with nothing to agree on.
+        self._alone = not strategy.multi_process
 
     def observe(self, loss: Tensor) -> None:
         """Remember `loss` for the check at the window's end (no op, no host sync)."""
         self._losses.append(loss)
+
+    def check(self, loss: Tensor, window_end: bool, step: int, batch_idx: int) -> bool:
+        """Observe `loss`; at the end of its window return `window_is_finite` (True before the end).
+
+        Raises:
+            NonfiniteLossError: as `window_is_finite`.
+        """
+        # Host sync: the verdict decides what runs next. A window of one loss in one process: one read.
+        if window_end and self._alone and not self._losses and math.isfinite(loss.item()):
+            return True
+        self._losses.append(loss)
+        return not window_end or self.window_is_finite(step, batch_idx)
 
     def window_is_finite(self, step: int, batch_idx: int) -> bool:
         """Return whether every rank's losses of the window were finite; the same answer on every rank.

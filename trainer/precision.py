@@ -11,6 +11,7 @@ of one number) before `scaler.step` reads it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -112,17 +113,12 @@ class Precision:
 
         The function calls ``optimizer.step()`` when it runs (not a bound method taken now), so a
         strategy that replaces the update for one step (`strategies.strategy.replace_step`) still goes
-        through the loss scaler: skipped on overflow, the scale updated either way.
+        through the loss scaler: skipped on overflow, the scale updated either way. The loop makes it once per
+        fit (a partial, not a closure: the Trainer holding it is pickled to start spawned workers).
         """
         if self.scaler is None:
-            return lambda: optimizer.step()
-        scaler = self.scaler
-
-        def scaled_step() -> None:
-            scaler.step(optimizer)
-            scaler.update()
-
-        return scaled_step
+            return functools.partial(_step, optimizer)
+        return functools.partial(_scaled_step, self.scaler, optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the loss scaler's state (empty without one)."""
@@ -151,3 +147,12 @@ def fp16_autocast_available(device_type: str) -> bool:
         warnings.simplefilter("ignore")
         with torch.autocast(device_type, dtype=torch.float16):
             return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16
+
+
+def _step(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()
+
+
+def _scaled_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    scaler.step(optimizer)
+    scaler.update()
