@@ -310,7 +310,7 @@ class CallbackDispatcher:
         if not listeners.ordered:
             return None
         # A partial, not a closure: the Trainer (and its loop holding this) is pickled to start spawned workers.
-        return functools.partial(self._call, listeners.name, tuple(listeners.ordered))
+        return functools.partial(self._call_positional, listeners.name, tuple(listeners.ordered))
 
     def fire_epoch_end(self, hook: Callable[Concatenate[Callback, Trainer, Task, P], None], monitoring: bool) -> None:
         """Call `hook` as Lightning calls ``on_train_epoch_end``: with `monitoring` False, the callbacks that
@@ -324,4 +324,14 @@ class CallbackDispatcher:
         previous, results.hook = results.hook, name
         for listener in listeners:
             listener(trainer, task, *args, **kwargs)
+        results.hook = previous
+
+    def _call_positional(self, name: str, listeners: Sequence[Listener], *args: Any) -> None:
+        """`_call` for the hooks of every step, which the loop fires with positional arguments: no keyword
+        dictionary is built per call and per listener."""
+        trainer, task = self.trainer, self.task
+        results = trainer.results
+        previous, results.hook = results.hook, name
+        for listener in listeners:
+            listener(trainer, task, *args)
         results.hook = previous

@@ -66,6 +66,11 @@ class FitLoop:
         self._forward: Callable[[Any, int], Any] | None = None
         self._zero_grad: Callable[[], None] | None = None
         self._plain_backward = False
+        #: Whether an automatic step is the optimizer's step alone (no loss scaler, clipping, listener of
+        #: ``on_before_optimizer_step``, own `optimizer_step` hook or strategy step): `take_step` is then skipped.
+        self._plain_step = False
+        #: Whether the fit has learning-rate schedulers (the loop checks after every step whether one is due).
+        self._schedules_steps = False
         #: Per optimizer, the precision's step function (`Precision.step`), made once per fit, not per step.
         self.step_functions: dict[torch.optim.Optimizer, Callable[[], Any]] = {}
         #: Whether the loop validates within or after an epoch: there are validation batches (decided per epoch,
@@ -134,6 +139,14 @@ class FitLoop:
         else:
             self._zero_grad = functools.partial(optim.optimizer.zero_grad, set_to_none=True)
         self._plain_backward = not overrides(strategy, Strategy, "backward") and strategy.backward_hook is None
+        self._plain_step = not (
+            self._own_step
+            or self.scales_loss
+            or self.clips
+            or self.fire_before_optimizer_step is not None
+            or overrides(strategy, Strategy, "optimizer_step")
+        )
+        self._schedules_steps = bool(optim.schedulers)
         self.step_functions = {}
         if precision is not None:
             self.step_functions = {optimizer: precision.step(optimizer) for optimizer in optim.optimizers}
@@ -158,12 +171,17 @@ class FitLoop:
         # pausing the loop for the whole heap (100-200 ms each on a heap with torch imported).
         gc.collect()
         gc.freeze()
+        # Each parameter's gradient accumulator (the autograd node a backward adds its gradient in) lives through
+        # training, as torch's DDP keeps them: otherwise a step's graph, freed when the step ends, takes them
+        # along, and every forward builds them again.
+        accumulators = _grad_accumulators(self.parameters)
         self.trainer.preemption.install()
         try:
             self.run()
         finally:
             self.trainer.preemption.uninstall()
             gc.unfreeze()
+            del accumulators
 
     def run(self) -> None:
         """Train until max_epochs, max_steps or a stop request; nothing at all without training batches."""
@@ -386,7 +404,7 @@ class FitLoop:
         if not is_last and self._validates and self.validation_due(batch_idx, is_last=False):
             self.validate_after(batch_idx)
         if self.stepped:
-            if self.optim is not None and self.optim.schedulers:
+            if self._schedules_steps:
                 # After the batch's validation, as Lightning steps them: they may monitor a validation metric.
                 self.step_schedulers("step", self.state.global_step, plateau=True)
             self.stop_if_preempted()
@@ -555,14 +573,18 @@ class FitLoop:
         epoch's last batch, its epoch schedulers, as Lightning does: the epoch-end validation and checkpoint
         see the new rate)."""
         trainer, state = self.trainer, self.state
-        if apply and self._own_step:
+        if apply and self._plain_step:
+            # What `take_step` and the base strategy's step come to when the fit asks nothing else of them.
+            self._stepped_optimizer.step()
+            trainer.strategy.comm_counter.close_step()
+        elif apply and self._own_step:
             # The window's forwards and backwards ran already: the closure has nothing left to run.
             trainer.task.optimizer_step(state.current_epoch, batch_idx, self.trainer_optimizers[0], _no_closure)
         elif apply:
             take_step(trainer, self._stepped_optimizer, None)  # what the default hook's step does
         state.global_step += 1
         self.stepped = True
-        if self.optim is not None and self.optim.schedulers:
+        if self._schedules_steps:
             self.step_schedulers("step", state.global_step, plateau=False)
             if is_last:
                 self.step_schedulers("epoch", state.current_epoch + 1, plateau=False)
@@ -592,6 +614,14 @@ class FitLoop:
 
 
 _END = object()
+
+
+def _grad_accumulators(parameters: list[Tensor]) -> list[Any]:
+    """Return the autograd node that accumulates each parameter's gradient (`AccumulateGrad`), for those that
+    take a gradient now (a hook may have frozen some since the fit was set up)."""
+    with torch.enable_grad():
+        views = [parameter.view_as(parameter) for parameter in parameters if parameter.requires_grad]
+    return [view.grad_fn.next_functions[0][0] for view in views if view.grad_fn is not None]
 
 
 def _no_closure() -> None:

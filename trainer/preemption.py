@@ -107,7 +107,7 @@ class PreemptionWatch:
         if not self.received and self._external:
             # The launching process was signalled, or the agent that started this worker is gone.
             self.received = worker_guard.external_stop_request()
-        if strategy.world_size == 1:
+        if not strategy.multi_process or strategy.world_size == 1:  # one process: no flag to agree on
             return self.received
         if self._pending is not None:
             # Host sync: the flags reduced during this step (already arrived unless the step was tiny).
