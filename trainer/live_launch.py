@@ -26,7 +26,6 @@ rendezvous, and a worker still alive after ``SYNCLINE_LIVE_DUMP_S`` seconds (60)
 from __future__ import annotations
 
 import contextlib
-import gc
 import multiprocessing
 import os
 import pickle
@@ -46,7 +45,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
-from syncline.strategies.comm.group_abort import joined_group
+from syncline.strategies.comm.group_abort import joined_group, leave_default_group
 from syncline.trainer.live_watch import LossWatch
 
 if TYPE_CHECKING:
@@ -363,8 +362,7 @@ def _live_worker(stage: str, payload: str, stop_file: str) -> dict[str, Any] | N
             f"{traceback.format_exc().rstrip()}"
         )
         # Leaving the group closes this rank's connections: a peer blocked in a collective fails and reads the notice.
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        leave_default_group()
         return None
     worker_guard.stage_finished()
     rank, first_here = membership.rank, membership.lowest_rank_of_node()
@@ -518,13 +516,8 @@ class LiveMembership:
         assert self._handler is not None
         if self._watch is not None:
             self._watch.disarm()  # a loss posted for the round being left must not abort the next one's group
-        if dist.is_initialized():
-            # Closes this rank's connections: a peer still blocked in a collective with it fails at once.
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-            # gloo closes its connections only when nothing holds the group any more (a cycle may): a member not
-            # next to the dead one in gloo's ring, blocked in a collective, learns of the death only from them.
-            gc.collect()
+        # Closes this rank's connections: a peer still blocked in a collective with it fails at once.
+        leave_default_group()
         # Torch's rendezvous would otherwise make its new rank 0 host a second store.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         _debug("rendezvous")
