@@ -10,7 +10,7 @@ process. Cases:
   ``--max-restarts 1``, ``last.ckpt`` every ``--checkpoint-every`` steps) every worker restarts from it. Mode
   ``torchft``, the reference, runs the same workload on torchft's fault-tolerant DDP (`ft_ddp.py`, where torchft
   imports): one replica per node under a per-node agent that starts it once more after its death, the lighthouse
-  in node 0's agent.
+  in node 0's agent; a replacement not yet in a quorum when every other replica is done is ended (no figure).
 - ``node_lost`` (live only): every process of the last node is SIGKILLed at step ``--kill-at``; the others go on at
   the smaller size; the node's launcher is then started again and joins live.
 - ``store_host_lost`` (live only): node 0, whose launcher hosts the run's store, is SIGKILLed likewise; every other
