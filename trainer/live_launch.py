@@ -35,7 +35,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,9 @@ __all__ = [
 #: Seconds between a member's keep-alives, and how many it may miss before the others count it dead.
 KEEP_ALIVE_S = 1
 KEEP_ALIVE_MISSES = 3
+#: Seconds without a keep-alive after which a member of the current round counts as lost although its connections are
+#: open: twice the rendezvous's own limit (it drops such a member from the next round), against false alarms under load.
+SILENT_S = 2 * KEEP_ALIVE_S * KEEP_ALIVE_MISSES
 #: Seconds a round stays open for late members once one member is in it.
 LAST_CALL_S = 2.0
 #: Store keys (under the run's prefix).
@@ -497,7 +500,7 @@ class LiveMembership:
         )
         host, port = self.address.rsplit(":", 1) if self.address else ("", "0")
         if host:
-            self._watch = LossWatch(host, int(port), _FAILED)
+            self._watch = LossWatch(host, int(port), _FAILED, silent=self._silent_member)
         if self.replacement:
             # Set the task, optimizer and strategy up alone first (their collectives are the members' at the
             # start of fit, not now); the loop then joins the members at a step boundary and heals.
@@ -538,6 +541,25 @@ class LiveMembership:
         if self._watch is not None:
             self._watch.arm(number)
         return self.round
+
+    def _silent_member(self, store: dist.Store, number: int) -> str | None:
+        """A member of round `number` that sent no keep-alive for `SILENT_S` seconds, or that the rendezvous
+        already dropped for it (None: every member is alive, or the round is over). Reads the rendezvous state."""
+        got = C10dRendezvousBackend(store, f"syncline-live-{self.run_id}").get_state()
+        round_ = self.round
+        if got is None or round_ is None or round_.number != number:
+            return None
+        state = pickle.loads(got[0])
+        if state.round != number or not state.complete:
+            return None  # a new round is forming: the loss is known
+        if len(state.participants) < round_.world_size:
+            return f"a member of round {number} was dropped by the rendezvous (no keep-alive)"
+        limit = datetime.now(timezone.utc) - timedelta(seconds=SILENT_S)
+        for node, rank in state.participants.items():
+            beat = state.last_heartbeats.get(node)
+            if beat is not None and beat < limit:
+                return f"rank {rank} ({node}) sent no keep-alive for {SILENT_S:g} s"
+        return None
 
     def _store_port(self) -> int | None:
         return int(self.address.rsplit(":", 1)[1]) if self.address else None

@@ -8,7 +8,9 @@ and each member's `LossWatch` thread, polling that key every `POLL_S` seconds wi
 own (a `TCPStore` client is not shared between threads), aborts the member's group when it appears
 (`abort_default_group`): the blocked collective raises at once and the member takes the survivor's path.
 A raise on a member (the job's failure notice) aborts the group too, so that no member waits out its
-timeout before reading that notice.
+timeout before reading that notice. A member that stops sending the rendezvous's keep-alives while its
+connections stay open (a frozen process, a node whose link was cut) fails nobody's collective: the watch
+reads the round's keep-alives too, and posts such a member as the round's loss.
 
 The watch is armed for one round at a time: disarmed before its group is left, armed again once the next
 one is joined, so a loss posted for a round never aborts the next round's group; the abort of its own
@@ -31,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from types import FrameType
 
@@ -38,10 +41,12 @@ import torch.distributed as dist
 
 from syncline.strategies.comm.group_abort import abort_default_group
 
-__all__ = ["LOST", "POLL_S", "STUCK_S", "LossWatch"]
+__all__ = ["LOST", "POLL_S", "SILENT_EVERY_S", "STUCK_S", "LossWatch"]
 
 #: Seconds between a member's looks at the store for a loss in its round.
 POLL_S = 0.1
+#: Seconds between a member's looks at the round's keep-alives (reading the rendezvous state).
+SILENT_EVERY_S = 1.0
 #: Seconds the main thread may stay at one point after its group was aborted before it counts as stuck.
 STUCK_S = 15.0
 #: Store key prefix of a round's loss (the round's number follows): what the first member to learn of it saw.
@@ -54,12 +59,19 @@ class LossWatch:
     Args:
         host, port: the run's store.
         failed_key: the job's failure notice (a raise on a member ends the job).
+        silent: given the watch's store client and the round, a member of it that stopped sending keep-alives
+            (a frozen process, a node cut off: its connections stay open, so no collective fails), or None;
+            asked every `SILENT_EVERY_S` seconds, and a silent member is posted as the round's loss.
     """
 
-    def __init__(self, host: str, port: int, failed_key: str) -> None:
+    def __init__(
+        self, host: str, port: int, failed_key: str, silent: Callable[[dist.Store, int], str | None] | None = None
+    ) -> None:
         # A client of its own: the member's store client is used by its main thread and the rendezvous's keep-alive.
         self._store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=10))
         self._failed_key = failed_key
+        self._silent = silent
+        self._looked = 0.0
         self._lock = threading.Lock()
         self._round: int | None = None
         #: After an abort: when the main thread was last seen to move, and where it was then.
@@ -103,6 +115,12 @@ class LossWatch:
             try:
                 # Outside the lock: on a slow store, `disarm` must not wait for this call.
                 posted = self._store.check([f"{LOST}{number}"]) or self._store.check([self._failed_key])
+                if not posted and self._silent is not None and time.monotonic() - self._looked >= SILENT_EVERY_S:
+                    self._looked = time.monotonic()
+                    silent = self._silent(self._store, number)
+                    if silent:
+                        self.post(self._store, number, silent)
+                        posted = True
             except Exception:
                 continue  # the store is slow or gone: the member's own calls to it say which
             if not posted:
