@@ -13,6 +13,8 @@ process. Cases:
   in node 0's agent; a replacement not yet in a quorum when every other replica is done is ended (no figure).
 - ``node_lost`` (live only): every process of the last node is SIGKILLed at step ``--kill-at``; the others go on at
   the smaller size; the node's launcher is then started again and joins live.
+- ``node_cut`` (live only): the last node's link is cut at step ``--kill-at`` (its veth down: its processes live on
+  and no connection closes, so no collective of the others fails); the others go on once its keep-alives stop.
 - ``store_host_lost`` (live only): node 0, whose launcher hosts the run's store, is SIGKILLed likewise; every other
   node ends, naming the store (recorded: their exit codes, and the seconds until the last process is gone).
 
@@ -23,7 +25,7 @@ checkpoint restart also repeats the steps since the last save: on average half t
 the restart's own cost measured here (its repeated steps taken off).
 
     python -m syncline.lab live-recovery --nodes 2 4 --rates 1gbit 100mbit
-    python -m syncline.lab live-recovery --nodes 3 --cases node_lost
+    python -m syncline.lab live-recovery --nodes 3 --cases node_lost node_cut
     python -m syncline.lab live-recovery --out lab_live_recovery.json --plot live_recovery.png  # from the JSON
 """
 
@@ -72,7 +74,7 @@ from .records import write_json
 
 __all__ = ["LabProbe", "add_arguments", "command", "plot", "plotted", "run_cell"]
 
-CASES = ("worker_killed", "node_lost", "store_host_lost")
+CASES = ("worker_killed", "node_lost", "node_cut", "store_host_lost")
 MODES = ("live", "checkpoint", "torchft")
 #: Half of guide.md's shortest recommended checkpoint interval (10 minutes): the steps a restart repeats on average.
 GUIDE_HALF_INTERVAL_S = 300.0
@@ -304,16 +306,23 @@ def _one(case: str, mode: str, spec: dict[str, Any]) -> dict[str, Any]:
             record.update(_lose_and_restart_node(nodes - 1, processes, work, command, env, job))
         if case == "store_host_lost":
             _kill_at_step(0, processes, work, job)
+        if case == "node_cut":
+            _at_step(work, job)
+            subprocess.run(["ip", "link", "set", f"veth{nodes - 1}", "down"], check=True)
         deadline = started + CASE_LIMIT_S
-        while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+        # A node cut off is not waited for: its processes end only when their store calls time out.
+        waited = processes[:-1] if case == "node_cut" else processes
+        while any(p.poll() is None for p in waited) and time.monotonic() < deadline:
             time.sleep(0.1)
-        record["hung"] = any(p.poll() is None for p in processes)
+        record["hung"] = any(p.poll() is None for p in waited)
         if case == "store_host_lost":
             record["ended_s"] = round(time.time() - float((work / "killed").read_text()), 2)
     finally:
         end_nodes(range(nodes), grace=1.0)
         for process in processes:
             process.wait()
+        if case == "node_cut":
+            subprocess.run(["ip", "link", "set", f"veth{nodes - 1}", "up"], check=False)  # for the next case
     record["wall_s"] = round(time.monotonic() - started, 2)
     record["codes"] = [p.returncode for p in processes]
     record.update(_read_steps(work, job))
@@ -339,13 +348,19 @@ def _lose_and_restart_node(
 
 def _kill_at_step(node: int, processes: list[subprocess.Popen], work: Path, job: dict[str, Any]) -> float:
     """SIGKILL every process of `node` once a step at or past ``kill_at`` is logged; return when."""
+    killed = _at_step(work, job)
+    _kill_node(node)
+    processes[node].wait()
+    return killed
+
+
+def _at_step(work: Path, job: dict[str, Any]) -> float:
+    """Wait until a step at or past ``kill_at`` is logged; mark the moment as the failure's and return it."""
     deadline = time.monotonic() + CASE_LIMIT_S / 2
     while _latest(work)[0] < job["kill_at"] and time.monotonic() < deadline:
         time.sleep(0.05)
     killed = time.time()
     (work / "killed").write_text(f"{killed:.3f}")
-    _kill_node(node)
-    processes[node].wait()
     return killed
 
 
