@@ -1,17 +1,10 @@
 """torchft's fault-tolerant DDP as the reference row of `python -m benchmarks live-recovery`.
 
 torchft (PyTorch's per-step fault tolerance library, `pip install 'syncline[ft]'`) keeps replicas training
-through a death as syncline's ``recovery="live"`` does: a lighthouse forms a quorum before every step, a step
-whose all-reduce failed is not committed, and a replacement heals from a peer's memory. This runs it on the
-live-recovery benchmark's workload: the same MLP and batches of 4, every step sleeping ``step_s``, replica 1
-SIGKILLing itself once at step ``kill_at``, and one replacement started when the launcher sees it die (as
-``max_restarts=1`` does). Each replica is a process of its own (a replica group of one) running torchft's
-`Manager`, `ProcessGroupGloo` and `DistributedDataParallel` on 127.0.0.1; the lighthouse runs in the launching
-process, with torchft's defaults except where an option says.
-
-One difference in what a run trains: torchft counts committed steps, and each replica reads its own fixed shard,
-so the batches the dead replica would have read while it was gone are not trained; syncline's live recovery
-re-shards the rest of the epoch over the survivors, which then take more steps.
+through a death as syncline's ``recovery="live"`` does. This runs it on the live-recovery benchmark's workload on
+127.0.0.1: each replica a process of its own (`syncline.lab.ft_ddp`, which the lab's torchft mode runs on its
+nodes too), replica 1 SIGKILLing itself once at step ``kill_at``, one replacement started when this launcher sees
+it die (as ``max_restarts=1`` does), and the lighthouse in this launching process.
 """
 
 from __future__ import annotations
@@ -23,10 +16,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from syncline.lab.ft_ddp import HEARTBEAT_TIMEOUT_MS, lighthouse, train_replica
 from syncline.lab.ft_diloco import missing
 
 from . import MODULE
@@ -36,7 +29,12 @@ __all__ = ["fit", "missing"]
 
 
 def fit(
-    devices: int, batches: int, step_s: float, kill_at: int, heartbeat_timeout_ms: int = 5000, timeout: float = 300.0
+    devices: int,
+    batches: int,
+    step_s: float,
+    kill_at: int,
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
+    timeout: float = 300.0,
 ) -> dict[str, Any]:
     """Train `batches` committed steps on `devices` torchft replicas; replica 1 dies at step `kill_at` (-1: never).
 
@@ -44,15 +42,11 @@ def fit(
     committed step to the last, the seconds the replacement took from its start to its first committed step, and
     whether every replica ended with the same weights.
     """
-    from torchft.coordination import LighthouseServer
-
     # The survivors may go on without the dead replica; a new one joins at the next quorum.
-    lighthouse = LighthouseServer(
-        bind="127.0.0.1:0", min_replicas=max(devices - 1, 1), heartbeat_timeout_ms=heartbeat_timeout_ms
-    )
+    server = lighthouse("127.0.0.1:0", devices, heartbeat_timeout_ms)
     processes: dict[int, subprocess.Popen] = {}
     with tempfile.TemporaryDirectory(prefix="syncline-bench-ft-") as root:
-        spec = {"lighthouse": lighthouse.address(), "batches": batches, "devices": devices, "step_s": step_s}
+        spec = {"lighthouse": server.address(), "batches": batches, "devices": devices, "step_s": step_s}
         spec.update(kill_at=kill_at, root=root)
 
         def start(replica: int, replacement: bool = False) -> subprocess.Popen:
@@ -92,7 +86,7 @@ def fit(
             for process in processes.values():
                 process.kill()
                 process.wait()
-            lighthouse.shutdown()
+            server.shutdown()
     replacement = [r["first_commit_at"] - replaced_at for r in records if r["replacement"]]  # none: never joined
     first = min(r["first_commit_at"] for r in records if not r["replacement"])
     return {
@@ -105,70 +99,10 @@ def fit(
 
 
 def _replica(spec: dict[str, Any]) -> None:
-    """One replica group of one process: train until torchft has committed `batches` steps."""
-    import torch
-    from torch import nn
-    from torch.distributed import TCPStore
-    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)  # every replica starts from the same weights, as the live-recovery task's do
-    replica, devices = spec["replica"], spec["devices"]
-    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
-    inner = torch.optim.SGD(net.parameters(), lr=0.01)
-    x = torch.randn(spec["batches"] * devices * 4, 8, generator=torch.Generator().manual_seed(0))
-    y = x.sum(1, keepdim=True)
-
-    def state_dict() -> dict[str, Any]:
-        return {"model": net.state_dict(), "optim": inner.state_dict()}
-
-    def load_state_dict(state: dict[str, Any]) -> None:
-        net.load_state_dict(state["model"])
-        inner.load_state_dict(state["optim"])
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this replica group's own store
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)),
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=max(devices - 1, 1),
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=spec["lighthouse"],
-        replica_id=f"replica{replica}",
-        hostname="127.0.0.1",
-        timeout=timedelta(seconds=30),
-    )
-    model = DistributedDataParallel(manager, net)
-    optimizer = Optimizer(manager, inner)
-    marker = Path(spec["root"], "killed")
-    first_commit_at = last_commit_at = None
-    while manager.current_step() < spec["batches"]:
-        step = manager.current_step()
-        if replica == 1 and step == spec["kill_at"] and not marker.exists():
-            marker.touch()
-            os.kill(os.getpid(), signal.SIGKILL)
-        rows = slice((step * devices + replica) * 4, (step * devices + replica + 1) * 4)
-        optimizer.zero_grad()  # starts the step's quorum
-        time.sleep(spec["step_s"])
-        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        optimizer.step()  # commits only if every replica's all-reduce succeeded
-        if manager.current_step() > step:
-            last_commit_at = time.time()
-            if first_commit_at is None and spec["replacement"]:
-                Path(spec["root"], "joined").touch()
-            first_commit_at = first_commit_at or last_commit_at
-    weights = torch.cat([p.detach().flatten() for p in net.parameters()])
-    record = {
-        "replacement": spec["replacement"],
-        "first_commit_at": first_commit_at,
-        "last_commit_at": last_commit_at,
-        "weights": weights.tolist(),
-    }
-    Path(spec["root"], f"replica{replica}-{os.getpid()}.json").write_text(json.dumps(record))
-    manager.shutdown(wait=False)
+    """One replica group of one process on 127.0.0.1 (`syncline.lab.ft_ddp`); its record goes to a JSON file."""
+    record = train_replica(spec, "127.0.0.1", spec["lighthouse"])
+    record["replacement"] = spec["replacement"]
+    Path(spec["root"], f"replica{spec['replica']}-{os.getpid()}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

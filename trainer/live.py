@@ -174,6 +174,9 @@ class LiveRecovery:
                     return
                 except _Admit:
                     rank_zero_info(f"Live recovery: admitting a replacement after step {self.trainer.global_step}.")
+                    # Every member is alive and at this boundary: let the step's flag reduction land before the
+                    # group's connections close.
+                    self.trainer.preemption.finish()
                 except Exception as error:
                     self._raise_unless_recoverable(error)
                     self.trainer.strategy.on_peer_lost()

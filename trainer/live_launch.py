@@ -26,7 +26,6 @@ rendezvous, and a worker still alive after ``SYNCLINE_LIVE_DUMP_S`` seconds (60)
 from __future__ import annotations
 
 import contextlib
-import gc
 import multiprocessing
 import os
 import pickle
@@ -36,7 +35,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +45,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
-from syncline.strategies.comm.group_abort import joined_group
+from syncline.strategies.comm.group_abort import joined_group, leave_default_group
 from syncline.trainer.live_watch import LossWatch
 
 if TYPE_CHECKING:
@@ -65,6 +64,9 @@ __all__ = [
 #: Seconds between a member's keep-alives, and how many it may miss before the others count it dead.
 KEEP_ALIVE_S = 1
 KEEP_ALIVE_MISSES = 3
+#: Seconds without a keep-alive after which a member of the current round counts as lost although its connections are
+#: open: twice the rendezvous's own limit (it drops such a member from the next round), against false alarms under load.
+SILENT_S = 2 * KEEP_ALIVE_S * KEEP_ALIVE_MISSES
 #: Seconds a round stays open for late members once one member is in it.
 LAST_CALL_S = 2.0
 #: Store keys (under the run's prefix).
@@ -363,8 +365,7 @@ def _live_worker(stage: str, payload: str, stop_file: str) -> dict[str, Any] | N
             f"{traceback.format_exc().rstrip()}"
         )
         # Leaving the group closes this rank's connections: a peer blocked in a collective fails and reads the notice.
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        leave_default_group()
         return None
     worker_guard.stage_finished()
     rank, first_here = membership.rank, membership.lowest_rank_of_node()
@@ -499,7 +500,7 @@ class LiveMembership:
         )
         host, port = self.address.rsplit(":", 1) if self.address else ("", "0")
         if host:
-            self._watch = LossWatch(host, int(port), _FAILED)
+            self._watch = LossWatch(host, int(port), _FAILED, silent=self._silent_member)
         if self.replacement:
             # Set the task, optimizer and strategy up alone first (their collectives are the members' at the
             # start of fit, not now); the loop then joins the members at a step boundary and heals.
@@ -518,13 +519,8 @@ class LiveMembership:
         assert self._handler is not None
         if self._watch is not None:
             self._watch.disarm()  # a loss posted for the round being left must not abort the next one's group
-        if dist.is_initialized():
-            # Closes this rank's connections: a peer still blocked in a collective with it fails at once.
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-            # gloo closes its connections only when nothing holds the group any more (a cycle may): a member not
-            # next to the dead one in gloo's ring, blocked in a collective, learns of the death only from them.
-            gc.collect()
+        # Closes this rank's connections: a peer still blocked in a collective with it fails at once.
+        leave_default_group()
         # Torch's rendezvous would otherwise make its new rank 0 host a second store.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         _debug("rendezvous")
@@ -545,6 +541,25 @@ class LiveMembership:
         if self._watch is not None:
             self._watch.arm(number)
         return self.round
+
+    def _silent_member(self, store: dist.Store, number: int) -> str | None:
+        """A member of round `number` that sent no keep-alive for `SILENT_S` seconds, or that the rendezvous
+        already dropped for it (None: every member is alive, or the round is over). Reads the rendezvous state."""
+        got = C10dRendezvousBackend(store, f"syncline-live-{self.run_id}").get_state()
+        round_ = self.round
+        if got is None or round_ is None or round_.number != number:
+            return None
+        state = pickle.loads(got[0])
+        if state.round != number or not state.complete:
+            return None  # a new round is forming: the loss is known
+        if len(state.participants) < round_.world_size:
+            return f"a member of round {number} was dropped by the rendezvous (no keep-alive)"
+        limit = datetime.now(timezone.utc) - timedelta(seconds=SILENT_S)
+        for node, rank in state.participants.items():
+            beat = state.last_heartbeats.get(node)
+            if beat is not None and beat < limit:
+                return f"rank {rank} ({node}) sent no keep-alive for {SILENT_S:g} s"
+        return None
 
     def _store_port(self) -> int | None:
         return int(self.address.rsplit(":", 1)[1]) if self.address else None

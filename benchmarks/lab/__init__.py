@@ -15,7 +15,8 @@ Installed as `syncline.lab` (its sources are `benchmarks/lab/` of the repository
   example, per node count and link rate;
 - `faults` (`faults.py`): how long a job takes to end after a node is killed, cut off or stuck;
 - `live-recovery` (`live_recovery.py`): seconds one failure costs with `recovery="live"` (one launcher per node)
-  against a restart from `last.ckpt`, a node lost and started again, node 0 (the store's host) lost.
+  against a restart from `last.ckpt` and torchft's fault-tolerant DDP (`ft_ddp.py`), a node lost and started again,
+  node 0 (the store's host) lost; ``--plot`` draws seconds lost per mode from a run's JSON.
 
 Needs root (or CAP_SYS_ADMIN and CAP_NET_ADMIN) and iproute2; where the machine does not permit private network
 namespaces each command says why in one line. Results print to the terminal; ``--out FILE`` (``--json`` for

@@ -19,7 +19,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["NAME", "missing", "train_to_target"]
+__all__ = ["NAME", "missing", "own_address", "train_to_target"]
 
 #: The name that marks a trade-off row as torchft's DiLoCo (not a registered syncline strategy).
 NAME = "torchft_diloco"
@@ -34,7 +34,7 @@ def missing(rows: str = "torchft row") -> str | None:
     return None
 
 
-def _own_address(master: str) -> str:
+def own_address(master: str) -> str:
     """This node's address on the lab's network: the one its packets to the master leave from."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((master, 1))  # no packet is sent: this only picks the route
@@ -98,7 +98,7 @@ def train_to_target(label: str, options: dict[str, Any], spec: dict[str, Any], g
         inner.load_state_dict(state["inner"])
 
     server, lighthouse = _lighthouse(world)
-    host = _own_address(os.environ["MASTER_ADDR"])
+    host = own_address(os.environ["MASTER_ADDR"])
     store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this replica group's own
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(minutes=10)),

@@ -7,9 +7,14 @@ process. Cases:
 - ``worker_killed``: node 1's worker SIGKILLs itself at step ``--kill-at`` (an out-of-memory kill, say). With
   ``recovery="live"`` (one launcher per node: ``python`` with MASTER_ADDR, MASTER_PORT and NODE_RANK) the others
   go on and node 1's agent starts a replacement, which joins live; with ``"checkpoint"`` (torchrun on every node,
-  ``--max-restarts 1``, ``last.ckpt`` every ``--checkpoint-every`` steps) every worker restarts from it.
+  ``--max-restarts 1``, ``last.ckpt`` every ``--checkpoint-every`` steps) every worker restarts from it. Mode
+  ``torchft``, the reference, runs the same workload on torchft's fault-tolerant DDP (`ft_ddp.py`, where torchft
+  imports): one replica per node under a per-node agent that starts it once more after its death, the lighthouse
+  in node 0's agent; a replacement not yet in a quorum when every other replica is done is ended (no figure).
 - ``node_lost`` (live only): every process of the last node is SIGKILLed at step ``--kill-at``; the others go on at
   the smaller size; the node's launcher is then started again and joins live.
+- ``node_cut`` (live only): the last node's link is cut at step ``--kill-at`` (its veth down: its processes live on
+  and no connection closes, so no collective of the others fails); the others go on once its keep-alives stop.
 - ``store_host_lost`` (live only): node 0, whose launcher hosts the run's store, is SIGKILLed likewise; every other
   node ends, naming the store (recorded: their exit codes, and the seconds until the last process is gone).
 
@@ -20,7 +25,8 @@ checkpoint restart also repeats the steps since the last save: on average half t
 the restart's own cost measured here (its repeated steps taken off).
 
     python -m syncline.lab live-recovery --nodes 2 4 --rates 1gbit 100mbit
-    python -m syncline.lab live-recovery --nodes 3 --cases node_lost
+    python -m syncline.lab live-recovery --nodes 3 --cases node_lost node_cut
+    python -m syncline.lab live-recovery --out lab_live_recovery.json --plot live_recovery.png  # from the JSON
 """
 
 from __future__ import annotations
@@ -28,10 +34,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
+import socket
+import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -44,7 +54,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from syncline.trainer import Task
 
+from . import ft_ddp, ft_diloco
 from .cluster import (
+    MASTER_PORT,
     TRAIN_OPTION,
     UNAVAILABLE,
     add_role_arguments,
@@ -53,16 +65,17 @@ from .cluster import (
     lab_rate,
     lab_unavailable,
     lab_worker,
+    parse_rate,
     ran_inner_role,
     run_in_namespaces,
     start_nodes,
 )
 from .records import write_json
 
-__all__ = ["LabProbe", "add_arguments", "command", "run_cell"]
+__all__ = ["LabProbe", "add_arguments", "command", "plot", "plotted", "run_cell"]
 
-CASES = ("worker_killed", "node_lost", "store_host_lost")
-MODES = ("live", "checkpoint")
+CASES = ("worker_killed", "node_lost", "node_cut", "store_host_lost")
+MODES = ("live", "checkpoint", "torchft")
 #: Half of guide.md's shortest recommended checkpoint interval (10 minutes): the steps a restart repeats on average.
 GUIDE_HALF_INTERVAL_S = 300.0
 #: The strategy's collective timeout by default (its own default is minutes): with gloo, how long a member that is
@@ -70,6 +83,9 @@ GUIDE_HALF_INTERVAL_S = 300.0
 COLLECTIVE_TIMEOUT_S = 30.0
 #: Seconds a case may take in all before its processes are killed and it is reported as hung.
 CASE_LIMIT_S = 400.0
+#: Seconds a torchft replacement may go on once every other node's replica is done: one that joined them ends
+#: with them; one that did not would form a quorum of its own and train alone.
+FT_LATE_S = 2.0
 
 
 class LabProbe(Task):
@@ -131,7 +147,11 @@ def _process_started() -> float:
 
 # ------------------------------------------------------------------ the job each node runs
 def train(spec: dict[str, Any]) -> None:
-    """One node's job: live (this process launches the node's replica) or under torchrun (this is the worker)."""
+    """One node's job: live (this process launches the node's replica) or under torchrun (this is the worker); for
+    torchft, the node's agent or its replica."""
+    if spec["mode"] == "torchft":
+        (_ft_replica if "replacement" in spec else _ft_agent)(spec)
+        return
     from syncline.callbacks import ModelCheckpoint
     from syncline.strategies import BucketedDDP
     from syncline.trainer import Trainer
@@ -162,6 +182,90 @@ def train(spec: dict[str, Any]) -> None:
     trainer.fit(LabProbe(spec, node))
 
 
+# ------------------------------------------------------------------ torchft's fault-tolerant DDP on a node
+def _ft_agent(spec: dict[str, Any]) -> None:
+    """A node's torchft agent: start the node's replica, once more if it is SIGKILLed (as ``max_restarts=1``);
+    node 0's also hosts the lighthouse, until every node's agent is done."""
+    node, nodes, work = int(os.environ["NODE_RANK"]), spec["nodes"], Path(spec["dir"])
+    master = os.environ["MASTER_ADDR"]
+    server = ft_ddp.lighthouse(f"[::]:{MASTER_PORT}", nodes) if node == 0 else None
+    _wait_for_port(master, MASTER_PORT, CASE_LIMIT_S / 4)  # the lighthouse, like a rendezvous
+    others = [work / f"done-node{n}" for n in range(nodes) if n != node]
+    try:
+        code = _run_ft_replica(spec, work, node, others, replacement=False)
+        if code == -signal.SIGKILL:
+            code = _run_ft_replica(spec, work, node, others, replacement=True)
+    finally:
+        (work / f"done-node{node}").touch()
+    if server is not None:
+        deadline = time.monotonic() + CASE_LIMIT_S / 4
+        while not all(path.exists() for path in others) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        server.shutdown()
+    sys.exit(code)
+
+
+def _run_ft_replica(spec: dict[str, Any], work: Path, node: int, others: list[Path], replacement: bool) -> int:
+    """Run the node's replica to its end; return its exit status (0 for a replacement ended as too late)."""
+    job = work / f"ft-node{node}-{'replacement' if replacement else 'first'}.json"
+    job.write_text(json.dumps({**spec, "replacement": replacement}))
+    replica = subprocess.Popen([sys.executable, *lab_worker("live-recovery"), TRAIN_OPTION, str(job)])
+    others_done = None
+    while replica.poll() is None:
+        if replacement and all(path.exists() for path in others):
+            others_done = others_done or time.monotonic()
+            if time.monotonic() - others_done > FT_LATE_S:
+                print("the replacement had not joined when every other replica was done: ended", flush=True)
+                replica.kill()
+                replica.wait()
+                return 0
+        time.sleep(0.1)
+    return replica.returncode
+
+
+def _ft_replica(spec: dict[str, Any]) -> None:
+    """A node's torchft replica (`ft_ddp.train_replica`), logging its steps as `LabProbe` does."""
+    node, master = int(os.environ["NODE_RANK"]), os.environ["MASTER_ADDR"]
+    log = Path(spec["dir"], "steps", f"{os.getpid()}.log")
+
+    def write(line: str) -> None:
+        with open(log, "a") as file:
+            file.write(line + "\n")
+
+    write(f"start {_process_started():.3f} {node}")
+    replica = {k: spec[k] for k in ("batches", "step_s", "kill_at", "replacement")}
+    replica.update(replica=node, devices=spec["nodes"], root=spec["dir"])
+    work, nodes = Path(spec["dir"]), spec["nodes"]
+
+    def all_ready() -> None:
+        # The first replicas start training together: a replica alone at the lighthouse would form a quorum of one.
+        (work / f"ready-node{node}").touch()
+        deadline = time.monotonic() + CASE_LIMIT_S / 4
+        while not all((work / f"ready-node{n}").exists() for n in range(nodes)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    ft_ddp.train_replica(
+        replica,
+        ft_diloco.own_address(master),
+        f"http://{master}:{MASTER_PORT}",
+        on_step=lambda step, world: write(f"{time.time():.3f} 0 {step} {world}"),
+        on_ready=None if spec["replacement"] else all_ready,
+    )
+
+
+def _wait_for_port(host: str, port: int, seconds: float) -> None:
+    """Return once `host` accepts a connection on `port`; raise after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {host}:{port} after {seconds:.0f} s") from None
+            time.sleep(0.2)
+
+
 # ------------------------------------------------------------------ the lab (inside the namespaces)
 def _inside(spec: dict[str, Any]) -> None:
     # SIGTERM or SIGHUP (from `run_in_namespaces`, on Ctrl-C or a timeout) end the nodes' processes before the lab goes.
@@ -182,7 +286,7 @@ def _one(case: str, mode: str, spec: dict[str, Any]) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"syncline-live-{case}-{mode}-", dir=spec["dir"]))
     (work / "steps").mkdir()
     job = {
-        **{k: spec[k] for k in ("nodes", "step_s", "kill_at", "checkpoint_every", "timeout")},
+        **{k: spec[k] for k in ("nodes", "step_s", "kill_at", "checkpoint_every", "timeout", "batches")},
         "case": case,
         "mode": mode,
         "dir": str(work),
@@ -202,16 +306,23 @@ def _one(case: str, mode: str, spec: dict[str, Any]) -> dict[str, Any]:
             record.update(_lose_and_restart_node(nodes - 1, processes, work, command, env, job))
         if case == "store_host_lost":
             _kill_at_step(0, processes, work, job)
+        if case == "node_cut":
+            _at_step(work, job)
+            subprocess.run(["ip", "link", "set", f"veth{nodes - 1}", "down"], check=True)
         deadline = started + CASE_LIMIT_S
-        while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+        # A node cut off is not waited for: its processes end only when their store calls time out.
+        waited = processes[:-1] if case == "node_cut" else processes
+        while any(p.poll() is None for p in waited) and time.monotonic() < deadline:
             time.sleep(0.1)
-        record["hung"] = any(p.poll() is None for p in processes)
+        record["hung"] = any(p.poll() is None for p in waited)
         if case == "store_host_lost":
             record["ended_s"] = round(time.time() - float((work / "killed").read_text()), 2)
     finally:
         end_nodes(range(nodes), grace=1.0)
         for process in processes:
             process.wait()
+        if case == "node_cut":
+            subprocess.run(["ip", "link", "set", f"veth{nodes - 1}", "up"], check=False)  # for the next case
     record["wall_s"] = round(time.monotonic() - started, 2)
     record["codes"] = [p.returncode for p in processes]
     record.update(_read_steps(work, job))
@@ -237,13 +348,19 @@ def _lose_and_restart_node(
 
 def _kill_at_step(node: int, processes: list[subprocess.Popen], work: Path, job: dict[str, Any]) -> float:
     """SIGKILL every process of `node` once a step at or past ``kill_at`` is logged; return when."""
+    killed = _at_step(work, job)
+    _kill_node(node)
+    processes[node].wait()
+    return killed
+
+
+def _at_step(work: Path, job: dict[str, Any]) -> float:
+    """Wait until a step at or past ``kill_at`` is logged; mark the moment as the failure's and return it."""
     deadline = time.monotonic() + CASE_LIMIT_S / 2
     while _latest(work)[0] < job["kill_at"] and time.monotonic() < deadline:
         time.sleep(0.05)
     killed = time.time()
     (work / "killed").write_text(f"{killed:.3f}")
-    _kill_node(node)
-    processes[node].wait()
     return killed
 
 
@@ -354,6 +471,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=COLLECTIVE_TIMEOUT_S, help="the strategy's collective timeout")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, help="only draw the figure from --out's JSON into this PNG")
     add_role_arguments(parser)
 
 
@@ -361,9 +479,21 @@ def command(args: argparse.Namespace) -> int | None:
     """``python -m syncline.lab live-recovery [--nodes 2 4] [--rates 1gbit 100mbit] [--cases ...]``."""
     if ran_inner_role(args, _inside, train):
         return 0
+    if args.plot is not None:
+        if args.out is None:
+            sys.exit("--plot draws from the records of a JSON file: name it with --out.")
+        plot(json.loads(args.out.read_text()), args.plot)
+        print(f"wrote {args.plot}")
+        return 0
     if lab_unavailable("lab live-recovery"):
         return UNAVAILABLE
-    records = []
+    skipped = ft_diloco.missing("lab live-recovery's torchft mode") if "torchft" in args.modes else None
+    if skipped:
+        print(skipped)
+        args.modes = [mode for mode in args.modes if mode != "torchft"]
+        if not args.modes and args.cases == ["worker_killed"]:
+            return 0
+    records, load = [], os.getloadavg()[0]
     print(f"{'nodes':>5} {'link':>8} {'case':>14} {'mode':>11} {'s lost':>7} {'restart s':>9} "
           f"{'+ guide interval':>16} {'replacement s':>13} {'codes':>12}")  # fmt: skip
     for nodes in args.nodes:
@@ -376,7 +506,8 @@ def command(args: argparse.Namespace) -> int | None:
                 records.append({k: v for k, v in record.items() if k != "log_tail"})
                 print(_row(record), flush=True)
     if args.out is not None:
-        write_json(args.out, {"records": records})
+        # Other work on the machine slows start-up and recovery: the 1-minute load average at the start and the end.
+        write_json(args.out, {"load_average_1m": [round(load, 2), round(os.getloadavg()[0], 2)], "records": records})
     return 0 if all(not r.get("hung") and r.get("seconds_lost") is not None for r in records) else 1
 
 
@@ -389,3 +520,77 @@ def _row(r: dict[str, Any]) -> str:
         f"{r['nodes']:>5} {r['rate'] or 'none':>8} {r['case']:>14} {r['mode']:>11} {num('seconds_lost'):>7} "
         f"{num('restart_s'):>9} {num('seconds_lost_at_guide_interval'):>16} {joined:>13} {str(r['codes']):>12}"
     )
+
+
+#: The figure's bars: (label, mode, the record's key), in the order drawn.
+PLOTTED = (
+    ("live", "live", "seconds_lost"),
+    ("checkpoint: restart", "checkpoint", "restart_s"),
+    ("checkpoint at the guide's interval", "checkpoint", "seconds_lost_at_guide_interval"),
+    ("torchft", "torchft", "seconds_lost"),
+)
+_COLORS = {"live": "#4C72B0", "checkpoint: restart": "#DD8452", "checkpoint at the guide's interval": "#C44E52",
+           "torchft": "#55A868"}  # fmt: skip
+
+
+def plotted(records: Sequence[dict[str, Any]]) -> tuple[list[tuple[int, str]], dict[str, list[float | None]]]:
+    """The figure's cells (nodes, link rate or ``none``; by nodes, then fastest link first) and, per bar that has
+    any value, the median over a cell's worker_killed records (None where the cell has none)."""
+    killed = [r for r in records if r["case"] == "worker_killed"]
+
+    def cell_of(record: dict[str, Any]) -> tuple[int, str]:
+        return record["nodes"], record["rate"] or "none"
+
+    def order(cell: tuple[int, str]) -> tuple[int, float]:
+        return cell[0], -(math.inf if cell[1] == "none" else parse_rate(cell[1]))
+
+    cells = sorted({cell_of(r) for r in killed}, key=order)
+    series = {}
+    for label, mode, key in PLOTTED:
+        values = [
+            [r[key] for r in killed if cell_of(r) == cell and r["mode"] == mode and r.get(key) is not None]
+            for cell in cells
+        ]
+        if any(values):
+            series[label] = [statistics.median(v) if v else None for v in values]
+    return cells, series
+
+
+def plot(data: dict[str, Any], out: Path) -> None:
+    """Seconds lost per failure per mode (worker_killed), a group of bars per cell (nodes, link), on a log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells, series = plotted(data["records"])
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(cells)), 4.4))
+    width = 0.8 / max(len(series), 1)
+    for i, (label, values) in enumerate(series.items()):
+        drawn = [(j + (i - (len(series) - 1) / 2) * width, v) for j, v in enumerate(values) if v is not None]
+        # A log scale has no zero: a loss under 0.1 s (or a gain) is drawn at 0.1 s, its value written above.
+        heights = [max(value, 0.1) for _, value in drawn]
+        ax.bar([x for x, _ in drawn], heights, width, color=_COLORS[label], label=label)
+        for (x, value), height in zip(drawn, heights):
+            ax.annotate(f"{value:.1f}", (x, height), xytext=(0, 2), textcoords="offset points", ha="center",
+                        va="bottom", fontsize=7)  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_ylim(0.1, 5 * max((v for vs in series.values() for v in vs if v is not None), default=1.0))
+    ax.set_ylabel("seconds lost per failure")
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels([f"{nodes} nodes\n{_link(rate)}" for nodes, rate in cells])
+    ax.set_title("One worker SIGKILLed on lab nodes: seconds lost per failure")
+    ax.grid(axis="y", alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _link(rate: str) -> str:
+    """A link rate as the docs write it: ``100mbit``: 100 Mbit/s."""
+    if rate == "none":
+        return "unshaped"
+    bits = parse_rate(rate)
+    return f"{bits / 1e9:g} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:g} Mbit/s"

@@ -13,11 +13,19 @@ peers' collectives with this process.
 The group's connections are the sockets that joining it opened (`joined_group` takes the process's sockets
 before and after), less those to or from the store's port. Where the process's descriptors cannot be read
 (no ``/proc``), the abort is torch's alone and gloo's collectives end by their timeout, as before.
+
+Closing the connections does not always end the collective in gloo's own thread: a ring all-reduce's send
+or receive on the pair of a SIGKILLed peer can stay blocked until the group's timeout (seen in about one
+local 3-worker run in three), and the group's destructor joins that thread. Wherever such a group's last
+reference went (a garbage collection mid-run, the interpreter's exit after the stage), the process waited
+out the timeout: 295 s of 300. `leave_default_group` therefore closes the group's connections, leaves it,
+and keeps the group object for the life of the process, so that its destructor never runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import socket
 import threading
@@ -25,7 +33,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-__all__ = ["abort_default_group", "joined_group"]
+__all__ = ["abort_default_group", "joined_group", "leave_default_group"]
 
 _FD_DIR = "/proc/self/fd"
 _LOCK = threading.Lock()
@@ -96,3 +104,19 @@ def abort_default_group() -> int:
                     closed += 1
         _SOCKETS.clear()
     return closed
+
+
+def leave_default_group() -> None:
+    """Leave the default group at once: close its connections (peers blocked on this process fail now), destroy it
+    in torch's registry, and keep its object alive for good, so that no thread ever waits on its destructor.
+
+    A left group costs its sockets (shut down) and its idle threads; a run leaves one per recovery.
+    """
+    if not dist.is_initialized():
+        return
+    group = dist.group.WORLD
+    abort_default_group()
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    # One reference never released: not even the interpreter's exit deallocates the group (see the module).
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))

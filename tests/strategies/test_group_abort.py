@@ -1,4 +1,5 @@
-"""`abort_default_group` ends gloo's collectives in flight at once, which torch 2.13's `abort()` does not.
+"""`abort_default_group` ends gloo's collectives in flight at once, which torch 2.13's `abort()` does not;
+`leave_default_group` leaves a group whose collective stays blocked without waiting for it.
 
 Three real processes join a gloo group with a 60 s timeout through `init_process_group_from_env`; rank 2
 stays in the group without taking part in the next collectives, so ranks 0 and 1 are blocked on a peer that
@@ -26,11 +27,30 @@ def rank_main(rank, port, how, out):
     from syncline.strategies import BucketedDDP
     from syncline.strategies.comm.group_abort import abort_default_group
     from syncline.strategies.comm.process_group import init_process_group_from_env
-    init_process_group_from_env("gloo", 60.0)
+    if how == "leave":
+        # Joined without `joined_group`: no connection is known to close, so the abort cannot end the collective
+        # (as when gloo's own thread stays blocked on a killed peer's pair after the connections closed).
+        from datetime import timedelta
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    else:
+        init_process_group_from_env("gloo", 60.0)
     tensor = torch.ones(1 << 16)
     dist.all_reduce(tensor)  # collective: all three, so every connection is up
     if rank == 2:
         time.sleep(40)  # in the group, in no collective: ranks 0 and 1 wait on it
+        os._exit(0)
+    if rank == 0 and how == "leave":
+        from syncline.strategies.comm.group_abort import leave_default_group
+        import gc
+        work = dist.all_reduce(torch.zeros(1), async_op=True)  # blocked on rank 2 in gloo's thread
+        time.sleep(0.5)
+        open(out + ".failed", "w").write(repr(time.time()))
+        leave_default_group()
+        del work
+        gc.collect()
+        sys.exit(0)  # the interpreter's exit: the group's destructor would join the blocked thread
+    if how == "leave":
+        time.sleep(40)
         os._exit(0)
     if how == "exit":
         # The preemption flag's all-reduce in flight on ranks 0 and 1 (blocked on rank 2)...
@@ -89,3 +109,11 @@ def test_a_rank_whose_stage_failed_exits_without_waiting_out_its_collective_in_f
     failed = float(Path(f"{out}.failed").read_text())
     exited = float(Path(f"{out}.exited").read_text())
     assert exited - failed < 10, exited - failed
+
+
+def test_a_left_group_whose_collective_stays_blocked_does_not_hold_up_the_exit(tmp_path: Path) -> None:
+    # Destroying the group instead (its last reference gone) waited for the blocked all-reduce: until rank 2 left.
+    out = _run(tmp_path, "leave")
+    left = float(Path(f"{out}.failed").read_text())
+    exited = float(Path(f"{out}.exited").read_text())
+    assert exited - left < 10, exited - left

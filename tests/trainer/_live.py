@@ -9,8 +9,9 @@ replacement writes ``<pid>.healed``: 1 if its first step starts from DiLoCo's gl
 line ``step unix_time`` per step, and ``<pid>.killed`` the time of the kill. The
 process holding rank `victim` at step `at_step` kills itself with SIGKILL, once; with `second`, twice (the
 member that holds rank `victim` when the healed group retries that step dies too); with ``fault="raise"`` it
-raises instead. With `preempt_at`, rank 0 sends SIGTERM to process `caller` (the launching script) once, at that
-step; with ``replaced=False`` the survivors do not wait for a replacement.
+raises instead, with ``fault="stop"`` it stops itself (SIGSTOP: ``<pid>.stopped`` has the time) and rank 0 kills
+it at the end of training. With `preempt_at`, rank 0 sends SIGTERM to process `caller` (the launching script)
+once, at that step; with ``replaced=False`` the survivors do not wait for a replacement.
 """
 
 from __future__ import annotations
@@ -77,7 +78,11 @@ class LiveProbe(Task):
         due = self.global_rank == self.victim and self.trainer.global_step == self.at_step
         if due and self.fault == "raise":
             raise ValueError(f"boom on rank {self.victim}")
-        if due and kills < (2 if self.second else 1):
+        if due and self.fault == "stop" and not list(Path(self.log_dir).glob("*.stopped")):
+            # Frozen with its connections open, as a node cut off: no collective of the others fails.
+            Path(self.log_dir, f"{os.getpid()}.stopped").write_text(f"{time.time():.3f}")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if due and self.fault == "kill" and kills < (2 if self.second else 1):
             Path(self.log_dir, f"{os.getpid()}.killed").write_text(f"{time.time():.3f}")
             os.kill(os.getpid(), signal.SIGKILL)
         signalled = Path(self.log_dir, "preempted")
@@ -112,6 +117,9 @@ class LiveProbe(Task):
             Path(self.log_dir, f"{os.getpid()}.replacement").touch()
 
     def on_train_end(self) -> None:
+        if self.global_rank == 0:
+            for frozen in Path(self.log_dir).glob("*.stopped"):
+                os.kill(int(frozen.stem), signal.SIGKILL)  # the run is over: its agent may take it for a death
         digest = _digest(self.parameters())
         state = self.trainer.strategy.state_dict()
         outer = "-"

@@ -92,8 +92,8 @@ def _check_recovered(result, steps, ends, exact: bool) -> None:
     assert not list(result.args and Path(result.args[-1]).parent.rglob("*.ckpt"))
 
 
-def _check_every_sample(steps) -> None:
-    for epoch in ("0", "1"):
+def _check_every_sample(steps, epochs: tuple[str, ...] = ("0", "1")) -> None:
+    for epoch in epochs:
         trained = {
             int(i) for lines in steps.values() for e, _, _, ids, *_ in lines if e == epoch for i in ids.split(",")
         }
@@ -154,6 +154,24 @@ def test_with_four_members_no_survivor_waits_out_its_collective_timeout(tmp_path
         first = next(i for i, line in enumerate(steps[pid]) if line[2] == "3")
         lost[pid] = float(times[first].split()[1]) - killed
     assert max(lost.values()) < 30, f"seconds from the death to each survivor's first step after it: {lost}"
+
+
+def test_a_frozen_member_is_dropped_by_its_keep_alives_not_the_collective_timeout(tmp_path: Path) -> None:
+    # SIGSTOP: its connections stay open (as a node's whose link is cut), so no survivor's collective fails; the
+    # survivors' watches see its keep-alives stop and post the loss.
+    result, steps, _ = _run(tmp_path, "BucketedDDP(timeout=120)", restarts=0, epochs=1, fault="stop")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    stopped = float(next((tmp_path / "logs").glob("*.stopped")).read_text())
+    survivors = {pid for pid, lines in steps.items() if lines[-1][2] == "2"}
+    assert len(survivors) == 2, steps
+    lost = {}
+    for pid in survivors:
+        times = (tmp_path / "logs" / f"{pid}.times").read_text().splitlines()
+        first = next(i for i, line in enumerate(steps[pid]) if line[2] == "2")
+        lost[pid] = float(times[first].split()[1]) - stopped
+    # Measured 7.5 s (6 s without keep-alives, then the new round); the collective timeout is 120 s.
+    assert max(lost.values()) < 40, f"seconds from the freeze to each survivor's first step after it: {lost}"
+    _check_every_sample({pid: lines for pid, lines in steps.items()}, epochs=("0",))
 
 
 def test_a_raise_still_ends_the_run_naming_the_rank(tmp_path: Path) -> None:
