@@ -171,17 +171,12 @@ class FitLoop:
         # pausing the loop for the whole heap (100-200 ms each on a heap with torch imported).
         gc.collect()
         gc.freeze()
-        # Each parameter's gradient accumulator (the autograd node a backward adds its gradient in) lives through
-        # training, as torch's DDP keeps them: otherwise a step's graph, freed when the step ends, takes them
-        # along, and every forward builds them again.
-        accumulators = _grad_accumulators(self.parameters)
         self.trainer.preemption.install()
         try:
             self.run()
         finally:
             self.trainer.preemption.uninstall()
             gc.unfreeze()
-            del accumulators
 
     def run(self) -> None:
         """Train until max_epochs, max_steps or a stop request; nothing at all without training batches."""
@@ -614,14 +609,6 @@ class FitLoop:
 
 
 _END = object()
-
-
-def _grad_accumulators(parameters: list[Tensor]) -> list[Any]:
-    """Return the autograd node that accumulates each parameter's gradient (`AccumulateGrad`), for those that
-    take a gradient now (a hook may have frozen some since the fit was set up)."""
-    with torch.enable_grad():
-        views = [parameter.view_as(parameter) for parameter in parameters if parameter.requires_grad]
-    return [view.grad_fn.next_functions[0][0] for view in views if view.grad_fn is not None]
 
 
 def _no_closure() -> None:
