@@ -76,7 +76,8 @@ def test_the_wheel_puts_only_syncline_at_the_top_level(tmp_path):
     for module in ("__main__.py", "cli.py", "cluster.py", "strategies.py", "tradeoff.py", "bound.py", "faults.py"):
         assert f"syncline/lab/{module}" in names, module
     assert not [n for n in names if n.startswith(("syncline/tests/", "syncline/benchmarks/", "syncline/docs/"))]
-    assert not [n for n in names if n.startswith("syncline/lab/") and n.endswith(("ddp.py", "deferred_update.py"))]
+    paper = ("lab_ddp.py", "lab_deferred_update.py", "lab_section.py")
+    assert not [n for n in names if n.startswith("syncline/lab/") and n.rsplit("/", 1)[-1] in paper]
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "syncline = syncline.trainer.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
