@@ -298,7 +298,9 @@ class CallbackDispatcher:
         """Call `hook` on every callback that overrides it and on the task (if it overrides it)."""
         listeners = self._listeners_of(hook)
         if listeners.ordered:
-            self._call(listeners.name, listeners.ordered, *args, **kwargs)
+            # Keyword arguments (``setup(stage=...)``, as Lightning passes them) only on these rare hooks.
+            called = [functools.partial(listener, **kwargs) for listener in listeners.ordered] if kwargs else None
+            self._call(listeners.name, called or listeners.ordered, *args)
 
     def caller(self, hook: Hook) -> Callable[..., None] | None:
         """Return what fires `hook` on its listeners as they are now, or None when nobody listens.
@@ -310,7 +312,7 @@ class CallbackDispatcher:
         if not listeners.ordered:
             return None
         # A partial, not a closure: the Trainer (and its loop holding this) is pickled to start spawned workers.
-        return functools.partial(self._call_positional, listeners.name, tuple(listeners.ordered))
+        return functools.partial(self._call, listeners.name, tuple(listeners.ordered))
 
     def fire_epoch_end(self, hook: Callable[Concatenate[Callback, Trainer, Task, P], None], monitoring: bool) -> None:
         """Call `hook` as Lightning calls ``on_train_epoch_end``: with `monitoring` False, the callbacks that
@@ -318,17 +320,8 @@ class CallbackDispatcher:
         listeners = self._listeners_of(hook)
         self._call(listeners.name, listeners.monitoring if monitoring else listeners.others + listeners.task)
 
-    def _call(self, name: str, listeners: Sequence[Listener], *args: Any, **kwargs: Any) -> None:
-        trainer, task = self.trainer, self.task
-        results = trainer.results
-        previous, results.hook = results.hook, name
-        for listener in listeners:
-            listener(trainer, task, *args, **kwargs)
-        results.hook = previous
-
-    def _call_positional(self, name: str, listeners: Sequence[Listener], *args: Any) -> None:
-        """`_call` for the hooks of every step, which the loop fires with positional arguments: no keyword
-        dictionary is built per call and per listener."""
+    def _call(self, name: str, listeners: Sequence[Listener], *args: Any) -> None:
+        # Positional arguments only: the hooks of every step pay for no keyword dictionary per listener.
         trainer, task = self.trainer, self.task
         results = trainer.results
         previous, results.hook = results.hook, name
