@@ -440,7 +440,7 @@ class FitLoop:
                 strategy.apply_pending_updates()
             self.fire_batch_end(outputs, batch, batch_idx)
         if window_end and (self.state.global_step % trainer.log_every_n_steps == 0 or self.state.should_stop):
-            self.flush_step_logs(force=True)  # a logging step
+            self.flush_step_logs()  # a logging step
 
     def backward(self, loss: Tensor, batch_idx: int, window_end: bool) -> bool:
         """Reset gradients at a window's start, then back-propagate, as Lightning orders the hooks.
@@ -490,12 +490,10 @@ class FitLoop:
         if self.trainer.dispatcher.reads_parameters(hook):
             self.trainer.strategy.apply_pending_updates()
 
-    def flush_step_logs(self, force: bool = False) -> None:
-        """Send the step values to the loggers at a logging step (every `log_every_n_steps` steps, a stop, or
-        when `force`d)."""
+    def flush_step_logs(self) -> None:
+        """Send the step values to the loggers (the caller decides that this is a logging step: every
+        `log_every_n_steps` steps, or a stop)."""
         trainer = self.trainer
-        if self.state.global_step % trainer.log_every_n_steps and not self.state.should_stop and not force:
-            return
         logs = trainer.results.pop_step_logs()
         if logs:
             trainer.log_metrics({**logs, **self.communication_stats()})

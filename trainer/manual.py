@@ -184,4 +184,4 @@ def train_batch_manually(loop: FitLoop, batch: Any, batch_idx: int) -> None:
     loop.fire(Callback.on_train_batch_end, outputs, batch, batch_idx)
     every = trainer.log_every_n_steps
     if state.global_step // every != steps_before // every or state.should_stop:
-        loop.flush_step_logs(force=True)
+        loop.flush_step_logs()
