@@ -408,6 +408,7 @@ class LiveMembership:
         self.replacement = self.restarted or os.environ.get(_JOIN_ENV) == "1"
         self._handler: DynamicRendezvousHandler | None = None
         self._watch: LossWatch | None = None
+        self._silent_backend: C10dRendezvousBackend | None = None
 
     @classmethod
     def from_environ(cls) -> LiveMembership:
@@ -545,7 +546,9 @@ class LiveMembership:
     def _silent_member(self, store: dist.Store, number: int) -> str | None:
         """A member of round `number` that sent no keep-alive for `SILENT_S` seconds, or that the rendezvous
         already dropped for it (None: every member is alive, or the round is over). Reads the rendezvous state."""
-        got = C10dRendezvousBackend(store, f"syncline-live-{self.run_id}").get_state()
+        if self._silent_backend is None:  # made once, on the watch's own store client (its constructor writes a key)
+            self._silent_backend = C10dRendezvousBackend(store, f"syncline-live-{self.run_id}")
+        got = self._silent_backend.get_state()
         round_ = self.round
         if got is None or round_ is None or round_.number != number:
             return None
