@@ -138,21 +138,28 @@ def test_a_second_death_right_after_healing_is_a_second_recovery(tmp_path: Path)
     _check_every_sample(steps)
 
 
+def _seconds_to_first_step_at(tmp_path: Path, steps, world: str, since: str) -> dict[int, float]:
+    """Per survivor (a process whose last step ran at `world`), seconds from the time in ``*.<since>`` to its first
+    step at that world size (one line per step in both its logs)."""
+    start = float(next((tmp_path / "logs").glob(f"*.{since}")).read_text())
+    lost = {}
+    for pid, lines in steps.items():
+        if lines[-1][2] != world:
+            continue
+        times = (tmp_path / "logs" / f"{pid}.times").read_text().splitlines()
+        first = next(i for i, line in enumerate(lines) if line[2] == world)
+        lost[pid] = float(times[first].split()[1]) - start
+    return lost
+
+
 def test_with_four_members_no_survivor_waits_out_its_collective_timeout(tmp_path: Path) -> None:
     # gloo's ring: rank 3 is not next to the dead rank 1, and its all-reduce sees no closed connection. The first
     # member whose collective fails posts the loss; every member's watch aborts its group, so rank 3's blocked
     # all-reduce fails at once too instead of after the 60 s timeout.
     result, steps, _ = _run(tmp_path, "BucketedDDP(timeout=60)", restarts=0, devices=4, epochs=1, limit=4)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    killed = float(next((tmp_path / "logs").glob("*.killed")).read_text())
-    survivors = {pid for pid, lines in steps.items() if lines[-1][2] == "3"}
-    assert len(survivors) == 3, steps
-    lost = {}
-    for pid in survivors:
-        # One line per step in both logs: the time of the first step at the new world size.
-        times = (tmp_path / "logs" / f"{pid}.times").read_text().splitlines()
-        first = next(i for i, line in enumerate(steps[pid]) if line[2] == "3")
-        lost[pid] = float(times[first].split()[1]) - killed
+    lost = _seconds_to_first_step_at(tmp_path, steps, "3", since="killed")
+    assert len(lost) == 3, steps
     assert max(lost.values()) < 30, f"seconds from the death to each survivor's first step after it: {lost}"
 
 
@@ -161,17 +168,11 @@ def test_a_frozen_member_is_dropped_by_its_keep_alives_not_the_collective_timeou
     # survivors' watches see its keep-alives stop and post the loss.
     result, steps, _ = _run(tmp_path, "BucketedDDP(timeout=120)", restarts=0, epochs=1, fault="stop")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    stopped = float(next((tmp_path / "logs").glob("*.stopped")).read_text())
-    survivors = {pid for pid, lines in steps.items() if lines[-1][2] == "2"}
-    assert len(survivors) == 2, steps
-    lost = {}
-    for pid in survivors:
-        times = (tmp_path / "logs" / f"{pid}.times").read_text().splitlines()
-        first = next(i for i, line in enumerate(steps[pid]) if line[2] == "2")
-        lost[pid] = float(times[first].split()[1]) - stopped
+    lost = _seconds_to_first_step_at(tmp_path, steps, "2", since="stopped")
+    assert len(lost) == 2, steps
     # Measured 7.5 s (6 s without keep-alives, then the new round); the collective timeout is 120 s.
     assert max(lost.values()) < 40, f"seconds from the freeze to each survivor's first step after it: {lost}"
-    _check_every_sample({pid: lines for pid, lines in steps.items()}, epochs=("0",))
+    _check_every_sample(steps, epochs=("0",))
 
 
 def test_a_raise_still_ends_the_run_naming_the_rank(tmp_path: Path) -> None:
