@@ -200,7 +200,13 @@ def launch_live(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]
         TrainingPreempted: the workers stopped on a preemption signal and saved a checkpoint.
     """
     from syncline.rng import capture_rng
-    from syncline.trainer.launcher import WorkerFailedError, _reaped, _stop_gracefully
+    from syncline.trainer.launcher import (
+        _LAUNCH_DIR_PREFIX,
+        WorkerFailedError,
+        _reaped,
+        _remove_stale_launch_dirs,
+        _stop_gracefully,
+    )
     from syncline.trainer.preemption import TrainingPreempted
 
     job = _connect(trainer)
@@ -209,7 +215,10 @@ def launch_live(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]
     graceful = ["SIGINT"] + [s.name for s in trainer.preemption.signals if s != signal.SIGINT and stage == "fit"]
     context = multiprocessing.get_context("spawn")
     launch_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    with tempfile.TemporaryDirectory(prefix="syncline-live-") as folder, _reaped(launch_id):
+    # Named by this process, as `launch`'s folders are: one a SIGKILLed launcher left is removed by the next launch.
+    _remove_stale_launch_dirs()
+    folder_prefix = f"{_LAUNCH_DIR_PREFIX}{os.getpid()}-live-"
+    with tempfile.TemporaryDirectory(prefix=folder_prefix) as folder, _reaped(launch_id):
         payload = Path(folder, "payload.pkl")
         payload.write_bytes(pickle.dumps((trainer, task, kwargs, capture_rng())))
         stop_file = str(Path(folder, "stop"))
