@@ -21,9 +21,14 @@ which moved meanwhile, with the mixing factor α = `alpha`:
         if t - τ ≡ t_p (mod H):   θ̃_p = OuterOpt_p(θ̃_p, Δ_p)
                                   θ_m,p = α θ_m,p + (1 - α) θ̃_p
 
-With F = 1, τ = 0 and α = 0 this is DiLoCo. The outer gradient may travel in bfloat16 or as 8-bit MinMax
-codes (`compression`, the shared quantizer and its scatter-reduce in `comm/compression.py`), with error
-feedback by default: what compression dropped is added to the next outer gradient of the same fragment.
+With F = 1, τ = 0 and α = 0 this is DiLoCo. `merge="carry"` replaces the mix by the global fragment plus the
+replica's own τ inner steps since the launch, θ_m,p = θ̃_p + (θ_m,p - θ_m,p at launch): none of the overlapped
+steps' progress is halved away, and the replicas differ after the merge by those steps only, as they would
+τ steps after a blocking exchange (equal to the mix for τ = 0).
+
+The outer gradient may travel in bfloat16 or as 8-bit MinMax codes (`compression`, the shared quantizer and its
+scatter-reduce in `comm/compression.py`), with error feedback by default: what compression dropped is added to the
+next outer gradient of the same fragment.
 
 The optimizer the task configures is the inner one, each rank's own (never averaged); the outer one is
 torch's SGD over the global copies, one per fragment. An in-flight exchange runs on a communication thread
@@ -70,6 +75,9 @@ __all__ = ["COMPRESSIONS", "DiLoCo"]
 _FAILED_JOIN_S = 2.0
 #: How the outer gradient may travel: float32 as it is, bfloat16, or 8-bit MinMax codes (ByteGrad's exchange).
 COMPRESSIONS = ("none", "bf16", "uint8")
+#: How a new global fragment meets the local one that moved during the overlap: the paper's mix, or the global
+#: fragment plus the local steps since the launch.
+MERGES = ("mix", "carry")
 
 
 @dataclass
@@ -85,11 +93,13 @@ class _Fragment:
 
 @dataclass
 class _InFlight:
-    """A fragment's averaged outer gradient on its way: applied after local step `apply_at`."""
+    """A fragment's averaged outer gradient on its way: applied after local step `apply_at`. With
+    ``merge="carry"``, `launched_from` holds this replica's fragment at the launch (one tensor per dtype)."""
 
     fragment: int
     apply_at: int
     future: Future[tuple[list[Tensor], CommCounter]]
+    launched_from: list[Tensor] | None = None
 
 
 class DiLoCo(ModelAveraging):
@@ -105,7 +115,9 @@ class DiLoCo(ModelAveraging):
             fragment (DiLoCo blocks) and 1 with several (streaming; 0 where period / fragments is 1). Less than
             period / fragments.
         alpha: the mixing factor of the merge, the local fragment's weight (α); None is 0 without overlap (take
-            the global fragment) and 0.5 with it (an even mix).
+            the global fragment) and 0.5 with it (an even mix). Only with ``merge="mix"``.
+        merge: "mix" (the paper's: α θ_m,p + (1 - α) θ̃_p) or "carry" (θ̃_p plus the replica's inner steps since
+            the launch, so the overlapped steps keep all their progress).
         compression: how the outer gradient travels: "none" (float32), "bf16" or "uint8" (8-bit MinMax).
         error_feedback: with compression, carry what it dropped into the fragment's next outer gradient.
         comm_thread: run exchanges on a communication thread (False: at launch, blocking; the same numbers).
@@ -127,6 +139,7 @@ class DiLoCo(ModelAveraging):
         fragments: int = 1,
         overlap_steps: int | None = None,
         alpha: float | None = None,
+        merge: str = "mix",
         compression: str = "none",
         error_feedback: bool = True,
         comm_thread: bool = True,
@@ -154,6 +167,13 @@ class DiLoCo(ModelAveraging):
                 f"DiLoCo(overlap_steps={overlap_steps}): overlap_steps must be below period / fragments = {spacing} "
                 "(one exchange in flight at a time); lower it or raise period."
             )
+        if merge not in MERGES:
+            raise OptionError(f"DiLoCo(merge={merge!r}): merge must be one of {', '.join(map(repr, MERGES))}.")
+        if merge == "carry" and alpha is not None:
+            raise OptionError(
+                f"DiLoCo(merge='carry', alpha={alpha!r}): alpha is the weight of the mix; leave it out with 'carry', "
+                "which keeps the local steps since the launch instead."
+            )
         if alpha is None:
             alpha = 0.0 if overlap_steps == 0 else 0.5
         check_number("DiLoCo", "alpha", alpha, minimum=0, meaning="the local fragment's weight in the merge, 0..1")
@@ -170,6 +190,7 @@ class DiLoCo(ModelAveraging):
         self.fragments = fragments
         self.overlap_steps = overlap_steps
         self.alpha = alpha
+        self.merge = merge
         self.compression = compression
         self.error_feedback = error_feedback
         self.comm_thread = comm_thread
@@ -238,12 +259,30 @@ class DiLoCo(ModelAveraging):
         """Take the healing member's outer state (θ̃, outer momentum, step count, exchange in flight); a replacement
         starts its replica at θ̃ and its error feedback at zero, keeping the inner optimizer state it loaded."""
         super().heal_from(state, replacement=replacement)
+        own = self._in_flight
         self._load_outer_state(state)
         if replacement:
             self._feedback.reset()
             for fragment in self._fragments:
                 for group, (start, end), glob in zip(self._groups, fragment.spans, fragment.globals):
                     write_range(group, start, end, glob)
+        healed = self._in_flight
+        if healed is not None and healed.launched_from is not None:
+            # `merge="carry"` counts this replica's own steps since the launch: the source's launch point is the
+            # source's replica. A survivor that launched the same exchange keeps its own; a replacement, or a
+            # survivor that dropped it, counts from where it stands now.
+            if (
+                not replacement
+                and own is not None
+                and own.launched_from is not None
+                and ((own.fragment, own.apply_at) == (healed.fragment, healed.apply_at))
+            ):
+                healed.launched_from = own.launched_from
+            else:
+                fragment = self._fragments[healed.fragment]
+                healed.launched_from = [
+                    read_range(group, start, end) for group, (start, end) in zip(self._groups, fragment.spans)
+                ]
 
     def on_failure(self) -> None:
         """Drop the exchange in flight and wait only briefly for the thread: its peers may be gone."""
@@ -272,16 +311,15 @@ class DiLoCo(ModelAveraging):
     def _launch(self, index: int, local_step: int) -> None:
         """Δ_p = θ̃_p - θ_m,p, averaged over the ranks on the thread (or here, blocking)."""
         fragment = self._fragments[index]
-        deltas = [
-            glob - read_range(group, start, end)
-            for group, (start, end), glob in zip(self._groups, fragment.spans, fragment.globals)
-        ]
+        locals_ = [read_range(group, start, end) for group, (start, end) in zip(self._groups, fragment.spans)]
+        deltas = [glob - local for glob, local in zip(fragment.globals, locals_)]
         if self._thread is not None:
             future = self._thread.submit(self._average, index, deltas, self._thread.group)
         else:
             future = Future()
             future.set_result(self._average(index, deltas, None))
-        self._in_flight = _InFlight(index, local_step + self.overlap_steps, future)
+        launched_from = locals_ if self.merge == "carry" and self.overlap_steps else None
+        self._in_flight = _InFlight(index, local_step + self.overlap_steps, future, launched_from)
 
     def _average(self, index: int, deltas: list[Tensor], group: Any) -> tuple[list[Tensor], CommCounter]:
         """Return the mean over ranks of each outer gradient of fragment `index`, and the bytes sent (counted apart:
@@ -311,7 +349,7 @@ class DiLoCo(ModelAveraging):
         return averages, counter
 
     def _merge(self) -> None:
-        """θ̃_p = OuterOpt_p(θ̃_p, Δ_p); θ_m,p = α θ_m,p + (1 - α) θ̃_p."""
+        """θ̃_p = OuterOpt_p(θ̃_p, Δ_p); θ_m,p = α θ_m,p + (1 - α) θ̃_p, or θ̃_p + (θ_m,p - θ_m,p at launch)."""
         in_flight, self._in_flight = self._in_flight, None
         assert in_flight is not None
         # Host sync: wait for the thread's exchange (done already when it overlapped enough steps).
@@ -321,10 +359,14 @@ class DiLoCo(ModelAveraging):
         for glob, average in zip(fragment.globals, averages):
             glob.grad = average
         fragment.outer.step()
-        for group, (start, end), glob in zip(self._groups, fragment.spans, fragment.globals):
+        launched_from = in_flight.launched_from or [None] * len(fragment.globals)
+        for group, (start, end), glob, launched in zip(self._groups, fragment.spans, fragment.globals, launched_from):
             glob.grad = None
-            # lerp(θ̃, θ, α) = θ̃ + α (θ - θ̃): exactly θ̃ for α = 0.
-            write_range(group, start, end, torch.lerp(glob, read_range(group, start, end), self.alpha))
+            if launched is not None:
+                write_range(group, start, end, glob + (read_range(group, start, end) - launched))
+            else:
+                # lerp(θ̃, θ, α) = θ̃ + α (θ - θ̃): exactly θ̃ for α = 0.
+                write_range(group, start, end, torch.lerp(glob, read_range(group, start, end), self.alpha))
 
     def _settle_in_flight(self) -> None:
         """Wait for the exchange in flight (every rank's thread ran it), keeping its result for its merge."""
@@ -344,6 +386,7 @@ class DiLoCo(ModelAveraging):
                 "apply_at": self._in_flight.apply_at,
                 "averages": [a.detach().cpu().clone() for a in averages],
                 "bytes": sent.total_bytes,
+                "launched_from": _cpu_copies(self._in_flight.launched_from),
             }
         return {
             **super().algorithm_state_dict(),
@@ -372,14 +415,22 @@ class DiLoCo(ModelAveraging):
             sent.load_state_dict({"step_bytes": 0, "total_bytes": int(saved["bytes"])})
             future: Future[tuple[list[Tensor], CommCounter]] = Future()
             future.set_result(([a.to(self.root_device) for a in saved["averages"]], sent))
-            self._in_flight = _InFlight(int(saved["fragment"]), int(saved["apply_at"]), future)
+            launched = saved.get("launched_from")
+            launched = None if launched is None else [t.to(self.root_device) for t in launched]
+            self._in_flight = _InFlight(int(saved["fragment"]), int(saved["apply_at"]), future, launched)
 
     def __repr__(self) -> str:
         return (
             f"DiLoCo(period={self.period}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, "
             f"fragments={self.fragments}, overlap_steps={self.overlap_steps}, alpha={self.alpha}, "
+            f"merge={self.merge!r}, "
             f"compression={self.compression!r}, comm_thread={self.comm_thread})"
         )
+
+
+def _cpu_copies(tensors: list[Tensor] | None) -> list[Tensor] | None:
+    """CPU copies of `tensors` for a checkpoint (None stays None)."""
+    return None if tensors is None else [t.detach().cpu().clone() for t in tensors]
 
 
 def _succeeded(future: Future[Any]) -> bool:

@@ -77,9 +77,10 @@ def test_accumulation_clipping_and_mixed_precision_compose():
         torch.testing.assert_close(result["delayed"], result["local"], rtol=1e-5, atol=1e-5)
 
 
-def _algorithm_box(world: int, steps: int, period: int, fragments: int, overlap: int, alpha: float):
+def _algorithm_box(world: int, steps: int, period: int, fragments: int, overlap: int, alpha: float, carry=False):
     """Streaming DiLoCo as the paper's algorithm box, `world` replicas in one process (DiLoCo: one fragment, no
-    overlap, alpha 0). Replica m trains on samples m, m + world, ... in batches of 4 (the unshuffled shard it gets
+    overlap, alpha 0); with `carry`, the merge is the global fragment plus each replica's steps since the launch.
+    Replica m trains on samples m, m + world, ... in batches of 4 (the unshuffled shard it gets
     in `fit`), with its own momentum SGD; fragment p is part p of the flat parameters (`tensor_split`); the outer
     step is torch's Nesterov SGD at the paper's 0.7 and 0.9."""
     data = regression_data(64)
@@ -108,13 +109,18 @@ def _algorithm_box(world: int, steps: int, period: int, fragments: int, overlap:
                 # Δ_p = mean_m(θ̃_p - θ_m,p), summed in rank order as the all-reduce of the pre-divided deltas.
                 span = slice(bounds[p], bounds[p + 1])
                 in_flight = (p, t + overlap, sum((parts[p] - flat(task)[span]) / world for task, _ in replicas))
+                launched = [flat(task)[span] for task, _ in replicas]
         if in_flight is not None and in_flight[1] == t:
             p, _, parts[p].grad = in_flight
             in_flight = None
             outer[p].step()
-            for task, _ in replicas:
+            for m, (task, _) in enumerate(replicas):
                 merged = flat(task)
-                merged[bounds[p] : bounds[p + 1]] = torch.lerp(parts[p], merged[bounds[p] : bounds[p + 1]], alpha)
+                span = slice(bounds[p], bounds[p + 1])
+                if carry:
+                    merged[span] = parts[p] + (merged[span] - launched[m])
+                else:
+                    merged[span] = torch.lerp(parts[p], merged[span], alpha)
                 torch.nn.utils.vector_to_parameters(merged, task.parameters())
     return [flat(task) for task, _ in replicas]
 
@@ -122,31 +128,39 @@ def _algorithm_box(world: int, steps: int, period: int, fragments: int, overlap:
 def _boxes(rank: int, world_size: int) -> dict[str, Any]:
     _, diloco = fit(DiLoCo(period=4), max_steps=14)
     _, streaming = fit(DiLoCo(period=4, fragments=2), max_steps=14)
-    return {"diloco": flat_params(diloco), "streaming": flat_params(streaming)}
+    _, carried = fit(DiLoCo(period=6, fragments=2, overlap_steps=2, merge="carry"), max_steps=14)
+    return {"diloco": flat_params(diloco), "streaming": flat_params(streaming), "carried": flat_params(carried)}
 
 
 def test_one_fragment_is_the_diloco_box_and_two_the_streaming_box():
     ranks = run_distributed(_boxes, world_size=2, timeout=120)
     diloco = _algorithm_box(2, 14, 4, fragments=1, overlap=0, alpha=0.0)
     streaming = _algorithm_box(2, 14, 4, fragments=2, overlap=1, alpha=0.5)
+    carried = _algorithm_box(2, 14, 6, fragments=2, overlap=2, alpha=0.0, carry=True)
+    mixed = _algorithm_box(2, 14, 6, fragments=2, overlap=2, alpha=0.5)
     for rank, result in enumerate(ranks):
         # Every operation is the box's, in the same order: the same bits.
         torch.testing.assert_close(result["diloco"], diloco[rank], rtol=0, atol=0)
         torch.testing.assert_close(result["streaming"], streaming[rank], rtol=0, atol=0)
+        torch.testing.assert_close(result["carried"], carried[rank], rtol=0, atol=0)
+        assert not torch.equal(carried[rank], mixed[rank])  # the merges differ where steps overlapped
     assert not torch.equal(ranks[0]["streaming"], ranks[1]["streaming"])  # steps 13-14 are local
 
 
 def _overlapped_and_blocking(rank: int, world_size: int) -> dict[str, Any]:
     results: dict[Any, Any] = {}
-    for thread in (True, False):
-        strategy = DiLoCo(period=6, fragments=3, overlap_steps=1, compression="uint8", comm_thread=thread)
-        trainer, task = fit(strategy, max_steps=14)
-        results[thread] = {
-            "weights": flat_params(task),
-            "bytes": trainer.strategy.communication_stats()["comm/total_bytes"],
-            "feedback": trainer.strategy.state_dict()["error_feedback"],
-        }
-    results["healed"] = _healed(trainer.strategy, task)
+    for merge in ("mix", "carry"):
+        for thread in (True, False):
+            strategy = DiLoCo(
+                period=6, fragments=3, overlap_steps=1, compression="uint8", comm_thread=thread, merge=merge
+            )
+            trainer, task = fit(strategy, max_steps=14)
+            results[merge, thread] = {
+                "weights": flat_params(task),
+                "bytes": trainer.strategy.communication_stats()["comm/total_bytes"],
+                "feedback": trainer.strategy.state_dict()["error_feedback"],
+            }
+        results["healed", merge] = _healed(trainer.strategy, task)
     return results
 
 
@@ -162,7 +176,11 @@ def _healed(strategy: DiLoCo, task: nn.Module) -> dict[str, Any]:
             {**outer, "state": {i: {"momentum_buffer": 2 * m["momentum_buffer"]} for i, m in outer["state"].items()}}
             for outer in own["outer"]
         ],
-        "in_flight": {**own["in_flight"], "averages": [a + 1 for a in own["in_flight"]["averages"]]},
+        "in_flight": {
+            **own["in_flight"],
+            "averages": [a + 1 for a in own["in_flight"]["averages"]],
+            "launched_from": own["in_flight"]["launched_from"] and [t + 1 for t in own["in_flight"]["launched_from"]],
+        },
         "error_feedback": {key: memory + 1 for key, memory in own["error_feedback"].items()},
     }
     before = flat_params(task)
@@ -182,18 +200,21 @@ def overlapped_and_blocking() -> list[dict[str, Any]]:
 
 def test_the_overlapped_exchange_equals_the_blocking_one_to_the_bit(overlapped_and_blocking):
     ranks = overlapped_and_blocking
-    for result in ranks:
-        assert torch.equal(result[True]["weights"], result[False]["weights"])
-        assert result[True]["bytes"] == result[False]["bytes"] > 0
-        assert result[True]["feedback"].keys() == result[False]["feedback"].keys() == {"0.0", "1.0", "2.0"}
-        for key, memory in result[True]["feedback"].items():
-            assert torch.equal(memory, result[False]["feedback"][key])
-    assert not torch.equal(ranks[0][True]["weights"], ranks[1][True]["weights"])
+    for merge in ("mix", "carry"):
+        for result in ranks:
+            thread, blocking = result[merge, True], result[merge, False]
+            assert torch.equal(thread["weights"], blocking["weights"]), merge
+            assert thread["bytes"] == blocking["bytes"] > 0
+            assert thread["feedback"].keys() == blocking["feedback"].keys() == {"0.0", "1.0", "2.0"}
+            for key, memory in thread["feedback"].items():
+                assert torch.equal(memory, blocking["feedback"][key])
+        assert not torch.equal(ranks[0][merge, True]["weights"], ranks[1][merge, True]["weights"])
+    assert not torch.equal(ranks[0]["mix", True]["weights"], ranks[0]["carry", True]["weights"])
 
 
 def test_live_healing_takes_the_outer_state_and_a_replacement_starts_at_the_global_copies(overlapped_and_blocking):
     for result in overlapped_and_blocking:
-        healed = result["healed"]
+        healed = result["healed", "mix"]
         own, source, survivor, replacement = healed["own"], healed["source"], healed["survivor"], healed["replacement"]
         assert own["in_flight"] is not None, "fragment 1, exchanged after step 14, merges after step 15"
         # Both take the source's global copies, outer momentum, step count and exchange in flight.
@@ -210,6 +231,22 @@ def test_live_healing_takes_the_outer_state_and_a_replacement_starts_at_the_glob
         assert replacement["state"]["error_feedback"] == {}
 
 
+def test_under_carry_a_survivor_keeps_its_launch_point_and_a_replacement_counts_from_the_global_copies(
+    overlapped_and_blocking,
+):
+    for result in overlapped_and_blocking:
+        healed = result["healed", "carry"]
+        own, source = healed["own"]["in_flight"], healed["source"]
+        survivor, replacement = healed["survivor"]["state"]["in_flight"], healed["replacement"]["state"]["in_flight"]
+        exchange = ("fragment", "apply_at", "averages", "bytes")
+        for state in (survivor, replacement):  # the exchange itself is the source's
+            _assert_same({k: state[k] for k in exchange}, {k: source["in_flight"][k] for k in exchange})
+        # The launch point is a replica's own: a survivor that launched the same exchange keeps its own, not the
+        # source's; a replacement, started at θ̃, counts its steps from there.
+        _assert_same(survivor["launched_from"], own["launched_from"])
+        _assert_same(replacement["launched_from"], source["globals"][own["fragment"]])
+
+
 def _resumed(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     def diloco():
         return DiLoCo(period=4)
@@ -217,11 +254,16 @@ def _resumed(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     def streaming():
         return DiLoCo(period=4, fragments=2, compression="uint8")
 
+    def carried():
+        return DiLoCo(period=6, fragments=2, overlap_steps=2, merge="carry")
+
     # DiLoCo stopped after inner step 5 of 11: one step into its second period. Streaming DiLoCo stopped after step
     # 6, with fragment 1 (exchanged after steps 2, 6, 10) in flight until step 7.
     return {
         "diloco": straight_and_resumed(rank, world_size, f"{tmp}/diloco", diloco, 5, 11),
         "streaming": straight_and_resumed(rank, world_size, f"{tmp}/streaming", streaming, 6, 11),
+        # Fragment 1 (exchanged after steps 3, 9) launched after step 9 and merged after 11: in flight at the stop.
+        "carried": straight_and_resumed(rank, world_size, f"{tmp}/carried", carried, 10, 13),
     }
 
 
@@ -244,7 +286,7 @@ def _assert_same(saved: Any, expected: Any, where: str = "state") -> None:
 def test_resume_mid_period_is_bit_exact_for_one_and_two_fragments(tmp_path):
     ranks = run_distributed(_resumed, 2, args=(str(tmp_path),), timeout=180)
     for runs in ranks:
-        for name in ("diloco", "streaming"):
+        for name in ("diloco", "streaming", "carried"):
             assert torch.equal(runs[name]["resumed"]["weights"], runs[name]["straight"]["weights"]), name
             _assert_same(runs[name]["resumed"]["state"], runs[name]["straight"]["state"], name)
     for name in ("diloco", "streaming"):
@@ -253,6 +295,9 @@ def test_resume_mid_period_is_bit_exact_for_one_and_two_fragments(tmp_path):
     in_flight = [part["in_flight"] for part in checkpoint["strategy"]["by_rank"]]
     assert [part["fragment"] for part in in_flight] == [1, 1] and [part["apply_at"] for part in in_flight] == [7, 7]
     assert torch.equal(in_flight[0]["averages"][0], in_flight[1]["averages"][0])  # the average is every rank's
+    carried = torch.load(tmp_path / "carried" / "resumed" / "mid.ckpt", weights_only=True)
+    launched = [part["in_flight"]["launched_from"][0] for part in carried["strategy"]["by_rank"]]
+    assert not torch.equal(launched[0], launched[1])  # each replica's own launch point is in its part
 
 
 @pytest.mark.parametrize(
@@ -263,6 +308,8 @@ def test_resume_mid_period_is_bit_exact_for_one_and_two_fragments(tmp_path):
         ({"period": 10, "fragments": 4}, "DiLoCo(period=10, fragments=4): fragments must divide period"),
         ({"period": 8, "fragments": 4, "overlap_steps": 2}, "overlap_steps must be below period / fragments = 2"),
         ({"alpha": 1.5}, "DiLoCo(alpha=1.5): alpha must be between 0 and 1"),
+        ({"merge": "blend"}, "DiLoCo(merge='blend'): merge must be one of 'mix', 'carry'"),
+        ({"merge": "carry", "alpha": 0.5}, "DiLoCo(merge='carry', alpha=0.5): alpha is the weight of the mix"),
         ({"compression": "fp4"}, "DiLoCo(compression='fp4'): compression must be one of 'none', 'bf16', 'uint8'"),
     ],
 )
