@@ -138,6 +138,63 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("torchft diloco H=100", ft_diloco.NAME, {"period": 100}),
 ]
 
+#: The words of a DiLoCo row's label and the `DiLoCo` option each sets (with its type).
+_DILOCO_WORDS: dict[str, tuple[str, type]] = {
+    "H": ("period", int),
+    "F": ("fragments", int),
+    "overlap": ("overlap_steps", int),
+    "alpha": ("alpha", float),
+    "outer_lr": ("outer_lr", float),
+    "outer_momentum": ("outer_momentum", float),
+}
+
+
+def diloco_row(label: str) -> tuple[str, str, dict[str, Any]] | None:
+    """The row a DiLoCo label names in the rows' own words, for settings beyond `STRATEGIES` (tuning runs):
+    ``[streaming] diloco`` then ``H=<period>``, ``F=<fragments>``, ``overlap=<steps>``, ``alpha=``, ``outer_lr=``,
+    ``outer_momentum=``, ``uint8`` or ``bf16`` (the compression) and ``carry`` (the merge). None if it is not one."""
+    words = label.split()
+    words = words[1:] if words[:1] == ["streaming"] else words
+    if words[:1] != ["diloco"]:
+        return None
+    options: dict[str, Any] = {}
+    for word in words[1:]:
+        key, _, value = word.partition("=")
+        if word in ("uint8", "bf16"):
+            options["compression"] = word
+        elif word == "carry":
+            options["merge"] = "carry"
+        elif key in _DILOCO_WORDS and value:
+            name, kind = _DILOCO_WORDS[key]
+            try:
+                options[name] = kind(value)
+            except ValueError:
+                return None
+        else:
+            return None
+    return label, "diloco", options
+
+
+def chosen_rows(labels: list[str] | None) -> list[tuple[str, str, dict[str, Any]]]:
+    """The rows `--only` names (every row of `STRATEGIES` without it), DiLoCo settings beyond them included.
+
+    Raises:
+        SystemExit: a label is neither a row nor a DiLoCo setting.
+    """
+    if not labels:
+        return list(STRATEGIES)
+    known = {row[0]: row for row in STRATEGIES}
+    extra = {label: diloco_row(label) for label in labels if label not in known}
+    unknown = [label for label, row in extra.items() if row is None]
+    if unknown:
+        sys.exit(
+            f"--only {' '.join(map(repr, unknown))}: no such row. Rows: {', '.join(map(repr, known))}; or a DiLoCo "
+            "setting in the same words, e.g. 'streaming diloco H=12 F=4 uint8 overlap=2 carry outer_lr=1.0'."
+        )
+    # The rows in the table's order, then the other settings in the order given.
+    return [row for row in STRATEGIES if row[0] in labels] + [row for row in extra.values() if row is not None]
+
+
 #: Each reference row beside the syncline strategy it is compared with: (its label, syncline's label).
 COUNTERPARTS = {
     "torch powersgd": "powersgd",
@@ -533,7 +590,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rates", type=lab_rate, nargs="+", default=[None, "1gbit", "100mbit"], help="tc rates, or none"
     )
-    parser.add_argument("--only", nargs="*", help="labels of the strategies to run (default: all)")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        help="labels of the strategies to run (default: all), or DiLoCo settings in the labels' words",
+    )
     parser.add_argument(
         "--repeat", action="store_true", help="add these runs to the cells' earlier ones (medians), not replace them"
     )
@@ -578,7 +639,7 @@ def command(args: argparse.Namespace) -> int | None:
         return 0
     if lab_unavailable("lab tradeoff"):
         return UNAVAILABLE
-    strategies = [s for s in STRATEGIES if not args.only or s[0] in args.only]
+    strategies = chosen_rows(args.only)
     skipped = ft_diloco.missing("torchft's DiLoCo rows")
     if skipped and any(name == ft_diloco.NAME for _, name, _ in strategies):
         print(skipped)

@@ -11,7 +11,17 @@ import pytest
 
 from benchmarks import lab_section as lab
 from benchmarks.plans import PLANS
-from syncline.lab.tradeoff import bounds, fill_page, grid_tables, marker_of, speedups, table
+from syncline.lab.tradeoff import (
+    STRATEGIES,
+    bounds,
+    chosen_rows,
+    diloco_row,
+    fill_page,
+    grid_tables,
+    marker_of,
+    speedups,
+    table,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "lab_tradeoff.json"
@@ -124,3 +134,17 @@ def test_runs_that_record_their_peak_get_a_bytes_table_and_the_10mbit_cell_comes
     assert "| streaming diloco H=100 F=4 | - | 0.03 MB / 0.81 MB |" in text
     # Runs recorded before the peak was: no bytes table.
     assert "peak" not in grid_tables({"target": 1.95, "rows": [_row("bucketed_ddp", 2, "100mbit", 60.0)]})
+
+
+def test_a_diloco_setting_named_in_the_rows_words_runs_and_an_unknown_label_is_refused():
+    for label, name, options in STRATEGIES:  # the table's DiLoCo rows read as they are defined
+        if name == "diloco":
+            assert diloco_row(label) == (label, name, options)
+    label = "streaming diloco H=12 F=4 uint8 overlap=2 carry outer_lr=1.0 outer_momentum=0.0"
+    expected = {"period": 12, "fragments": 4, "compression": "uint8", "overlap_steps": 2, "merge": "carry"}
+    assert chosen_rows(["powersgd", label]) == [
+        next(row for row in STRATEGIES if row[0] == "powersgd"),
+        (label, "diloco", {**expected, "outer_lr": 1.0, "outer_momentum": 0.0}),
+    ]
+    with pytest.raises(SystemExit, match=r"--only 'powersgd2' 'diloco H=x': no such row\. Rows: 'bucketed_ddp'"):
+        chosen_rows(["powersgd2", "diloco H=x", "powersgd"])
