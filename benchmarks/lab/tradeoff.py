@@ -462,7 +462,9 @@ def _speedup(up: float | None, side: str = "") -> str:
 
 def grid_tables(data: dict[str, Any]) -> str:
     """Per node count, one row per strategy: seconds (steps) to the target and the speed-up, per link rate; torch's
-    rows also say how many of their runs failed, and syncline's counterpart's time over theirs."""
+    rows also say how many of their runs failed, and syncline's counterpart's time over theirs. The bytes per step
+    are a last column where each strategy's are the same at every rate (the numerics do not depend on the link),
+    else a table of their own."""
     rows = medians(data["rows"])
     ups, sides = speedups(rows), bounds(rows)
     labels = [label for label, _, _ in STRATEGIES if any(r["label"] == label for r in rows)]
@@ -470,13 +472,16 @@ def grid_tables(data: dict[str, Any]) -> str:
     for nodes in sorted({r["nodes"] for r in rows}):
         rates = [rate for rate in RATES if any(r["nodes"] == nodes and r["rate"] == rate for r in rows)]
         cells = {(r["rate"], r["label"]): r for r in rows if r["nodes"] == nodes}
+        sent = {key: _bytes(r) for key, r in cells.items() if "peak_comm_bytes_per_step" in r and not r.get("failed")}
+        one_column = bool(sent) and all(
+            len({sent.get((rate, label)) for rate in rates} - {None}) <= 1 for label in labels
+        )
         head = ["strategy"] + [f"{rate}: s (steps) | vs bucketed_ddp" for rate in rates]
-        lines = [
-            f"{nodes} nodes, training seconds to validation loss {data['target']}:",
-            "",
-            "| " + " | ".join(head) + " |",
-            "|" + "---|" * (1 + 2 * len(rates)),
-        ]
+        title = f"{nodes} nodes, training seconds to validation loss {data['target']}"
+        if one_column:
+            head.append("bytes per step per node, mean / peak")
+            title += ", and bytes per step per node (mean over the run / peak step, the same at every rate)"
+        lines = [f"{title}:", "", "| " + " | ".join(head) + " |", "|" + "---|" * (1 + 2 * len(rates) + one_column)]
         for label in labels:
             line = [label]
             for rate in rates:
@@ -500,9 +505,12 @@ def grid_tables(data: dict[str, Any]) -> str:
                     seconds += f"; {COUNTERPARTS[label]} {r['seconds'] / ours['seconds']:.2f}x sooner"
                 key = (nodes, rate, label)
                 line += [seconds, _speedup(ups.get(key), sides.get(key, ""))]
+            if one_column:
+                line.append(next((sent[rate, label] for rate in rates if (rate, label) in sent), "-"))
             lines.append("| " + " | ".join(line) + " |")
         out.append("\n".join(lines))
-        out.append(bytes_table([r for r in rows if r["nodes"] == nodes], rates, labels))
+        if not one_column:
+            out.append(bytes_table([r for r in rows if r["nodes"] == nodes], rates, labels))
     return "\n\n".join(part for part in out if part)
 
 
@@ -521,14 +529,13 @@ def bytes_table(rows: list[dict[str, Any]], rates: list[str], labels: list[str])
     for label in labels:
         found = [cells.get((rate, label)) for rate in rates]
         if any(found):
-            line = [
-                "-"
-                if r is None
-                else f"{_megabytes(r['comm_bytes_per_step'])} / {_megabytes(r['peak_comm_bytes_per_step'])}"
-                for r in found
-            ]
-            lines.append("| " + " | ".join([label, *line]) + " |")
+            lines.append("| " + " | ".join([label, *("-" if r is None else _bytes(r) for r in found)]) + " |")
     return "\n".join(lines)
+
+
+def _bytes(run: dict[str, Any]) -> str:
+    """A run's mean and peak bytes per step per node, as the tables show them."""
+    return f"{_megabytes(run['comm_bytes_per_step'])} / {_megabytes(run['peak_comm_bytes_per_step'])}"
 
 
 def fill_page(page: str, data: dict[str, Any], marker: str = MARKER) -> str:

@@ -130,8 +130,17 @@ def test_runs_that_record_their_peak_get_a_bytes_table_and_the_10mbit_cell_comes
         run("bucketed_ddp", "100mbit", 3.26e6, 3.26e6),
     ]
     text = grid_tables({"target": 1.95, "rows": rows})
-    assert "| strategy | 100mbit: s (steps) | vs bucketed_ddp | 10mbit: s (steps) | vs bucketed_ddp |" in text
-    assert "| streaming diloco H=100 F=4 | - | 0.03 MB / 0.81 MB |" in text
+    # Each strategy's bytes are the same at every rate: one last column, no table of their own.
+    assert (
+        "| strategy | 100mbit: s (steps) | vs bucketed_ddp | 10mbit: s (steps) | vs bucketed_ddp | bytes per step per "
+        "node, mean / peak |"
+    ) in text
+    assert "| streaming diloco H=100 F=4 | - | - | 50.0 (100) | 1.00x | 0.03 MB / 0.81 MB |" in text
+    assert "mean over the run / peak step):" not in text
+    # Where a strategy's differ between rates (a run stopped early), they get a table of their own.
+    text = grid_tables({"target": 1.95, "rows": [*rows, run("streaming diloco H=100 F=4", "100mbit", 0.02e6, 0.81e6)]})
+    assert "4 nodes, bytes per step per node (mean over the run / peak step):" in text
+    assert "| streaming diloco H=100 F=4 | 0.02 MB / 0.81 MB | 0.03 MB / 0.81 MB |" in text
     # Runs recorded before the peak was: no bytes table.
     assert "peak" not in grid_tables({"target": 1.95, "rows": [_row("bucketed_ddp", 2, "100mbit", 60.0)]})
 
