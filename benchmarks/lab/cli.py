@@ -63,4 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     add_commands(commands, COMMANDS, argv[0] if argv else None)
     args = parser.parse_args(argv)
-    return int(args.command(args) or 0)
+    try:
+        return int(args.command(args) or 0)
+    except KeyboardInterrupt as stop:
+        # The lab has ended every node's processes (`run_lab`), and its namespaces went with it; what a command
+        # writes after each cell or run is on disk.
+        reason = str(stop) or "stopped by Ctrl-C"
+        print(f"lab {argv[0]}: {reason}; every node's processes have ended.", file=sys.stderr, flush=True)
+        return 130

@@ -285,15 +285,19 @@ def run_worker_job(
     work = Path(tempfile.mkdtemp(prefix="syncline-lab-job-"))
     spec = {**spec, "out": str(work / "result.json")}
     (work / "spec.json").write_text(json.dumps(spec))
-    lab = run_lab(
-        [*worker, _WORKER, str(work / "spec.json")],
-        nodes=nodes,
-        rate=rate,
-        timeout=timeout,
-        log_dir=work,
-        env={"OMP_NUM_THREADS": "1", **(env or {})},
-        slow_start_after_idle=slow_start_after_idle,
-    )
+    try:
+        lab = run_lab(
+            [*worker, _WORKER, str(work / "spec.json")],
+            nodes=nodes,
+            rate=rate,
+            timeout=timeout,
+            log_dir=work,
+            env={"OMP_NUM_THREADS": "1", **(env or {})},
+            slow_start_after_idle=slow_start_after_idle,
+        )
+    except KeyboardInterrupt:
+        shutil.rmtree(work, ignore_errors=True)  # stopped: nothing to read in it
+        raise
     if not lab.ok:
         logs = "\n".join(Path(n.log).read_text()[-3000:] for n in lab.node_results if n.returncode)
         job = " ".join(worker[1:])
