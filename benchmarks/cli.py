@@ -66,7 +66,7 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     lab = commands.add_parser("lab", help=f"the network lab: {', '.join(LAB_COMMANDS)}")
     lab_commands = lab.add_subparsers(title="lab commands", metavar="COMMAND", required=True)
     lab_wanted = argv[1] if len(argv) > 1 else "-h"
-    add_commands(lab_commands, LAB_COMMANDS, lab_wanted if wanted == "lab" else "")
+    add_commands(lab_commands, LAB_COMMANDS, lab_wanted if wanted == "lab" else "", lab=True)
     return parser
 
 

@@ -13,9 +13,10 @@ workers on the lab's nodes, and the lab inside its namespaces, go through this e
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 
 __all__ = ["COMMANDS", "add_command", "add_commands", "main"]
@@ -30,8 +31,11 @@ COMMANDS: dict[str, str] = {
 }
 
 
-def add_command(subparsers: argparse._SubParsersAction, name: str, module: ModuleType, hidden: bool = False) -> None:
-    """Add `module`'s command as `name`: its docstring's first line the help, the whole docstring the description."""
+def add_command(
+    subparsers: argparse._SubParsersAction, name: str, module: ModuleType, hidden: bool = False, lab: bool = False
+) -> None:
+    """Add `module`'s command as `name`: its docstring's first line the help, the whole docstring the description.
+    A `lab` command stopped by Ctrl-C (or a signal the lab turns into it) says so in one line and exits 130."""
     summary = (module.__doc__ or name).strip().splitlines()[0]
     parser = subparsers.add_parser(
         name,
@@ -40,16 +44,33 @@ def add_command(subparsers: argparse._SubParsersAction, name: str, module: Modul
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     module.add_arguments(parser)
-    parser.set_defaults(command=module.command)
+    parser.set_defaults(command=functools.partial(_stopping, name, module.command) if lab else module.command)
+
+
+def _stopping(name: str, command: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int | None:
+    """Run lab command `command`; a stop is one line and status 130, not a traceback."""
+    try:
+        return command(args)
+    except KeyboardInterrupt as stop:
+        # The lab has ended every node's processes (`run_lab`), and its namespaces went with it; what a command
+        # writes after each cell or run is on disk.
+        reason = str(stop) or "stopped by Ctrl-C"
+        print(f"lab {name}: {reason}; every node's processes have ended.", file=sys.stderr, flush=True)
+        return 130
 
 
 def add_commands(
-    subparsers: argparse._SubParsersAction, commands: Mapping[str, str], wanted: str | None, hidden: Sequence[str] = ()
+    subparsers: argparse._SubParsersAction,
+    commands: Mapping[str, str],
+    wanted: str | None,
+    hidden: Sequence[str] = (),
+    lab: bool = False,
 ) -> None:
-    """Add every command of `commands` (name: module); only the `wanted` one's module is imported (all for help)."""
+    """Add every command of `commands` (name: module); only the `wanted` one's module is imported (all for help).
+    `lab`: they are the lab's (see `add_command`)."""
     for name, module in commands.items():
         if wanted in (None, "-h", "--help") or wanted == name:
-            add_command(subparsers, name, importlib.import_module(module), hidden=name in hidden)
+            add_command(subparsers, name, importlib.import_module(module), hidden=name in hidden, lab=lab)
         else:
             subparsers.add_parser(name, help=argparse.SUPPRESS)
 
@@ -61,13 +82,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m syncline.lab", description=__doc__.splitlines()[0].split(": ", 1)[1]
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    add_commands(commands, COMMANDS, argv[0] if argv else None)
+    add_commands(commands, COMMANDS, argv[0] if argv else None, lab=True)
     args = parser.parse_args(argv)
-    try:
-        return int(args.command(args) or 0)
-    except KeyboardInterrupt as stop:
-        # The lab has ended every node's processes (`run_lab`), and its namespaces went with it; what a command
-        # writes after each cell or run is on disk.
-        reason = str(stop) or "stopped by Ctrl-C"
-        print(f"lab {argv[0]}: {reason}; every node's processes have ended.", file=sys.stderr, flush=True)
-        return 130
+    return int(args.command(args) or 0)

@@ -717,13 +717,7 @@ def command(args: argparse.Namespace) -> int | None:
         except KeyboardInterrupt:
             return 130
         return 0
-    try:
-        return _command(args)
-    except KeyboardInterrupt as stop:
-        # `run_lab` has ended every node's processes, and the lab's namespaces went with the lab.
-        reason = str(stop) or "stopped by Ctrl-C"
-        print(f"lab: {reason}; every node's processes have ended.", file=sys.stderr, flush=True)
-        return 130
+    return _command(args)
 
 
 def _command(args: argparse.Namespace) -> int | None:
