@@ -279,10 +279,7 @@ class DiLoCo(ModelAveraging):
             ):
                 healed.launched_from = own.launched_from
             else:
-                fragment = self._fragments[healed.fragment]
-                healed.launched_from = [
-                    read_range(group, start, end) for group, (start, end) in zip(self._groups, fragment.spans)
-                ]
+                healed.launched_from = self._local(self._fragments[healed.fragment])
 
     def on_failure(self) -> None:
         """Drop the exchange in flight and wait only briefly for the thread: its peers may be gone."""
@@ -311,7 +308,7 @@ class DiLoCo(ModelAveraging):
     def _launch(self, index: int, local_step: int) -> None:
         """Δ_p = θ̃_p - θ_m,p, averaged over the ranks on the thread (or here, blocking)."""
         fragment = self._fragments[index]
-        locals_ = [read_range(group, start, end) for group, (start, end) in zip(self._groups, fragment.spans)]
+        locals_ = self._local(fragment)
         deltas = [glob - local for glob, local in zip(fragment.globals, locals_)]
         if self._thread is not None:
             future = self._thread.submit(self._average, index, deltas, self._thread.group)
@@ -320,6 +317,10 @@ class DiLoCo(ModelAveraging):
             future.set_result(self._average(index, deltas, None))
         launched_from = locals_ if self.merge == "carry" and self.overlap_steps else None
         self._in_flight = _InFlight(index, local_step + self.overlap_steps, future, launched_from)
+
+    def _local(self, fragment: _Fragment) -> list[Tensor]:
+        """A copy of this replica's values of `fragment`, one tensor per dtype."""
+        return [read_range(group, start, end) for group, (start, end) in zip(self._groups, fragment.spans)]
 
     def _average(self, index: int, deltas: list[Tensor], group: Any) -> tuple[list[Tensor], CommCounter]:
         """Return the mean over ranks of each outer gradient of fragment `index`, and the bytes sent (counted apart:
@@ -384,13 +385,13 @@ class DiLoCo(ModelAveraging):
             in_flight = {
                 "fragment": self._in_flight.fragment,
                 "apply_at": self._in_flight.apply_at,
-                "averages": [a.detach().cpu().clone() for a in averages],
+                "averages": _cpu_copies(averages),
                 "bytes": sent.total_bytes,
                 "launched_from": _cpu_copies(self._in_flight.launched_from),
             }
         return {
             **super().algorithm_state_dict(),
-            "globals": [[glob.detach().cpu().clone() for glob in fragment.globals] for fragment in self._fragments],
+            "globals": [_cpu_copies(fragment.globals) for fragment in self._fragments],
             "outer": [fragment.outer.state_dict() for fragment in self._fragments],
             "error_feedback": self._feedback.state_dict(),
             "in_flight": in_flight,
