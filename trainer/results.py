@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import builtins
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 
 from syncline.options import MisconfigurationException
 
 if TYPE_CHECKING:
+    from torchmetrics import Metric
+
     from syncline.strategies.strategy import ReduceOp, Strategy
 
-__all__ = ["LOG_OPTIONS", "ResultCollection", "infer_batch_size"]
+__all__ = ["LOG_OPTIONS", "ResultCollection", "infer_batch_size", "is_metric"]
 
 #: The spellings of `reduce_fx` that Lightning accepts, each with the reduction it means.
 _REDUCE_FX: dict[Any, str] = {
@@ -33,6 +35,17 @@ _REDUCE_FX: dict[Any, str] = {
     torch.min: "min",
     builtins.min: "min",
 }
+
+
+def is_metric(value: Any) -> bool:
+    """Whether `value` is a torchmetrics `Metric`.
+
+    A Metric exists only once torchmetrics is imported, so the check imports nothing: a run that logs no Metric
+    never pays for importing torchmetrics (half a second of every process's start, a third of syncline's).
+    """
+    torchmetrics = sys.modules.get("torchmetrics")
+    return torchmetrics is not None and isinstance(value, torchmetrics.Metric)
+
 
 #: Where `self.log` may be called, as in Lightning: per hook, the allowed `on_step` and `on_epoch`
 #: values and their defaults. Hooks not listed (setup, on_fit_start, predict_step, ...) cannot log.
@@ -189,7 +202,7 @@ class ResultCollection:
                     f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; log scalars only "
                     "(reduce it first, e.g. `.mean()`), or log a torchmetrics Metric."
                 )
-        elif isinstance(value, Metric):
+        elif is_metric(value):
             entry.pending = entry.on_epoch
             if entry.on_step:
                 # The value of the batch the metric was last called on, as Lightning logs it.
@@ -225,7 +238,7 @@ class ResultCollection:
             )
         on_step, on_epoch = self._levels(name, on_step, on_epoch)
         entry = _Entry(name, on_step, on_epoch, prog_bar, logger, sync_dist, reduce)  # type: ignore[arg-type]
-        if isinstance(value, Metric):
+        if is_metric(value):
             entry.metric = value
         restored = self._restored_aggregates.pop(name, None)
         if restored is not None:
@@ -380,7 +393,7 @@ class ResultCollection:
         modules = dict(task.named_modules())
         for module_name, saved in state.get("metrics", {}).items():
             metric = modules.get(module_name)
-            if isinstance(metric, Metric):
+            if is_metric(metric):
                 for attr, value in saved["state"].items():
                     setattr(metric, attr, value)
                 metric._update_count = saved["update_count"]

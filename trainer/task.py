@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from syncline.rank_zero import rank_zero_warn
 from syncline.trainer.hooks import DataHooks, ModelHooks
 from syncline.trainer.hparams import AttributeDict, HyperparametersMixin, build_from_hparams, read_for_loading
+from syncline.trainer.results import is_metric
 
 if TYPE_CHECKING:
     from torchmetrics import Metric
@@ -350,7 +351,7 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
             )
             return
         # One isinstance at a time: a tuple with the Number ABC costs three times the Tensor check alone.
-        if not isinstance(value, Tensor) and not isinstance(value, numbers.Number) and not _is_metric(value):
+        if not isinstance(value, Tensor) and not isinstance(value, numbers.Number) and not is_metric(value):
             kind = "nested dictionaries" if isinstance(value, dict) else f"`{type(value).__name__}` values"
             raise ValueError(f"`self.log({name}, {value})` was called, but {kind} cannot be logged")
         self._trainer.results.log(
@@ -499,9 +500,3 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Read entries from a checkpoint being restored."""
-
-
-def _is_metric(value: Any) -> bool:
-    from torchmetrics import Metric
-
-    return isinstance(value, Metric)
