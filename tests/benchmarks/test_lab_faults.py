@@ -9,7 +9,9 @@ tests/strategies/test_worker_guard.py.)
 
 Under `recovery="live"` on three nodes (one launcher per node), a node whose every process is SIGKILLed mid-epoch
 leaves the other two training, and the node started again joins them live; node 0 killed (its launcher hosts the
-run's store) ends every other node with one message naming the store.
+run's store) ends every other node with one message naming the store. (A node cut off, its connections open, is
+dropped by its keep-alives stopping: here by `python -m syncline.lab live-recovery --cases node_cut`, in the suite by
+tests/trainer/test_live_recovery.py's frozen member, whose connections stay open too.)
 """
 
 from __future__ import annotations
@@ -43,15 +45,10 @@ def test_a_partition_and_a_stuck_rank_end_every_process_in_bounded_time(monkeypa
 
 
 def test_live_recovery_a_node_lost_leaves_the_others_training_and_the_node_started_again_joins_live():
-    lost, cut, store_host = run_cell(
-        3, None, ["node_lost", "node_cut", "store_host_lost"], step_s=0.1, batches=20, kill_at=5
-    )
+    lost, store_host = run_cell(3, None, ["node_lost", "store_host_lost"], step_s=0.1, batches=20, kill_at=5)
     assert not lost["hung"] and lost["codes"] == [0, 0, 0], lost["log_tail"]
     assert lost["worlds"] == [3, 2, 3], "3 nodes, then 2 after the loss, then 3 with the node back"
     assert lost["seconds_lost"] is not None and len(lost["replacement_first_step_s"]) == 1, lost
-    # A node cut off keeps its connections open: its keep-alives stopping, not the 30 s collective timeout, drop it.
-    assert not cut["hung"] and cut["codes"][:2] == [0, 0] and cut["worlds"] == [3, 2], cut["log_tail"]
-    assert cut["seconds_lost"] is not None and cut["seconds_lost"] < 20, cut  # measured 6.1 s; 34.0 s before
     # Node 0 hosts the store: without it no round can form, and every other node ends, naming it.
     assert not store_host["hung"] and store_host["codes"][1:] == [1, 1], store_host["log_tail"]
     for node in ("node1", "node2"):
