@@ -47,11 +47,17 @@ def add_command(
     parser.set_defaults(command=functools.partial(_stopping, name, module.command) if lab else module.command)
 
 
+#: The options that run a part of a lab command in a process of its own (`--inside-lab`, `--train`, `--worker`).
+_INNER_ROLES = ("inside_lab", "train", "worker")
+
+
 def _stopping(name: str, command: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int | None:
     """Run lab command `command`; a stop is one line and status 130, not a traceback."""
     try:
         return command(args)
     except KeyboardInterrupt as stop:
+        if any(getattr(args, role, None) is not None for role in _INNER_ROLES):
+            return 130  # a part of the command (the lab inside its namespaces, a node's job): the command says it
         # The lab has ended every node's processes (`run_lab`), and its namespaces went with it; what a command
         # writes after each cell or run is on disk.
         reason = str(stop) or "stopped by Ctrl-C"

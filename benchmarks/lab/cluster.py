@@ -46,6 +46,7 @@ __all__ = [
     "bounded",
     "build_nodes",
     "end_nodes",
+    "interrupt_on_signals",
     "lab_rate",
     "lab_unavailable",
     "lab_worker",
@@ -414,8 +415,7 @@ def _inside(spec: dict[str, Any]) -> None:
     nodes, rate = spec["nodes"], spec["rate"]
     # SIGTERM (from the command that started the lab, on its Ctrl-C or its own SIGTERM) or SIGHUP raise here,
     # so that `_run_nodes` ends every process of every node before the lab, and with it the namespaces, goes.
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(signum, _interrupt)
+    interrupt_on_signals()
     build_nodes(nodes, rate, spec.get("slow_start_after_idle", True))
     before = [_veth_bytes(node) for node in range(nodes)]
     started = time.monotonic()
@@ -567,6 +567,13 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 
+def interrupt_on_signals() -> None:
+    """In the lab's own process (inside the namespaces): SIGTERM, SIGHUP and SIGINT raise KeyboardInterrupt, naming
+    the signal, so that the code running the nodes ends every node's processes before the lab goes."""
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, _interrupt)
+
+
 @contextlib.contextmanager
 def _signals_interrupt() -> Iterator[None]:
     """While the lab runs, let SIGTERM and SIGHUP to this process stop it as Ctrl-C does (KeyboardInterrupt),
@@ -712,10 +719,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def command(args: argparse.Namespace) -> int | None:
     """``python -m syncline.lab cluster --nodes N --rate R -- <what torchrun runs>``."""
     if args.inside_lab is not None:
-        try:
-            _inside(json.loads(args.inside_lab))
-        except KeyboardInterrupt:
-            return 130
+        _inside(json.loads(args.inside_lab))
         return 0
     return _command(args)
 

@@ -62,6 +62,7 @@ from .cluster import (
     add_role_arguments,
     build_nodes,
     end_nodes,
+    interrupt_on_signals,
     lab_rate,
     lab_unavailable,
     lab_worker,
@@ -269,8 +270,7 @@ def _wait_for_port(host: str, port: int, seconds: float) -> None:
 # ------------------------------------------------------------------ the lab (inside the namespaces)
 def _inside(spec: dict[str, Any]) -> None:
     # SIGTERM or SIGHUP (from `run_in_namespaces`, on Ctrl-C or a timeout) end the nodes' processes before the lab goes.
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(signum, _interrupt)
+    interrupt_on_signals()
     build_nodes(spec["nodes"], spec["rate"])
     records = []
     for case in spec["cases"]:
@@ -453,10 +453,6 @@ def run_cell(
         return json.loads(Path(spec["result"]).read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
