@@ -106,6 +106,62 @@ def test_optimizer_zero_grad_hook_decides_how_gradients_are_reset():
     _assert_same(task, _by_hand(plain, zero_grad=False))
 
 
+class _GradSeen(Regressor):
+    """Records, per batch, whether the first weight has a gradient in training_step and in the batch hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int, bool]] = []
+
+    def _note(self, where: str, batch_idx: int) -> None:
+        self.seen.append((where, batch_idx, next(self.parameters()).grad is not None))
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self._note("batch_start", batch_idx)
+
+    def training_step(self, batch, batch_idx):
+        self._note("training_step", batch_idx)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self._note("batch_end", batch_idx)
+
+
+def test_gradients_are_reset_where_lightning_resets_them_whenever_a_hook_can_see_it():
+    """Lightning resets a window's gradients after training_step, before the backward. With a listener of
+    on_before_zero_grad the moment is Lightning's: training_step still sees the previous window's gradients."""
+
+    class Listening(_GradSeen):
+        def on_before_zero_grad(self, optimizer):
+            self._note("before_zero_grad", self.trainer.fit_loop.state.batch_idx)
+
+    task = Listening()
+    _fit(task)
+    assert [where for where, batch_idx, _ in task.seen if batch_idx == 1] == [
+        "batch_start", "training_step", "before_zero_grad", "batch_end"
+    ]  # fmt: skip
+    assert all(has_grad for where, batch_idx, has_grad in task.seen if batch_idx > 0 or where == "batch_end")
+
+
+def test_with_nothing_listening_gradients_are_reset_just_before_training_step_and_the_math_is_unchanged():
+    """The one difference from Lightning (docs/from_lightning.md): with no on_before_zero_grad listener and no own
+    optimizer_zero_grad, training_step sees `.grad` None; every hook still sees what it sees in Lightning (the
+    previous window's gradients at batch start, this window's at batch end), and the weights equal plain torch's.
+    With accumulation only a window's first micro-batch starts from reset gradients."""
+    task, plain = _pair(_GradSeen)
+    _fit(task)
+    _assert_same(task, _by_hand(plain))
+    assert task.seen == [
+        (where, batch_idx, where != "training_step" and (batch_idx > 0 or where == "batch_end"))
+        for batch_idx in range(4)
+        for where in ("batch_start", "training_step", "batch_end")
+    ]
+    accumulating = _GradSeen()
+    _fit(accumulating, accumulate_grad_batches=2)
+    in_step = [has_grad for where, _, has_grad in accumulating.seen if where == "training_step"]
+    assert in_step == [False, True, False, True]
+
+
 def test_configure_gradient_clipping_gets_the_trainers_values_and_can_clip_its_own_way():
     seen = []
 
