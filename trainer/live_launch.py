@@ -232,7 +232,9 @@ def launch_live(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]
         }
         agents = [
             context.Process(
-                target=_replica_agent, args=(i, stage, str(payload), folder, env, stop_file, graceful), daemon=False
+                target=_replica_agent,
+                args=(i, stage, str(payload), folder, env, stop_file, graceful, trainer.max_restarts),
+                daemon=False,
             )
             for i in range(trainer.devices)
         ]
@@ -282,9 +284,17 @@ def _failure_notice(store: dist.Store) -> str:
 
 
 def _replica_agent(
-    replica: int, stage: str, payload: str, folder: str, env: dict[str, str], stop_file: str, graceful: list[str]
+    replica: int,
+    stage: str,
+    payload: str,
+    folder: str,
+    env: dict[str, str],
+    stop_file: str,
+    graceful: list[str],
+    max_restarts: int,
 ) -> None:
-    """Run one replica under its own elastic agent, which restarts this replica alone when it dies."""
+    """Run one replica under its own elastic agent, which restarts this replica alone when it dies (the agent never
+    reads the payload: the task and its weights are loaded by the worker alone)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -296,7 +306,6 @@ def _replica_agent(
     for name in graceful:
         signal.signal(signal.Signals[name], signal.SIG_IGN)
     register()
-    trainer = pickle.loads(Path(payload).read_bytes())[0]
     os.environ.update(env)
     logs = Path(os.environ.get("SYNCLINE_LIVE_LOGS") or folder, f"logs-{replica}")
     logs.mkdir(parents=True, exist_ok=True)
@@ -307,7 +316,7 @@ def _replica_agent(
         run_id=f"syncline-live-{replica}-{free_port()}",
         rdzv_backend=LOOPBACK_BACKEND,
         rdzv_endpoint="",
-        max_restarts=trainer.max_restarts,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
         signals_to_handle=",".join(s for s in ("SIGTERM", "SIGHUP", "SIGQUIT") if s not in graceful),
