@@ -537,7 +537,8 @@ def end_nodes(nodes: Sequence[int] | range, grace: float = END_GRACE_S) -> None:
     """End every process in the namespaces of `nodes`: torchrun's agents and their workers, whatever session
     each started (torch starts every worker in a session of its own, out of reach of its agent's group).
 
-    SIGTERM first; whatever still runs after `grace` seconds gets SIGKILL.
+    SIGTERM first; whatever still runs after `grace` seconds gets SIGKILL. Then the launch folders those processes
+    left are removed.
     """
     pids = [pid for node in nodes for pid in _namespace_pids(node)]
     _signal_all(pids, signal.SIGTERM)
@@ -549,6 +550,11 @@ def end_nodes(nodes: Sequence[int] | range, grace: float = END_GRACE_S) -> None:
         _signal_all(pids, signal.SIGKILL)
         time.sleep(0.2)
         pids = [pid for node in nodes for pid in _namespace_pids(node)]
+    # A node's launcher ended by SIGKILL could not remove its launch folder (/tmp/syncline-launch-<pid>-...): remove
+    # every one whose launcher is gone, as the next launch on this machine would.
+    from syncline.trainer.launcher import _remove_stale_launch_dirs
+
+    _remove_stale_launch_dirs()
 
 
 def _signal_all(pids: Sequence[int], signum: int) -> None:

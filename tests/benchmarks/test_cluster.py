@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import textwrap
 from pathlib import Path
@@ -15,6 +16,7 @@ from syncline.lab.cluster import (
     NodeResult,
     _strategy_names,
     bounded,
+    end_nodes,
     link_bound,
     namespaces_unavailable,
     parse_rate,
@@ -153,3 +155,27 @@ def test_a_two_node_trainer_job_runs_through_shaped_links_and_leaves_nothing(tmp
         assert node.bytes_sent >= out["comm_bytes"] > 0, (node, out["comm_bytes"])
     leftover = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout
     assert leftover == ""
+
+
+def test_ending_the_nodes_removes_the_launch_folders_their_killed_launchers_left(tmp_path):
+    """A node's launcher SIGKILLed after the grace cannot remove its /tmp/syncline-launch-<pid>-... folder; ending the
+    nodes removes every launch folder whose launcher is gone, and keeps those of launchers still running."""
+    import os
+    import tempfile
+
+    from syncline.trainer.launcher import _LAUNCH_DIR_PREFIX
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tmp = Path(tempfile.gettempdir())
+    dead = tmp / f"{_LAUNCH_DIR_PREFIX}{gone.pid}-live-{tmp_path.name}"
+    alive = tmp / f"{_LAUNCH_DIR_PREFIX}{os.getpid()}-live-{tmp_path.name}"
+    for folder in (dead, alive):
+        (folder / "logs-0").mkdir(parents=True)
+        (folder / "payload.pkl").write_bytes(b"x")
+    try:
+        end_nodes([])  # no namespace to end: only the folders are looked at
+        assert not dead.exists() and alive.is_dir()
+    finally:
+        for folder in (dead, alive):
+            shutil.rmtree(folder, ignore_errors=True)
