@@ -1,14 +1,19 @@
 """Live recovery's engine: one elastic agent per replica, membership by torch's rendezvous, groups rebuilt in place.
 
-Engine: torch.distributed's own pieces, not torchft. Each replica is a one-process worker group under its own
-torch elastic agent (`elastic_launch`, as torchrun runs it), so that the agent restarts that worker alone when
-it dies: torch's `LocalElasticAgent` stops and restarts *every* worker it watches on any failure, which is
-exactly the restart-from-disk this path avoids. The replicas find each other through one `TCPStore`, hosted
-by the launching process (with `num_nodes` > 1: node 0's launcher, on MASTER_ADDR:MASTER_PORT, where torchrun's
-c10d rendezvous endpoint would be; each node runs a launcher of its own), with torch elastic's
-`DynamicRendezvousHandler` over it (the c10d backend torchrun uses): it decides who is in each round, notices
-a dead member by its missed keep-alives, keeps a newcomer on its wait list until the members open a new round,
-and gives every round a store of its own, from which a fresh gloo/NCCL default group is made. No transport or
+Engine: torch.distributed's own pieces, not torchft. Each replica is a one-process worker group under its own torch
+elastic agent (`elastic_launch`, as torchrun runs it), so that the agent restarts that worker alone when it dies:
+torch's `LocalElasticAgent` stops and restarts *every* worker it watches on any failure, which is exactly the
+restart-from-disk this path avoids. The agent forks its worker rather than spawning a fresh interpreter: it has
+imported torch and the launching script (as every spawned process does), but it never reads the payload or touches
+a GPU itself, and its only other threads are its loopback store's, which no worker uses; so a worker, and above all
+a replacement, skips the interpreter's start and torch's import (1.5-2 s of CPU each; on lab nodes the rendezvous
+round, not that start, sets when a replacement trains: docs/performance.md). The worker first drops the signal
+handlers it inherited (`_as_if_started_afresh`). The replicas find each other through one `TCPStore`, hosted by the
+launching process (with `num_nodes` > 1: node 0's launcher, on MASTER_ADDR:MASTER_PORT, where torchrun's c10d
+rendezvous endpoint would be; each node runs a launcher of its own), with torch elastic's
+`DynamicRendezvousHandler` over it (the c10d backend torchrun uses): it decides who is in each round, notices a
+dead member by its missed keep-alives, keeps a newcomer on its wait list until the members open a new round, and
+gives every round a store of its own, from which a fresh gloo/NCCL default group is made. No transport or
 membership logic is ours; the healing state travels over the new process group (`broadcast_object`).
 
 Why not torchft (0.2.0): its Manager runs a quorum before every step and its own lighthouse and HTTP
@@ -318,7 +323,9 @@ def _replica_agent(
         rdzv_endpoint="",
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        # Forked, not spawned: see the module's docstring. A GPU context cannot cross a fork: if importing the
+        # script made one in this agent, its worker starts as a fresh interpreter instead.
+        start_method="spawn" if torch.cuda.is_initialized() else "fork",
         signals_to_handle=",".join(s for s in ("SIGTERM", "SIGHUP", "SIGQUIT") if s not in graceful),
         logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL),
     )
@@ -330,6 +337,18 @@ def _replica_agent(
     Path(folder, f"result-{replica}.pkl").write_bytes(pickle.dumps(results.get(0)))
 
 
+def _as_if_started_afresh() -> None:
+    """Undo what a worker forked from its agent inherits and a spawned one would not: the agent's Python signal
+    handlers (torch elastic's, which raise in the agent) and its wakeup descriptor. Ignored signals stay ignored, as
+    they do across exec."""
+    signal.set_wakeup_fd(-1)
+    for signum in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            if callable(signal.getsignal(signum)):
+                # A fresh interpreter turns Ctrl-C into KeyboardInterrupt, and leaves every other signal at its default.
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+
 def _live_worker(stage: str, payload: str, stop_file: str) -> dict[str, Any] | None:
     """One replica's process: join the live group, run the stage, return the result if this ends as rank 0 (or
     as the lowest rank of its node, with several nodes)."""
@@ -339,6 +358,7 @@ def _live_worker(stage: str, payload: str, stop_file: str) -> dict[str, Any] | N
     from syncline.trainer.live import LiveRecovery
     from syncline.trainer.preemption import TrainingPreempted
 
+    _as_if_started_afresh()
     if int(os.environ[_NODES_ENV]) == 1:
         use_loopback_for_gloo()  # several nodes: gloo uses GLOO_SOCKET_IFNAME, or the host name's interface
     worker_guard.start(stop_file)

@@ -240,3 +240,30 @@ def test_the_rest_of_an_epoch_is_split_over_the_new_members_without_losing_a_sam
     assert sorted(first) == sorted(order[:24]), "the first segment is the epoch's first 24 samples"
     assert set(later) >= set(order[24:]) and set(first) | set(later) == set(range(97))
     assert len(later) - len(order[24:]) < 2 * 4, "padding fills the last global batch only"
+
+
+def test_a_forked_worker_drops_the_handlers_its_agent_installed_and_keeps_what_the_agent_ignores() -> None:
+    """A live worker is forked from its agent: it must start with the signal state a fresh interpreter would have
+    (torch elastic's handler in the agent raises there; ignored signals stay ignored, as across exec)."""
+    import signal
+
+    from syncline.trainer.live_launch import _as_if_started_afresh
+
+    names = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1)
+    previous = {signum: signal.getsignal(signum) for signum in names}
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    try:
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        signal.signal(signal.SIGINT, lambda signum, frame: None)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        _as_if_started_afresh()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        signal.set_wakeup_fd(wakeup)
