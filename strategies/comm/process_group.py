@@ -28,7 +28,7 @@ from syncline.strategies.comm.collective_log import COLLECTIVES, diagnosis_wait
 from syncline.strategies.comm.counter import CommCounter, count_bytes
 from syncline.strategies.comm.flat import flatten_by_dtype, unflatten_into
 from syncline.strategies.comm.group_abort import abort_default_group, joined_group
-from syncline.strategies.comm.reducer_errors import CollectiveError
+from syncline.strategies.comm.reducer_errors import CollectiveError, first_line
 from syncline.strategies.strategy import ReduceOp, Strategy
 
 if TYPE_CHECKING:
@@ -361,7 +361,7 @@ class ProcessGroupStrategy(Strategy):
             diagnosis = COLLECTIVES.diagnose(diagnosis_wait(error, self.timeout))
             raise CollectiveError(
                 f"Rank {self.global_rank}: {what} failed or did not complete within {self.timeout:g} s: "
-                f"{next(iter(str(error).splitlines()), '')}." + diagnosis
+                f"{first_line(error)}." + diagnosis
             ) from error
 
     def _require_group(self) -> None:

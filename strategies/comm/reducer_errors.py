@@ -23,6 +23,7 @@ __all__ = [
     "UnusedParametersError",
     "check_thawed",
     "dense_gradient_message",
+    "first_line",
     "ready_twice_message",
     "sparse_gradient_message",
     "thawed_message",
@@ -140,7 +141,7 @@ def wait_for_future(future: Future[Tensor], timeout: float, what: str) -> Tensor
         # bucket (as torch's reducer does). On CPU it returns at once.
         return future.wait()
     except RuntimeError as error:
-        raise CollectiveError(f"{what} failed: {error}." + _diagnose(error, timeout)) from error
+        raise CollectiveError(f"{what} failed: {first_line(error)}." + _diagnose(error, timeout)) from error
 
 
 def wait_for_work(work: dist.Work, timeout: float, what: str) -> None:
@@ -153,7 +154,13 @@ def wait_for_work(work: dist.Work, timeout: float, what: str) -> None:
         # Host sync: wait for the collective.
         work.wait(timedelta(seconds=timeout))
     except RuntimeError as error:
-        raise CollectiveError(f"{what} failed: {error}." + _diagnose(error, timeout)) from error
+        raise CollectiveError(f"{what} failed: {first_line(error)}." + _diagnose(error, timeout)) from error
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of a collective's error (torch's and gloo's texts may go on with a C++ trace or end in a line
+    break), so that the message naming the collective stays one line."""
+    return next(iter(str(error).strip().splitlines()), type(error).__name__)
 
 
 def _diagnose(error: BaseException | None, timeout: float) -> str:

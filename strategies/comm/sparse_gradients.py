@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from syncline.strategies.comm.reducer_errors import CollectiveError, dense_gradient_message
+from syncline.strategies.comm.reducer_errors import CollectiveError, dense_gradient_message, first_line
 
 __all__ = ["average_sparse_gradients", "empty_sparse_like", "sparse_gradient_parameters"]
 
@@ -67,6 +67,8 @@ def average_sparse_gradients(
             # Host sync: wait for the sparse all-reduce.
             work.wait(timedelta(seconds=timeout))
         except RuntimeError as error:
-            raise CollectiveError(f"Rank {rank}: sparse all-reduce of {name}'s gradient failed: {error}") from error
+            raise CollectiveError(
+                f"Rank {rank}: sparse all-reduce of {name}'s gradient failed: {first_line(error)}"
+            ) from error
         averaged.append(work.get_future().value()[0].coalesce())
     return averaged

@@ -59,3 +59,14 @@ def test_first_divergence_aligns_by_number_across_rings():
         3,
         {0: "nothing (its log ends before)", 1: "x"},
     )
+
+
+def test_the_message_naming_a_failed_collective_keeps_only_the_first_line_of_torchs_error():
+    """gloo's and torch's texts may end in a line break or go on with a C++ trace: the message stays one line."""
+    from syncline.strategies.comm.reducer_errors import first_line
+
+    assert first_line(RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:5\n")) == (
+        "[pair.cc:534] Connection closed by peer [127.0.0.1]:5"
+    )
+    assert first_line(RuntimeError("Timed out\nException raised from wait at Work.cpp:12")) == "Timed out"
+    assert first_line(RuntimeError("")) == "RuntimeError"
