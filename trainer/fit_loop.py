@@ -443,6 +443,9 @@ class FitLoop:
         loss = outputs if type(outputs) is Tensor and outputs.ndim == 0 else self._loss_of(outputs)
         if batch_idx % self.accumulate == 0:
             self._window_losses = 0
+            if not self._zero_before_forward:
+                # A window's start resets whatever training_step returned (None too), as Lightning's does.
+                self.reset_gradients(batch_idx)
         kept = True
         if loss is not None:
             self._window_losses += 1
@@ -460,8 +463,18 @@ class FitLoop:
         if window_end and (self.state.global_step % trainer.log_every_n_steps == 0 or self.state.should_stop):
             self.flush_step_logs()  # a logging step
 
+    def reset_gradients(self, batch_idx: int) -> None:
+        """Reset the gradients at a window's start, after its first training_step, as Lightning orders the
+        hooks: ``on_before_zero_grad``, then the task's ``optimizer_zero_grad``."""
+        if self.fire_before_zero_grad is not None:
+            self.fire_before_zero_grad(self._stepped_optimizer)
+        if self._own_zero_grad:
+            self.trainer.task.optimizer_zero_grad(self.state.current_epoch, batch_idx, self.trainer_optimizers[0])
+        else:
+            self._zero_grad()  # the strategy's, as the default hook's `optimizer.zero_grad()` is
+
     def backward(self, loss: Tensor, batch_idx: int, window_end: bool) -> bool:
-        """Reset gradients at a window's start, then back-propagate, as Lightning orders the hooks.
+        """Back-propagate the loss (averaged over the window), as Lightning orders the hooks.
 
         Returns:
             False when a non-finite loss (`nonfinite_loss="skip"`) dropped the window.
@@ -470,13 +483,6 @@ class FitLoop:
         if self.accumulate > 1:
             # Average over the window's micro-batches so k steps of size b equal one of size k*b.
             loss = loss / self.accumulate
-        if batch_idx % self.accumulate == 0 and not self._zero_before_forward:
-            if self.fire_before_zero_grad is not None:
-                self.fire_before_zero_grad(self._stepped_optimizer)
-            if self._own_zero_grad:
-                trainer.task.optimizer_zero_grad(self.state.current_epoch, batch_idx, self.trainer_optimizers[0])
-            else:
-                self._zero_grad()  # the strategy's, as the default hook's `optimizer.zero_grad()` is
         if not self.nonfinite.check(loss, window_end, self.state.global_step, batch_idx):
             # Every rank skips alike: no synchronized backward, no step, the window's gradients dropped.
             trainer.strategy.zero_grad(self._stepped_optimizer)

@@ -162,6 +162,35 @@ def test_with_nothing_listening_gradients_are_reset_just_before_training_step_an
     assert in_step == [False, True, False, True]
 
 
+@pytest.mark.parametrize("listening", [False, True], ids=["nothing_listening", "on_before_zero_grad"])
+def test_a_window_whose_first_training_step_returns_none_still_starts_from_reset_gradients(listening):
+    """Lightning resets a window's gradients after its first training_step whatever that returned: with
+    accumulation 2 and batch 2 skipped (None), the second step applies batch 3's gradient alone (halved, the
+    window's average), not the first window's again. Checked against plain torch, tolerance 0."""
+
+    class SkipsBatch2(Regressor):
+        def training_step(self, batch, batch_idx):
+            return None if batch_idx == 2 else super().training_step(batch, batch_idx)
+
+        if listening:
+
+            def on_before_zero_grad(self, optimizer):
+                pass
+
+    task, plain = _pair(SkipsBatch2)
+    _fit(task, accumulate_grad_batches=2)
+    device = reference_device()
+    optimizer = plain.to(device).configure_optimizers()
+    for batch_idx, (x, y) in enumerate(loader(DATA, 8)):
+        if batch_idx % 2 == 0:
+            optimizer.zero_grad()
+        if batch_idx != 2:
+            (nn.functional.mse_loss(plain(x.to(device)), y.to(device)) / 2).backward()
+        if batch_idx % 2 == 1:
+            optimizer.step()
+    _assert_same(task, {name: value.cpu() for name, value in plain.state_dict().items()})
+
+
 def test_configure_gradient_clipping_gets_the_trainers_values_and_can_clip_its_own_way():
     seen = []
 
