@@ -108,7 +108,7 @@ def save_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike[str]) ->
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
+    fsync_directory(path.parent)
 
 
 def _umask() -> int:
@@ -180,7 +180,8 @@ def _no_space_message(checkpoint: dict[str, Any], path: Path, error: Exception) 
     )
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """Make a rename or a new file in `directory` durable (where the platform can open a folder to sync it)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # some platforms cannot open directories; the rename is still atomic

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from syncline.checkpoint_file import _fsync_directory, load_checkpoint, save_checkpoint
+from syncline.checkpoint_file import fsync_directory, load_checkpoint, save_checkpoint
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
 
@@ -35,7 +35,7 @@ def _plain_save(checkpoint: dict[str, Any], path: Path) -> None:
         file.flush()
         os.fsync(file.fileno())
     os.replace(tmp, path)
-    _fsync_directory(path.parent)
+    fsync_directory(path.parent)
 
 
 def _plain_load(path: Path) -> Any:

@@ -99,12 +99,12 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
     # Ctrl-C, and during fit the configured preemption signal (SIGTERM, or SIGUSR1/2, which SLURM's
     # `--signal` sends to every process of the job, this one included): the workers stop after a step.
     graceful = ["SIGINT"] + [s.name for s in trainer.preemption.signals if s != signal.SIGINT and stage == "fit"]
-    _remove_stale_launch_dirs()
+    remove_stale_launch_dirs()
     launch_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
     with (
-        tempfile.TemporaryDirectory(prefix=f"{_LAUNCH_DIR_PREFIX}{os.getpid()}-") as log_dir,
-        _quiet_elastic(),
-        _reaped(launch_id),
+        tempfile.TemporaryDirectory(prefix=f"{LAUNCH_DIR_PREFIX}{os.getpid()}-") as log_dir,
+        quiet_elastic(),
+        reaped(launch_id),
     ):
         # The task travels in a file, not through the pipe that starts each worker: a worker that exits
         # while importing the user's script reads nothing, and a payload larger than the pipe's buffer
@@ -125,13 +125,13 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
             max_restarts=trainer.max_restarts,
             monitor_interval=0.1,
             start_method="spawn",
-            # The graceful signals are handled by `_stop_gracefully`: the workers stop at a step boundary.
+            # The graceful signals are handled by `stop_gracefully`: the workers stop at a step boundary.
             signals_to_handle=",".join(s for s in ("SIGTERM", "SIGHUP", "SIGQUIT") if s not in graceful),
             shutdown_timeout=_STOP_GRACE_S,
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
         try:
-            with _stop_gracefully(graceful, stop_file):
+            with stop_gracefully(graceful, stop_file):
                 results = elastic_launch(config, _worker)(stage, str(payload), stop_file)
         except ChildFailedError as error:
             raise WorkerFailedError(_report(error, nprocs, stage)) from None
@@ -145,13 +145,13 @@ def launch(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]) -> 
     return outcome["return"]
 
 
-_LAUNCH_DIR_PREFIX = "syncline-launch-"
+LAUNCH_DIR_PREFIX = "syncline-launch-"
 
 
-def _remove_stale_launch_dirs() -> None:
+def remove_stale_launch_dirs() -> None:
     """Remove the launch folders of callers that no longer run (killed with SIGKILL, they could not)."""
-    for path in Path(tempfile.gettempdir()).glob(f"{_LAUNCH_DIR_PREFIX}*-*"):
-        pid = path.name[len(_LAUNCH_DIR_PREFIX) :].split("-", 1)[0]
+    for path in Path(tempfile.gettempdir()).glob(f"{LAUNCH_DIR_PREFIX}*-*"):
+        pid = path.name[len(LAUNCH_DIR_PREFIX) :].split("-", 1)[0]
         if not pid.isdigit() or not path.is_dir() or path.stat().st_uid != os.getuid():
             continue
         try:
@@ -163,7 +163,7 @@ def _remove_stale_launch_dirs() -> None:
 
 
 @contextlib.contextmanager
-def _quiet_elastic() -> Iterator[None]:
+def quiet_elastic() -> Iterator[None]:
     """Silence the elastic agent's logs (its own failure report spans dozens of lines) during a launch.
 
     Also puts back the environment variable in which the launch API passes the signals it handles.
@@ -185,7 +185,7 @@ def _quiet_elastic() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _reaped(launch_id: str) -> Iterator[None]:
+def reaped(launch_id: str) -> Iterator[None]:
     """Mark every process this launch starts with `launch_id`, and reap them all if this process dies.
 
     The workers inherit the mark (``SYNCLINE_LAUNCH=<this pid>-<id>``) from the moment they are spawned,
@@ -214,7 +214,7 @@ def _reaped(launch_id: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _stop_gracefully(names: list[str], stop_file: str) -> Iterator[None]:
+def stop_gracefully(names: list[str], stop_file: str) -> Iterator[None]:
     """Make a first SIGINT or preemption signal to this process stop the workers at a step boundary; a second aborts.
 
     The first writes the stop file every worker checks at the end of each optimizer step, so the ranks

@@ -206,11 +206,11 @@ def launch_live(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]
     """
     from syncline.rng import capture_rng
     from syncline.trainer.launcher import (
-        _LAUNCH_DIR_PREFIX,
+        LAUNCH_DIR_PREFIX,
         WorkerFailedError,
-        _reaped,
-        _remove_stale_launch_dirs,
-        _stop_gracefully,
+        reaped,
+        remove_stale_launch_dirs,
+        stop_gracefully,
     )
     from syncline.trainer.preemption import TrainingPreempted
 
@@ -221,9 +221,9 @@ def launch_live(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]
     context = multiprocessing.get_context("spawn")
     launch_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
     # Named by this process, as `launch`'s folders are: one a SIGKILLed launcher left is removed by the next launch.
-    _remove_stale_launch_dirs()
-    folder_prefix = f"{_LAUNCH_DIR_PREFIX}{os.getpid()}-live-"
-    with tempfile.TemporaryDirectory(prefix=folder_prefix) as folder, _reaped(launch_id):
+    remove_stale_launch_dirs()
+    folder_prefix = f"{LAUNCH_DIR_PREFIX}{os.getpid()}-live-"
+    with tempfile.TemporaryDirectory(prefix=folder_prefix) as folder, reaped(launch_id):
         payload = Path(folder, "payload.pkl")
         payload.write_bytes(pickle.dumps((trainer, task, kwargs, capture_rng())))
         stop_file = str(Path(folder, "stop"))
@@ -244,7 +244,7 @@ def launch_live(trainer: Trainer, stage: str, task: Task, kwargs: dict[str, Any]
             for i in range(trainer.devices)
         ]
         try:
-            with _stop_gracefully(graceful, stop_file):
+            with stop_gracefully(graceful, stop_file):
                 for agent in agents:
                     agent.start()
                 for agent in agents:
@@ -303,7 +303,7 @@ def _replica_agent(
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from syncline.trainer.launcher import _quiet_elastic, free_port
+    from syncline.trainer.launcher import free_port, quiet_elastic
     from syncline.trainer.loopback_rendezvous import LOOPBACK_BACKEND, register
 
     # Ctrl-C and the preemption signal are the worker's to take (it stops after the step with last.ckpt), not
@@ -329,7 +329,7 @@ def _replica_agent(
         signals_to_handle=",".join(s for s in ("SIGTERM", "SIGHUP", "SIGQUIT") if s not in graceful),
         logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL),
     )
-    with _quiet_elastic():
+    with quiet_elastic():
         try:
             results = elastic_launch(config, _live_worker)(stage, payload, stop_file)
         except Exception:

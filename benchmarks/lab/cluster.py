@@ -552,9 +552,9 @@ def end_nodes(nodes: Sequence[int] | range, grace: float = END_GRACE_S) -> None:
         pids = [pid for node in nodes for pid in _namespace_pids(node)]
     # A node's launcher ended by SIGKILL could not remove its launch folder (/tmp/syncline-launch-<pid>-...): remove
     # every one whose launcher is gone, as the next launch on this machine would.
-    from syncline.trainer.launcher import _remove_stale_launch_dirs
+    from syncline.trainer.launcher import remove_stale_launch_dirs
 
-    _remove_stale_launch_dirs()
+    remove_stale_launch_dirs()
 
 
 def _signal_all(pids: Sequence[int], signum: int) -> None:

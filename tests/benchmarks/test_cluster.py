@@ -163,13 +163,13 @@ def test_ending_the_nodes_removes_the_launch_folders_their_killed_launchers_left
     import os
     import tempfile
 
-    from syncline.trainer.launcher import _LAUNCH_DIR_PREFIX
+    from syncline.trainer.launcher import LAUNCH_DIR_PREFIX
 
     gone = subprocess.Popen(["true"])
     gone.wait()
     tmp = Path(tempfile.gettempdir())
-    dead = tmp / f"{_LAUNCH_DIR_PREFIX}{gone.pid}-live-{tmp_path.name}"
-    alive = tmp / f"{_LAUNCH_DIR_PREFIX}{os.getpid()}-live-{tmp_path.name}"
+    dead = tmp / f"{LAUNCH_DIR_PREFIX}{gone.pid}-live-{tmp_path.name}"
+    alive = tmp / f"{LAUNCH_DIR_PREFIX}{os.getpid()}-live-{tmp_path.name}"
     for folder in (dead, alive):
         (folder / "logs-0").mkdir(parents=True)
         (folder / "payload.pkl").write_bytes(b"x")

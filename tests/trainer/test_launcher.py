@@ -140,5 +140,5 @@ def test_launch_folders_of_callers_that_no_longer_run_are_removed(tmp_path, monk
     for folder in (gone, mine, other):
         (folder / "attempt_0").mkdir(parents=True)
         (folder / "payload.pkl").write_bytes(b"x")
-    launcher._remove_stale_launch_dirs()
+    launcher.remove_stale_launch_dirs()
     assert not gone.exists() and mine.exists() and other.exists()
