@@ -144,7 +144,8 @@ class EvaluationLoop:
                     extra = (dataloader_idx,) if several else ()
                     results.dataloader_idx = dataloader_idx if several else None
                     for batch_idx, batch in enumerate(epoch_batches(loader, limit)):
-                        batch = move(batch, dataloader_idx)
+                        if move is not None:
+                            batch = move(batch, dataloader_idx)
                         results.new_batch(batch)
                         if stage == "predict":
                             self._note_batch_indices(loader, batch_idx, dataloader_idx)
