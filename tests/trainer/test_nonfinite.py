@@ -9,6 +9,7 @@ from syncline.options import OptionError
 from syncline.testing import run_distributed, run_ranks
 from syncline.trainer import Trainer
 from syncline.trainer.launcher import WorkerFailedError
+from syncline.trainer.nonfinite import NonfiniteLossError
 from tests.trainer._tasks import Regressor, loader, quiet, regression_data
 
 BAD_BATCH = 2  # the first micro-batch of the second window with accumulate_grad_batches=2
@@ -90,3 +91,49 @@ def test_a_launch_headlines_the_rank_whose_loss_was_nan(tmp_path):
     )
     with pytest.raises(WorkerFailedError, match=r"^Worker rank 1 of 2 failed during fit: NonfiniteLossError"):
         trainer.fit(NanOnRankOne(), loader(regression_data(64), 4))
+
+
+class NanAtBatchTwo(Regressor):
+    """One process: the loss of batch 2 of the first epoch is NaN."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.current_epoch == 0 and batch_idx == 2 else loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_one_process_raises_before_the_step_or_skips_the_window_as_plain_torch_would(accumulate):
+    """In one process the verdict is this process's own (no all-reduce): "raise" stops before the step that would
+    apply the NaN, naming it; "skip" leaves the weights where plain torch leaves them when it skips that window
+    (SGD, tolerance 0) and counts one step fewer."""
+    data = regression_data(32)
+    torch.manual_seed(0)
+    raising = NanAtBatchTwo()
+    trainer = Trainer(**quiet(max_epochs=1, accumulate_grad_batches=accumulate))
+    with pytest.raises(NonfiniteLossError, match=f"rank 0 of 1 at global_step {2 // accumulate}"):
+        trainer.fit(raising, loader(data, 4))
+    assert trainer.global_step == 2 // accumulate
+
+    torch.manual_seed(0)
+    skipping, plain = NanAtBatchTwo(), Regressor()
+    plain.load_state_dict(skipping.state_dict())
+    trainer = Trainer(**quiet(max_epochs=1, accumulate_grad_batches=accumulate, nonfinite_loss="skip"))
+    with pytest.warns(UserWarning, match="the step was skipped on every rank"):
+        trainer.fit(skipping, loader(data, 4))
+    optimizer = torch.optim.SGD(plain.parameters(), lr=plain.lr)
+    batches = list(loader(data, 4))
+    windows = [batches[i : i + accumulate] for i in range(0, len(batches), accumulate)]
+    skipped_window = 2 // accumulate
+    for w, window in enumerate(windows):
+        if w == skipped_window:
+            continue
+        optimizer.zero_grad()
+        for x, y in window:
+            (torch.nn.functional.mse_loss(plain(x), y) / accumulate).backward()
+        optimizer.step()
+    assert trainer.global_step == len(windows) - 1
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(skipping.state_dict()[name], value, rtol=0, atol=0)
