@@ -272,18 +272,21 @@ def eval_dataloaders(task: Any, stage: str, dataloaders: Any) -> Any:
     return dataloaders
 
 
-def batch_mover(trainer: Trainer) -> Callable[[Any, int], Any] | None:
+def batch_mover(trainer: Trainer) -> Callable[[Any, int], Any]:
     """Return how this stage moves a batch to the device, decided once: `move_batch` when the task or the
-    DataModule overrides a batch-transfer hook; otherwise what the default hooks do (None on the CPU: the
-    batch stays as it is, and a step pays for no call)."""
+    DataModule overrides a batch-transfer hook; otherwise what the default hooks do (nothing on the CPU)."""
     task, datamodule = trainer.task, trainer.datamodule
     owners = [task] if datamodule is None else [task, datamodule]
     if any(overrides(owner, DataHooks, name) for owner in owners for name in TRANSFER_HOOKS):
         return functools.partial(move_batch, trainer)
     device = trainer.strategy.root_device
     if device.type == "cpu":
-        return None
+        return _unmoved
     return lambda batch, dataloader_idx: move_to_device(batch, device)
+
+
+def _unmoved(batch: Any, dataloader_idx: int) -> Any:
+    return batch
 
 
 def move_batch(trainer: Trainer, batch: Any, dataloader_idx: int) -> Any:

@@ -144,8 +144,7 @@ class EvaluationLoop:
                     extra = (dataloader_idx,) if several else ()
                     results.dataloader_idx = dataloader_idx if several else None
                     for batch_idx, batch in enumerate(epoch_batches(loader, limit)):
-                        if move is not None:
-                            batch = move(batch, dataloader_idx)
+                        batch = move(batch, dataloader_idx)
                         results.new_batch(batch)
                         if stage == "predict":
                             self._note_batch_indices(loader, batch_idx, dataloader_idx)

@@ -59,7 +59,7 @@ class FitLoop:
         #: The forward's autocast context (None: the forward runs as it is), and whether the loss is scaled.
         self.autocast: Callable[[], Any] | None = None
         self.scales_loss = False
-        self._transfer: Callable[[Any, int], Any] | None = None
+        self._transfer: Any = None
         self._stepped_optimizer: torch.optim.Optimizer | None = None  # the one automatic optimization steps
         # The strategy's part of a step, decided once per fit (`setup`): a method the strategy leaves at the base's
         # is replaced by what the base does (the task's forward, autograd's backward, the optimizer's zero_grad).
@@ -80,9 +80,6 @@ class FitLoop:
         #: when the loaders may have been reloaded).
         self._validates = False
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
-        self._one_loss_windows = self._closes_comm_step = False
-        #: Whether every step asks `stop_if_preempted` (decided in `train`); otherwise only a received signal.
-        self._polls_stop = True
         #: The last window's loss, released when the next one exists (see `train_batch`).
         self._previous_loss: Tensor | None = None
         #: RNG state of the checkpoint being resumed, applied at the point in the loop it was taken.
@@ -172,10 +169,6 @@ class FitLoop:
         if precision is not None:
             self.step_functions = {optimizer: precision.step(optimizer) for optimizer in optim.optimizers}
         self.nonfinite = NonfiniteLossGuard(trainer.nonfinite_loss, trainer.strategy)
-        # One process, one loss per window: the check is one read of the loss, in `backward`, without a call.
-        self._one_loss_windows = self.nonfinite.alone and self.accumulate == 1
-        # A one-process strategy counts no communication: its step has no counter to close.
-        self._closes_comm_step = trainer.strategy.multi_process
         self.resume_rng = None
         # Decided once per fit: a one-process strategy communicates nothing and logs no comm/* values (as
         # Lightning logs none); a data-parallel one logs its counters, in a world of one too.
@@ -196,11 +189,7 @@ class FitLoop:
         # pausing the loop for the whole heap (100-200 ms each on a heap with torch imported).
         gc.collect()
         gc.freeze()
-        preemption = self.trainer.preemption
-        preemption.install()
-        # A plain script can only be asked to stop by its own signal handler (`preemption.received`); other
-        # ranks or a request from outside need the check of every step.
-        self._polls_stop = self.trainer.strategy.multi_process or preemption.external
+        self.trainer.preemption.install()
         try:
             self.run()
         finally:
@@ -432,23 +421,20 @@ class FitLoop:
             if self._schedules_steps:
                 # After the batch's validation, as Lightning steps them: they may monitor a validation metric.
                 self.step_schedulers("step", self.state.global_step, plateau=True)
-            if self._polls_stop or self.trainer.preemption.received:
-                self.stop_if_preempted()
+            self.stop_if_preempted()
 
     def train_batch(self, batch: Any, batch_idx: int, is_last: bool) -> None:
         """Forward, backward (synchronized at the end of an accumulation window), and maybe a step."""
         trainer = self.trainer
         strategy, results = trainer.strategy, trainer.results
-        if self._transfer is not None:
-            batch = self._transfer(batch, 0)
-        # What `results.new_batch` does, without the call.
-        results.current_batch, results.current_batch_size = batch, None
+        batch = self._transfer(batch, 0)
+        results.new_batch(batch)
         if self.fire_batch_start is not None:
             self.fire_batch_start(batch, batch_idx)
         window_end = is_last or (batch_idx + 1) % self.accumulate == 0
         strategy.sync_next_backward = window_end
         if self._zero_before_forward and batch_idx % self.accumulate == 0:
-            self._zero_grad()  # see `setup`: what `backward` would do after the step, when nothing can tell
+            self._zero_grad()  # see `setup`: what `reset_gradients` would do after training_step, when nothing can tell
         results.hook = "training_step"
         if self.autocast is None:
             outputs = self._forward(batch, batch_idx)
@@ -506,9 +492,7 @@ class FitLoop:
         if self.accumulate > 1:
             # Average over the window's micro-batches so k steps of size b equal one of size k*b.
             loss = loss / self.accumulate
-        if not (self._one_loss_windows and math.isfinite(loss.item())) and not self.nonfinite.check(
-            loss, window_end, self.state.global_step, batch_idx
-        ):
+        if not self.nonfinite.check(loss, window_end, self.state.global_step, batch_idx):
             # Every rank skips alike: no synchronized backward, no step, the window's gradients dropped.
             trainer.strategy.zero_grad(self._stepped_optimizer)
             return False
@@ -532,7 +516,7 @@ class FitLoop:
 
     def transfer(self, batch: Any) -> Any:
         """Move a training batch to the device through the batch-transfer hooks (those the task overrides)."""
-        return batch if self._transfer is None else self._transfer(batch, 0)
+        return self._transfer(batch, 0)
 
     def land_before(self, hook: Callable[..., None]) -> None:
         """Land a step in flight (`Strategy.apply_pending_updates`) if a listener of `hook` may read the weights."""
@@ -618,8 +602,7 @@ class FitLoop:
         if apply and self._plain_step:
             # What `take_step` and the base strategy's step come to when the fit asks nothing else of them.
             self._stepped_optimizer.step()
-            if self._closes_comm_step:
-                trainer.strategy.comm_counter.close_step()
+            trainer.strategy.comm_counter.close_step()
         elif apply and self._own_step:
             # The window's forwards and backwards ran already: the closure has nothing left to run.
             trainer.task.optimizer_step(state.current_epoch, batch_idx, self.trainer_optimizers[0], _no_closure)

@@ -46,7 +46,7 @@ class NonfiniteLossGuard:
         self.skipped = 0
         #: One process, whatever happens during the fit (a multi-process strategy may run a world of one for a
         #: while): the verdict is this process's own, with nothing to agree on.
-        self.alone = not strategy.multi_process
+        self._alone = not strategy.multi_process
 
     def observe(self, loss: Tensor) -> None:
         """Remember `loss` for the check at the window's end (no op, no host sync)."""
@@ -59,7 +59,7 @@ class NonfiniteLossGuard:
             NonfiniteLossError: as `window_is_finite`.
         """
         # Host sync: the verdict decides what runs next. A window of one loss in one process: one read.
-        if window_end and self.alone and not self._losses and math.isfinite(loss.item()):
+        if window_end and self._alone and not self._losses and math.isfinite(loss.item()):
             return True
         self._losses.append(loss)
         return not window_end or self.window_is_finite(step, batch_idx)

@@ -70,12 +70,12 @@ class PreemptionWatch:
         #: Waits for the flag reduction started at the previous step and returns it.
         self._pending: Callable[[], torch.Tensor] | None = None
         #: Whether a stop may be asked from outside the process (decided by `install`, once per fit).
-        self.external = True
+        self._external = True
 
     def install(self) -> None:
         """Start watching (only the main thread can receive Python signal handlers)."""
         # Workers are watched before their stage starts: a plain script's steps skip the outside check.
-        self.external = worker_guard.watched()
+        self._external = worker_guard.watched()
         if threading.current_thread() is not threading.main_thread():
             return
         self.received = 0
@@ -104,7 +104,7 @@ class PreemptionWatch:
         started at the previous call, so the round trip hides behind a step's compute and every rank
         stops after the same step, one step after the signal.
         """
-        if not self.received and self.external:
+        if not self.received and self._external:
             # The launching process was signalled, or the agent that started this worker is gone.
             self.received = worker_guard.external_stop_request()
         if not strategy.multi_process or strategy.world_size == 1:  # one process: no flag to agree on

@@ -167,20 +167,20 @@ class ResultCollection:
         self.pending_epoch_logs: dict[str, Tensor] = {}
         #: Source of the batch size for epoch means: set per batch by the loop, read only when needed.
         self.current_batch: Any = None
-        #: Its batch size once inferred (None until an epoch mean needs it); reset with `current_batch`.
-        self.current_batch_size: int | None = None
+        self._batch_size: int | None = None
         #: Running aggregates read from a checkpoint, attached when their names are logged again.
         self._restored_aggregates: dict[str, dict[str, Any]] = {}
 
     def new_batch(self, batch: Any) -> None:
         """Point batch-size inference at the batch now being processed."""
         self.current_batch = batch
-        self.current_batch_size = None
+        self._batch_size = None
 
     def log(
         self,
         name: str,
         value: Tensor | float | int | Metric,
+        *,
         on_step: bool | None,
         on_epoch: bool | None,
         prog_bar: bool,
@@ -190,7 +190,7 @@ class ResultCollection:
         batch_size: int | None,
         add_dataloader_idx: bool = True,
     ) -> None:
-        """Record `value` under `name`; see `Task.log` for the options (passed by position: it runs every step)."""
+        """Record `value` under `name`; see `Task.log` for the options."""
         if self.dataloader_idx is not None and add_dataloader_idx:
             name = f"{name}/dataloader_idx_{self.dataloader_idx}"
         entry = self.entries.get(name)
@@ -202,28 +202,21 @@ class ResultCollection:
                     f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; log scalars only "
                     "(reduce it first, e.g. `.mean()`), or log a torchmetrics Metric."
                 )
-            value = step_value = value.detach()
         elif is_metric(value):
             entry.pending = entry.on_epoch
-            # Its step value is that of the batch it was last called on, as Lightning logs it; its epoch value
-            # is its `compute()` at the epoch's end, not an aggregate of the steps.
-            step_value, value = value._forward_cache, None
+            if entry.on_step:
+                # The value of the batch the metric was last called on, as Lightning logs it.
+                step_value = value._forward_cache
+                if step_value is not None:
+                    self._record_step(entry, step_value)
+            return
         else:
-            value = step_value = torch.tensor(float(value))
-        if entry.on_step and step_value is not None:
-            if entry.sync_dist and value is not None:
-                step_value = self._sync(value, entry)
-            key = entry.step_key
-            if self.training:
-                # As in Lightning, evaluation step values reach the loggers and the bar, not callback_metrics.
-                self.callback_metrics[key] = step_value
-                if entry.on_epoch:
-                    self.callback_metrics[entry.name] = step_value
-            if entry.prog_bar:
-                self.progress_bar_metrics[key] = step_value
-            if entry.logger:
-                self.pending_step_logs[key] = step_value
-        if entry.on_epoch and value is not None:
+            value = torch.tensor(float(value))
+        value = value.detach()
+        if entry.on_step:
+            step_value = self._sync(value, entry) if entry.sync_dist else value
+            self._record_step(entry, step_value)
+        if entry.on_epoch:
             self._accumulate(entry, value, batch_size)
 
     def _new_entry(
@@ -276,13 +269,25 @@ class ResultCollection:
             )
         return on_step, on_epoch
 
+    def _record_step(self, entry: _Entry, value: Tensor) -> None:
+        key = entry.step_key
+        if self.training:
+            # As in Lightning, evaluation step values reach the loggers and the bar, not callback_metrics.
+            self.callback_metrics[key] = value
+            if entry.on_epoch:
+                self.callback_metrics[entry.name] = value
+        if entry.prog_bar:
+            self.progress_bar_metrics[key] = value
+        if entry.logger:
+            self.pending_step_logs[key] = value
+
     def _accumulate(self, entry: _Entry, value: Tensor, batch_size: int | None) -> None:
         entry.pending = True
         if entry.reduce_fx == "mean":
             if batch_size is None:
-                if self.current_batch_size is None:
-                    self.current_batch_size = infer_batch_size(self.current_batch)
-                batch_size = self.current_batch_size
+                if self._batch_size is None:
+                    self._batch_size = infer_batch_size(self.current_batch)
+                batch_size = self._batch_size
             weighted = value.double() * batch_size
             entry.total = weighted if entry.total is None else entry.total + weighted
             entry.weight += batch_size

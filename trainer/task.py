@@ -354,9 +354,17 @@ class Task(DataHooks, ModelHooks, HyperparametersMixin, nn.Module):
         if not isinstance(value, Tensor) and not isinstance(value, numbers.Number) and not is_metric(value):
             kind = "nested dictionaries" if isinstance(value, dict) else f"`{type(value).__name__}` values"
             raise ValueError(f"`self.log({name}, {value})` was called, but {kind} cannot be logged")
-        # By position: keyword matching would cost every step.
         self._trainer.results.log(
-            name, value, on_step, on_epoch, prog_bar, logger, sync_dist, reduce_fx, batch_size, add_dataloader_idx
+            name,
+            value,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            prog_bar=prog_bar,
+            logger=logger,
+            sync_dist=sync_dist,
+            reduce_fx=reduce_fx,
+            batch_size=batch_size,
+            add_dataloader_idx=add_dataloader_idx,
         )
 
     def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
