@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from syncline.lab.cluster import (
     step_report,
     with_run_dir,
 )
+from syncline.trainer.launcher import LAUNCH_DIR_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,11 +163,6 @@ def test_a_two_node_trainer_job_runs_through_shaped_links_and_leaves_nothing(tmp
 def test_ending_the_nodes_removes_the_launch_folders_their_killed_launchers_left(tmp_path):
     """A node's launcher SIGKILLed after the grace cannot remove its /tmp/syncline-launch-<pid>-... folder; ending the
     nodes removes every launch folder whose launcher is gone, and keeps those of launchers still running."""
-    import os
-    import tempfile
-
-    from syncline.trainer.launcher import LAUNCH_DIR_PREFIX
-
     gone = subprocess.Popen(["true"])
     gone.wait()
     tmp = Path(tempfile.gettempdir())
